@@ -1,0 +1,26 @@
+# The two commands of the README: `make train` and `make test`. Both create or reuse .venv.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION := 2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: train test install clean
+
+install: $(STAMP)
+
+# Reuse a torch that is already importable (system site-packages); otherwise install the tested pin.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install -e ".[test]"
+	touch $(STAMP)
+
+train: $(STAMP)
+	PYTHON=$(PY) ./train_mmdit_stable.sh $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

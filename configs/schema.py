@@ -1,0 +1,156 @@
+"""The typed config schema. YAML files and `key=value` overrides are merged over these dataclasses, so an
+unknown key or a value of the wrong type fails with the key's name before any compute."""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Literal, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+DEFAULT_CONFIG = Path(__file__).parent / "shapes.yaml"
+
+
+@dataclass
+class ModelConfig:
+    patch_size: int = 2  # smaller patches see finer detail but cost ~4x tokens per halving
+    num_layers: int = 6  # depth: capacity against time per step
+    num_attention_heads: int = 4  # hidden size = heads * head_dim
+    attention_head_dim: int = 32  # wider heads: more capacity, more FLOPs per token
+    sample_size: int = 32  # nominal input size; sets the scale of the sin-cos position table
+    pos_embed_max_size: int = 16  # largest patch grid side the position table covers
+    qk_norm: Optional[Literal["rms_norm"]] = None  # per-head RMSNorm on q,k (SD3.5): stabler at high lr, a bit slower
+    dual_attention_layers: List[int] = field(default_factory=list)  # SD3.5 image-only attn2 in these blocks
+
+
+@dataclass
+class TextEncoderConfig:
+    dim: int = 128  # width of the jointly trained text encoder (joint and pooled dims of the MMDiT)
+    num_layers: int = 1  # transformer layers over the caption; 0 is a bag of embeddings
+    num_heads: int = 4
+
+
+@dataclass
+class DataConfig:
+    name: Literal["shapes"] = "shapes"  # the built-in captioned-shapes dataset
+    num_items: int = 100_000  # distinct procedural items before the order repeats
+    caption_dropout: float = 0.1  # share of samples trained unconditionally: enables CFG, costs conditional fit
+    num_workers: int = 0  # loader processes; the shapes dataset is cheap, so 0 avoids stealing CPU cores
+
+
+@dataclass
+class FlowConfig:
+    sigma_sampling: Literal["logit_normal", "uniform"] = "logit_normal"  # logit-normal focuses on mid noise
+    logit_mean: float = 0.0  # centre of the logit-normal; > 0 trains more at high noise
+    logit_std: float = 1.0  # spread of the logit-normal; larger covers the ends better
+    shift: float = 1.0  # SD3 timestep shift of training sigmas; > 1 moves training to higher noise
+
+
+@dataclass
+class SamplingConfig:
+    steps: int = 30  # Euler steps: quality against sampling time
+    cfg_scale: float = 3.0  # classifier-free guidance weight; 1 disables guidance (half the cost)
+    shift: float = 1.0  # timestep shift of the sampling schedule
+    every: int = 500  # sample a grid every N steps (and at the end); 0 only at the end
+    grid_size: int = 16  # images in the periodic sample grid
+
+
+@dataclass
+class TrainingConfig:
+    train_batch_size: int = 64  # micro-batch per device per micro-step; memory against throughput
+    gradient_accumulation_steps: int = 1  # micro-steps per optimizer step; global batch = batch * accum * world
+    max_steps: int = 2000  # optimizer steps in the run
+    seed: int = 0  # data order, noise, sigmas and init all derive from it
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # autocast precision: speed and memory against accuracy
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
+    compile_model: bool = False  # torch.compile: faster steps after a slow first one
+    enable_profiling: bool = False  # scheduled torch.profiler traces: insight against a slower run
+    profile_steps: int = 5  # active steps the profiler records
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-3  # peak learning rate after warmup
+    beta1: float = 0.9
+    beta2: float = 0.99  # lower adapts faster to changing gradient scale, noisier
+    eps: float = 1e-8
+    weight_decay: float = 0.0  # on matmul/conv weights only; regularises, slows fitting
+    grad_clip_norm: float = 1.0  # global gradient norm cap; 0 disables; guards against spikes
+    warmup_steps: int = 100  # linear warmup: stability early against slower start
+    min_lr_ratio: float = 0.1  # cosine decays to lr * this at max_steps
+    ema_decay: float = 0.999  # EMA of weights for sampling; higher is smoother but lags longer
+
+
+@dataclass
+class LossConfig:
+    loss_scale: float = 1.0  # constant multiplier on the loss before backward; with Adam it matters only via eps
+
+
+@dataclass
+class LoggingConfig:
+    output_dir: str = "runs/shapes"  # the run directory: config, metrics, samples, checkpoints; resumed if present
+    save_freq: int = 500  # checkpoint every N steps (and at the end); 0 only at the end
+    log_every: int = 10  # metrics line every N steps
+    keep_last: int = 2  # checkpoints kept; older ones are deleted after a newer one is complete
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    text_encoder: TextEncoderConfig = field(default_factory=TextEncoderConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    flow: FlowConfig = field(default_factory=FlowConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def load_config(path: str | Path = DEFAULT_CONFIG, overrides: list[str] = ()) -> DictConfig:
+    """Schema <- YAML file <- `key=value` overrides, then range checks. Errors name the key."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"overrides must be key=value, got {bad}")
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides)))
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        raise ConfigError(f"invalid config key {key!r}: {e.msg if hasattr(e, 'msg') else e}".split("\n")[0]) from None
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: DictConfig) -> None:
+    positive = ["model.patch_size", "model.num_layers", "model.num_attention_heads", "model.attention_head_dim",
+                "model.pos_embed_max_size", "model.sample_size", "text_encoder.dim", "text_encoder.num_heads",
+                "data.num_items", "sampling.steps", "training.train_batch_size",
+                "training.gradient_accumulation_steps", "training.max_steps", "training.profile_steps",
+                "optimizer.lr", "optimizer.eps", "logging.log_every", "logging.keep_last", "loss.loss_scale"]
+    for key in positive:
+        if not OmegaConf.select(cfg, key) > 0:
+            raise ConfigError(f"{key} must be > 0, got {OmegaConf.select(cfg, key)}")
+    non_negative = ["text_encoder.num_layers", "data.num_workers", "sampling.every", "optimizer.weight_decay",
+                    "optimizer.grad_clip_norm", "optimizer.warmup_steps", "logging.save_freq", "training.seed"]
+    for key in non_negative:
+        if OmegaConf.select(cfg, key) < 0:
+            raise ConfigError(f"{key} must be >= 0, got {OmegaConf.select(cfg, key)}")
+    for key in ["data.caption_dropout", "optimizer.beta1", "optimizer.beta2", "optimizer.ema_decay",
+                "optimizer.min_lr_ratio"]:
+        if not 0 <= OmegaConf.select(cfg, key) < 1 + (key == "optimizer.min_lr_ratio"):
+            raise ConfigError(f"{key} must be in [0, 1), got {OmegaConf.select(cfg, key)}")
+    if cfg.flow.shift <= 0 or cfg.sampling.shift <= 0:
+        raise ConfigError("flow.shift and sampling.shift must be > 0")
+    if cfg.text_encoder.dim % cfg.text_encoder.num_heads:
+        raise ConfigError(f"text_encoder.dim={cfg.text_encoder.dim} must be divisible by "
+                          f"text_encoder.num_heads={cfg.text_encoder.num_heads}")
+    bad_layers = [i for i in cfg.model.dual_attention_layers if not 0 <= i < cfg.model.num_layers]
+    if bad_layers:
+        raise ConfigError(f"model.dual_attention_layers {bad_layers} outside 0..{cfg.model.num_layers - 1}")

@@ -1,0 +1,310 @@
+"""MMDiT: the multimodal diffusion transformer of Stable Diffusion 3 / 3.5, in one file.
+
+Submodule and parameter names follow diffusers' `SD3Transformer2DModel`, so a released state dict maps onto
+this module key for key (see ../shared/reference/sd3-mmdit-facts.md). Image tokens come first in the joint
+sequence, text tokens second, as in the reference attention processor.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models.attention import attention
+
+
+@dataclass
+class MMDiTConfig:
+    sample_size: int = 128  # nominal latent size; only sets the scale of the sin-cos position table
+    patch_size: int = 2
+    in_channels: int = 16
+    out_channels: int = 16
+    num_layers: int = 18
+    attention_head_dim: int = 64
+    num_attention_heads: int = 18
+    joint_attention_dim: int = 4096
+    caption_projection_dim: int = 1152  # must equal heads * head_dim
+    pooled_projection_dim: int = 2048
+    pos_embed_max_size: int = 96
+    dual_attention_layers: list = field(default_factory=list)
+    qk_norm: str | None = None  # None or "rms_norm"
+
+    @property
+    def hidden_size(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+
+# ----------------------------------------------------------------------------------------------- embeddings
+
+
+def sincos_1d(dim: int, positions: torch.Tensor) -> torch.Tensor:
+    omega = 1.0 / 10000 ** (torch.arange(dim // 2, dtype=torch.float64) / (dim / 2))
+    angles = positions.reshape(-1, 1).double() * omega
+    return torch.cat([angles.sin(), angles.cos()], dim=1)
+
+
+def sincos_2d_table(dim: int, max_size: int, base_size: int) -> torch.Tensor:
+    """[max_size^2, dim] table; first half encodes the column, second half the row (diffusers' layout)."""
+    coords = torch.arange(max_size, dtype=torch.float64) * base_size / max_size
+    rows, cols = torch.meshgrid(coords, coords, indexing="ij")
+    return torch.cat([sincos_1d(dim // 2, cols), sincos_1d(dim // 2, rows)], dim=1).float()
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, cfg: MMDiTConfig):
+        super().__init__()
+        self.patch_size = cfg.patch_size
+        self.max_size = cfg.pos_embed_max_size
+        self.proj = nn.Conv2d(cfg.in_channels, cfg.hidden_size, cfg.patch_size, stride=cfg.patch_size)
+        table = sincos_2d_table(cfg.hidden_size, cfg.pos_embed_max_size, cfg.sample_size // cfg.patch_size)
+        self.register_buffer("pos_embed", table[None], persistent=True)
+
+    def cropped_pos_embed(self, h: int, w: int) -> torch.Tensor:
+        if h > self.max_size or w > self.max_size:
+            raise ValueError(f"patch grid {h}x{w} exceeds pos_embed_max_size={self.max_size}")
+        top, left = (self.max_size - h) // 2, (self.max_size - w) // 2
+        table = self.pos_embed.reshape(1, self.max_size, self.max_size, -1)
+        return table[:, top : top + h, left : left + w].reshape(1, h * w, -1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, w = x.shape[-2] // self.patch_size, x.shape[-1] // self.patch_size
+        x = self.proj(x).flatten(2).transpose(1, 2)
+        return x + self.cropped_pos_embed(h, w).to(x.dtype)
+
+
+def timestep_features(t: torch.Tensor, dim: int = 256) -> torch.Tensor:
+    """Sinusoidal features with flip_sin_to_cos=True and shift 0: [cos, sin]."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    angles = t.float()[:, None] * freqs[None]
+    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+class MLPEmbedder(nn.Module):
+    """linear_1 -> SiLU -> linear_2, the shape of both diffusers timestep and pooled-text embedders."""
+
+    def __init__(self, in_dim: int, dim: int):
+        super().__init__()
+        self.linear_1 = nn.Linear(in_dim, dim)
+        self.linear_2 = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(F.silu(self.linear_1(x)))
+
+
+class TimeTextEmbed(nn.Module):
+    def __init__(self, dim: int, pooled_dim: int):
+        super().__init__()
+        self.timestep_embedder = MLPEmbedder(256, dim)
+        self.text_embedder = MLPEmbedder(pooled_dim, dim)
+
+    def forward(self, timestep: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        t_emb = self.timestep_embedder(timestep_features(timestep).to(pooled.dtype))
+        return t_emb + self.text_embedder(pooled)
+
+
+# ----------------------------------------------------------------------------------------------- modulation
+
+
+def layer_norm(x: torch.Tensor) -> torch.Tensor:
+    return F.layer_norm(x, x.shape[-1:], eps=1e-6)
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x * (1 + scale[:, None]) + shift[:, None]
+
+
+class AdaLNZero(nn.Module):
+    """SiLU -> Linear(D, n*D) on the conditioning vector; n=6 (SD3) or 9 (SD3.5 dual attention)."""
+
+    def __init__(self, dim: int, chunks: int):
+        super().__init__()
+        self.chunks = chunks
+        self.linear = nn.Linear(dim, chunks * dim)
+
+    def forward(self, c: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.linear(F.silu(c)).chunk(self.chunks, dim=-1)
+
+
+class AdaLNContinuous(nn.Module):
+    """Final-style norm: chunk order (scale, shift), as in diffusers' AdaLayerNormContinuous."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.linear = nn.Linear(dim, 2 * dim)
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        scale, shift = self.linear(F.silu(c)).chunk(2, dim=-1)
+        return modulate(layer_norm(x), shift, scale)
+
+
+# ----------------------------------------------------------------------------------------------- attention
+
+
+def split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    return x.unflatten(-1, (heads, -1)).transpose(1, 2)  # [B, L, H*Dh] -> [B, H, L, Dh]
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(1, 2).flatten(2)
+
+
+class SelfAttention(nn.Module):
+    """Image-only attention (SD3.5 `attn2`)."""
+
+    def __init__(self, dim: int, heads: int, qk_norm: bool):
+        super().__init__()
+        self.heads = heads
+        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, dim) for _ in range(3))
+        self.to_out = nn.ModuleList([nn.Linear(dim, dim)])
+        head_dim = dim // heads
+        self.norm_q = nn.RMSNorm(head_dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.norm_k = nn.RMSNorm(head_dim, eps=1e-6) if qk_norm else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.norm_q(split_heads(self.to_q(x), self.heads))
+        k = self.norm_k(split_heads(self.to_k(x), self.heads))
+        v = split_heads(self.to_v(x), self.heads)
+        return self.to_out[0](merge_heads(attention(q, k, v)))
+
+
+class JointAttention(SelfAttention):
+    """One attention over [image tokens, text tokens]; each stream has its own projections."""
+
+    def __init__(self, dim: int, heads: int, qk_norm: bool, context_pre_only: bool):
+        super().__init__(dim, heads, qk_norm)
+        self.add_q_proj, self.add_k_proj, self.add_v_proj = (nn.Linear(dim, dim) for _ in range(3))
+        head_dim = dim // heads
+        self.norm_added_q = nn.RMSNorm(head_dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.norm_added_k = nn.RMSNorm(head_dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.to_add_out = None if context_pre_only else nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        q = torch.cat([self.norm_q(split_heads(self.to_q(x), self.heads)),
+                       self.norm_added_q(split_heads(self.add_q_proj(c), self.heads))], dim=2)
+        k = torch.cat([self.norm_k(split_heads(self.to_k(x), self.heads)),
+                       self.norm_added_k(split_heads(self.add_k_proj(c), self.heads))], dim=2)
+        v = torch.cat([split_heads(self.to_v(x), self.heads), split_heads(self.add_v_proj(c), self.heads)], dim=2)
+        out = merge_heads(attention(q, k, v))
+        x_out, c_out = out[:, : x.shape[1]], out[:, x.shape[1] :]
+        return self.to_out[0](x_out), (self.to_add_out(c_out) if self.to_add_out is not None else None)
+
+
+class GELUProj(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.proj = nn.Linear(dim, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.proj(x), approximate="tanh")
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.net = nn.ModuleList([GELUProj(dim, 4 * dim), nn.Identity(), nn.Linear(4 * dim, dim)])  # net.1: dropout slot
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.net:
+            x = layer(x)
+        return x
+
+
+# ----------------------------------------------------------------------------------------------- blocks
+
+
+class JointTransformerBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, qk_norm: bool, context_pre_only: bool, dual_attention: bool):
+        super().__init__()
+        self.context_pre_only = context_pre_only
+        self.dual_attention = dual_attention
+        self.norm1 = AdaLNZero(dim, 9 if dual_attention else 6)
+        self.norm1_context = AdaLNContinuous(dim) if context_pre_only else AdaLNZero(dim, 6)
+        self.attn = JointAttention(dim, heads, qk_norm, context_pre_only)
+        self.attn2 = SelfAttention(dim, heads, qk_norm) if dual_attention else None
+        self.ff = FeedForward(dim)
+        self.ff_context = None if context_pre_only else FeedForward(dim)
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor, temb: torch.Tensor):
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp, *dual = self.norm1(temb)
+        x_normed = layer_norm(x)
+        if self.context_pre_only:
+            c_in = self.norm1_context(c, temb)
+        else:
+            c_shift_msa, c_scale_msa, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(temb)
+            c_in = modulate(layer_norm(c), c_shift_msa, c_scale_msa)
+
+        attn_x, attn_c = self.attn(modulate(x_normed, shift_msa, scale_msa), c_in)
+        x = x + gate_msa[:, None] * attn_x
+        if self.dual_attention:
+            shift_msa2, scale_msa2, gate_msa2 = dual
+            x = x + gate_msa2[:, None] * self.attn2(modulate(x_normed, shift_msa2, scale_msa2))
+        x = x + gate_mlp[:, None] * self.ff(modulate(layer_norm(x), shift_mlp, scale_mlp))
+
+        if self.context_pre_only:
+            return x, None
+        c = c + c_gate_msa[:, None] * attn_c
+        c = c + c_gate_mlp[:, None] * self.ff_context(modulate(layer_norm(c), c_shift_mlp, c_scale_mlp))
+        return x, c
+
+
+class MMDiT(nn.Module):
+    def __init__(self, cfg: MMDiTConfig):
+        super().__init__()
+        if cfg.caption_projection_dim != cfg.hidden_size:
+            raise ValueError(f"caption_projection_dim={cfg.caption_projection_dim} must equal "
+                             f"num_attention_heads*attention_head_dim={cfg.hidden_size}")
+        if cfg.qk_norm not in (None, "rms_norm"):
+            raise ValueError(f"qk_norm must be None or 'rms_norm', got {cfg.qk_norm!r}")
+        self.cfg = cfg
+        dim = cfg.hidden_size
+        self.pos_embed = PatchEmbed(cfg)
+        self.time_text_embed = TimeTextEmbed(dim, cfg.pooled_projection_dim)
+        self.context_embedder = nn.Linear(cfg.joint_attention_dim, dim)
+        self.transformer_blocks = nn.ModuleList(
+            JointTransformerBlock(dim, cfg.num_attention_heads, qk_norm=cfg.qk_norm == "rms_norm",
+                                  context_pre_only=i == cfg.num_layers - 1,
+                                  dual_attention=i in cfg.dual_attention_layers)
+            for i in range(cfg.num_layers))
+        self.norm_out = AdaLNContinuous(dim)
+        self.proj_out = nn.Linear(dim, cfg.patch_size**2 * cfg.out_channels)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Xavier linears, then adaLN-Zero: every modulation and the output projection start at zero,
+        so each block is an identity map and the fresh model predicts zero velocity."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_uniform_(m.weight)
+                nn.init.zeros_(m.bias)
+        nn.init.xavier_uniform_(self.pos_embed.proj.weight.flatten(1))
+        nn.init.normal_(self.time_text_embed.timestep_embedder.linear_1.weight, std=0.02)
+        nn.init.normal_(self.time_text_embed.timestep_embedder.linear_2.weight, std=0.02)
+        for block in self.transformer_blocks:
+            for norm in (block.norm1, block.norm1_context):
+                nn.init.zeros_(norm.linear.weight)
+                nn.init.zeros_(norm.linear.bias)
+        for layer in (self.norm_out.linear, self.proj_out):
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
+
+    def unpatchify(self, x: torch.Tensor, h: int, w: int) -> torch.Tensor:
+        p, c = self.cfg.patch_size, self.cfg.out_channels
+        x = x.reshape(x.shape[0], h, w, p, p, c)
+        return torch.einsum("nhwpqc->nchpwq", x).reshape(x.shape[0], c, h * p, w * p)
+
+    def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                pooled_projections: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+        """[B,C,H,W] latents, [B,L,joint_dim] text tokens, [B,pooled_dim] pooled text, timestep = sigma*1000."""
+        p = self.cfg.patch_size
+        if hidden_states.shape[-2] % p or hidden_states.shape[-1] % p:
+            raise ValueError(f"input {tuple(hidden_states.shape[-2:])} is not divisible by patch_size={p}")
+        h, w = hidden_states.shape[-2] // p, hidden_states.shape[-1] // p
+        x = self.pos_embed(hidden_states)
+        temb = self.time_text_embed(timestep, pooled_projections)
+        c = self.context_embedder(encoder_hidden_states)
+        for block in self.transformer_blocks:
+            x, c = block(x, c, temb)
+        return self.unpatchify(self.proj_out(self.norm_out(x, temb)), h, w)

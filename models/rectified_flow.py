@@ -1,0 +1,90 @@
+"""Rectified flow as in SD3: x_t = (1 - sigma) x0 + sigma * noise, the model predicts v = noise - x0.
+
+All training randomness of a sample (noise, sigma, caption dropout) comes from a generator keyed by
+(seed, step, position of the sample in the global batch), never from a process-wide RNG stream: the math of
+step s is then a function of (seed, s, global batch) alone, whatever the world size, accumulation or
+micro-batch split.
+"""
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class SampleNoise:
+    noise: torch.Tensor  # [B, C, H, W]
+    sigma_normal: torch.Tensor  # [B] standard normal draws, mapped to sigma by `training_sigmas`
+    sigma_uniform: torch.Tensor  # [B] U(0,1) draws for uniform sigma sampling
+    dropout_uniform: torch.Tensor  # [B] U(0,1) draws for caption dropout
+
+    def to(self, device: torch.device) -> "SampleNoise":
+        return SampleNoise(*(t.to(device, non_blocking=True) for t in vars(self).values()))
+
+
+# Streams other than training steps use negative "step" keys, so no two uses share a generator.
+DATA_STREAM, ORDER_STREAM, SAMPLING_STREAM = -1, -2, -3
+
+
+def sample_key(seed: int, step: int, position: int) -> int:
+    digest = hashlib.blake2b(f"{seed}/{step}/{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def draw_sample_noise(seed: int, step: int, positions: torch.Tensor, sample_shape: tuple) -> SampleNoise:
+    """Per-sample randomness for training step `step`; `positions` index the samples in the global batch."""
+    draws = {"noise": [], "sigma_normal": [], "sigma_uniform": [], "dropout_uniform": []}
+    for position in positions.tolist():
+        gen = torch.Generator().manual_seed(sample_key(seed, step, position))
+        draws["noise"].append(torch.randn(sample_shape, generator=gen))
+        draws["sigma_normal"].append(torch.randn((), generator=gen))
+        draws["sigma_uniform"].append(torch.rand((), generator=gen))
+        draws["dropout_uniform"].append(torch.rand((), generator=gen))
+    return SampleNoise(**{k: torch.stack(v) for k, v in draws.items()})
+
+
+def shift_sigmas(sigma: torch.Tensor, shift: float) -> torch.Tensor:
+    """SD3 timestep shift: sigma' = s*sigma / (1 + (s-1)*sigma); s > 1 spends more time at high noise."""
+    return shift * sigma / (1 + (shift - 1) * sigma)
+
+
+def training_sigmas(draw: SampleNoise, sampling: str, logit_mean: float, logit_std: float,
+                    shift: float) -> torch.Tensor:
+    if sampling == "logit_normal":
+        sigma = torch.sigmoid(logit_mean + logit_std * draw.sigma_normal)
+    elif sampling == "uniform":
+        sigma = draw.sigma_uniform
+    else:
+        raise ValueError(f"unknown sigma sampling {sampling!r}; expected 'logit_normal' or 'uniform'")
+    return shift_sigmas(sigma, shift)
+
+
+def interpolate(x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    s = sigma.view(-1, *([1] * (x0.dim() - 1))).to(x0.dtype)
+    return (1 - s) * x0 + s * noise
+
+
+def per_sample_loss(v_pred: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Mean squared error to the velocity target, one value per sample, in fp32."""
+    return F.mse_loss(v_pred.float(), (noise - x0).float(), reduction="none").flatten(1).mean(1)
+
+
+@torch.no_grad()
+def euler_sample(velocity, noise: torch.Tensor, cond: tuple, uncond: tuple, steps: int, cfg_scale: float,
+                 shift: float) -> torch.Tensor:
+    """Integrate dx/dsigma = v from sigma=1 to 0; `velocity(x, sigma, context, pooled)`; cond/uncond are
+    (context, pooled) pairs. With cfg_scale == 1 the unconditional branch is skipped."""
+    sigmas = shift_sigmas(torch.linspace(1.0, 0.0, steps + 1, device=noise.device), shift)
+    use_cfg = cfg_scale != 1.0
+    context, pooled = (torch.cat([c, u]) for c, u in zip(cond, uncond)) if use_cfg else cond
+    x = noise
+    for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:]):
+        x_in = torch.cat([x, x]) if use_cfg else x
+        v = velocity(x_in, sigma.expand(x_in.shape[0]), context, pooled).float()
+        if use_cfg:
+            v_cond, v_uncond = v.chunk(2)
+            v = v_uncond + cfg_scale * (v_cond - v_uncond)
+        x = x + (sigma_next - sigma) * v
+    return x

@@ -1,0 +1,76 @@
+"""A small text encoder trained jointly with the MMDiT, for caption datasets with a closed vocabulary.
+
+It stands in for SD3's CLIP/T5 stack: it yields a token sequence [B, L, dim] and a pooled vector [B, dim].
+Datasets of precomputed embeddings bypass it (see `TextToImage.encode`).
+"""
+
+import torch
+import torch.nn as nn
+
+PAD = "<pad>"
+
+
+class WordTokenizer:
+    """Whitespace word tokenizer over a fixed vocabulary; the empty caption is all padding."""
+
+    def __init__(self, words: list[str], max_length: int):
+        self.vocab = [PAD] + sorted(set(words))
+        self.ids = {w: i for i, w in enumerate(self.vocab)}
+        self.max_length = max_length
+
+    def __call__(self, captions: list[str]) -> torch.Tensor:
+        out = torch.zeros(len(captions), self.max_length, dtype=torch.long)
+        for row, caption in enumerate(captions):
+            words = caption.lower().split()
+            if len(words) > self.max_length:
+                raise ValueError(f"caption {caption!r} has {len(words)} words; the encoder takes {self.max_length}")
+            unknown = [w for w in words if w not in self.ids]
+            if unknown:
+                raise ValueError(f"caption {caption!r} has words outside the vocabulary: {unknown}; "
+                                 f"known words: {self.vocab[1:]}")
+            out[row, : len(words)] = torch.tensor([self.ids[w] for w in words], dtype=torch.long)
+        return out
+
+
+class TinyTextEncoder(nn.Module):
+    def __init__(self, vocab_size: int, max_length: int, dim: int, num_layers: int, num_heads: int):
+        super().__init__()
+        self.token_embedding = nn.Embedding(vocab_size, dim)
+        self.position_embedding = nn.Parameter(torch.randn(1, max_length, dim) * 0.02)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(dim, num_heads, 4 * dim, dropout=0.0, activation="gelu",
+                                       batch_first=True, norm_first=True)
+            for _ in range(num_layers))
+        self.final_norm = nn.LayerNorm(dim)
+        nn.init.normal_(self.token_embedding.weight, std=0.02)
+
+    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.token_embedding(input_ids) + self.position_embedding
+        for layer in self.layers:
+            x = layer(x)
+        x = self.final_norm(x)
+        return x, x.mean(dim=1)
+
+
+class TextToImage(nn.Module):
+    """The trained unit: the MMDiT (`transformer`) and, for caption datasets, its text encoder.
+
+    `forward` encodes the text itself, so a DDP wrapper around this module sees every trained parameter.
+    """
+
+    def __init__(self, transformer: nn.Module, text_encoder: nn.Module | None = None):
+        super().__init__()
+        self.transformer = transformer
+        self.text_encoder = text_encoder
+
+    def encode(self, text: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        if "input_ids" in text:
+            return self.text_encoder(text["input_ids"])
+        return text["prompt_embeds"], text["pooled_prompt_embeds"]
+
+    def velocity(self, x_t: torch.Tensor, sigma: torch.Tensor, context: torch.Tensor,
+                 pooled: torch.Tensor) -> torch.Tensor:
+        return self.transformer(x_t, context, pooled, sigma * 1000)
+
+    def forward(self, x_t: torch.Tensor, sigma: torch.Tensor, text: dict) -> torch.Tensor:
+        return self.velocity(x_t, sigma, *self.encode(text))

@@ -1,0 +1,36 @@
+"""Exponential moving average of the trained weights, kept in fp32, used for sampling."""
+
+import torch
+import torch.nn as nn
+
+
+class EMA:
+    def __init__(self, model: nn.Module, decay: float):
+        self.decay = decay
+        self.shadow = {n: p.detach().float().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    def effective_decay(self, num_updates: int) -> float:
+        """Warm start: early on the average must not be dominated by the random init."""
+        return min(self.decay, (1 + num_updates) / (10 + num_updates))
+
+    @torch.no_grad()
+    def update(self, model: nn.Module, num_updates: int) -> None:
+        decay = self.effective_decay(num_updates)
+        params = [p for n, p in model.named_parameters() if n in self.shadow]
+        torch._foreach_lerp_(list(self.shadow.values()), [p.detach().float() for p in params], 1 - decay)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.shadow
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        missing = self.shadow.keys() - state.keys()
+        if missing:
+            raise KeyError(f"EMA state lacks {sorted(missing)[:5]}")
+        for name, tensor in state.items():
+            self.shadow[name].copy_(tensor)
+
+    @torch.no_grad()
+    def copy_to(self, model: nn.Module) -> None:
+        for name, param in model.named_parameters():
+            if name in self.shadow:
+                param.copy_(self.shadow[name])

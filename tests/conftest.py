@@ -1,0 +1,20 @@
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+torch.set_num_threads(2)
+
+TINY = ["model.patch_size=4", "model.num_layers=2", "model.num_attention_heads=2", "model.attention_head_dim=16",
+        "text_encoder.dim=32", "text_encoder.num_heads=2", "training.train_batch_size=8", "optimizer.warmup_steps=2",
+        "sampling.steps=2", "sampling.grid_size=4", "sampling.every=0", "logging.log_every=1", "logging.save_freq=0"]
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    """Overrides for a seconds-long run in a fresh run directory; extend with more key=value strings."""
+    def make(*extra: str, run: str = "run") -> list[str]:
+        return [*TINY, f"logging.output_dir={tmp_path / run}", *extra]
+    return make

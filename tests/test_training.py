@@ -1,0 +1,116 @@
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import sample_mmdit
+from configs.schema import load_config
+from data.shapes import ShapesDataset
+from models.pipeline import build_model, build_tokenizer
+from models.rectified_flow import draw_sample_noise, interpolate, per_sample_loss
+from perf.checkpoint import checkpoints
+from train_mmdit_stable import main
+
+
+def final_weights(run_dir):
+    return load_file(checkpoints(run_dir)[-1] / "model.safetensors")
+
+
+def losses(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+def test_loss_falls_when_overfitting_one_batch():
+    cfg = load_config(overrides=["model.patch_size=4", "model.num_layers=2", "model.num_attention_heads=2",
+                                 "model.attention_head_dim=16", "text_encoder.dim=32", "text_encoder.num_heads=2"])
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    model = build_model(cfg, 3, 32, len(tokenizer.vocab))
+    ds = ShapesDataset(100, seed=0)
+    items = [ds[i] for i in range(8)]
+    x0 = torch.stack([it["latents"] for it in items])
+    text = {"input_ids": tokenizer([it["caption"] for it in items])}
+    draws = draw_sample_noise(0, 0, torch.arange(8), (3, 32, 32))  # one fixed batch: same noise every step
+    sigma = torch.full((8,), 0.5)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    history = []
+    for _ in range(100):
+        loss = per_sample_loss(model(interpolate(x0, draws.noise, sigma), sigma, text), x0, draws.noise).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        history.append(loss.item())
+    assert history[-1] < 0.4 * history[0], history[::10]
+
+
+def test_same_seed_same_steps_bit_for_bit(tiny, tmp_path):
+    assert main(tiny("training.max_steps=3", run="a")) == 0
+    assert main(tiny("training.max_steps=3", run="b")) == 0
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
+    wa, wb = final_weights(tmp_path / "a"), final_weights(tmp_path / "b")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert main(tiny("training.max_steps=3", "training.seed=1", run="c")) == 0
+    assert losses(tmp_path / "c") != losses(tmp_path / "a")
+
+
+def test_micro_batch_split_does_not_change_the_math(tiny, tmp_path):
+    """Global batch 16 as 1x16, 2x8 and 4x4 micro-batches: per-sample noise is keyed by position in the
+    global batch, so only fp32 summation order differs."""
+    runs = {"1x16": ["training.train_batch_size=16"],
+            "2x8": ["training.train_batch_size=8", "training.gradient_accumulation_steps=2"],
+            "4x4": ["training.train_batch_size=4", "training.gradient_accumulation_steps=4"]}
+    for name, overrides in runs.items():
+        assert main(tiny("training.max_steps=3", *overrides, run=name)) == 0
+    ref = final_weights(tmp_path / "1x16")
+    for name in ("2x8", "4x4"):
+        other = final_weights(tmp_path / name)
+        for key in ref:
+            torch.testing.assert_close(other[key], ref[key], rtol=1e-4, atol=1e-5)
+        assert losses(tmp_path / name) == pytest.approx(losses(tmp_path / "1x16"), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_run_directory_resume_and_sampling(tiny, tmp_path):
+    run_dir = tmp_path / "run"
+    assert main(tiny("training.max_steps=4", "logging.save_freq=2", "sampling.every=2")) == 0
+    assert [p.name for p in checkpoints(run_dir)] == ["step_00000002", "step_00000004"]
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "fidelity.json").is_file()
+    assert (run_dir / "samples" / "step_00000002.png").is_file() and (run_dir / "samples" / "step_00000004.png").is_file()
+    assert set(json.loads((run_dir / "fidelity.json").read_text())) == {"color", "shape", "position"}
+
+    # Interrupted after step 4 of 6 and resumed: the same weights as the uninterrupted run, bit for bit.
+    assert main(tiny("training.max_steps=6", "logging.save_freq=2", run="straight")) == 0
+    straight = final_weights(tmp_path / "straight")
+    shutil.rmtree(checkpoints(tmp_path / "straight")[-1])
+    assert checkpoints(tmp_path / "straight")[-1].name == "step_00000004"
+    assert main(tiny("training.max_steps=6", "logging.save_freq=2", run="straight")) == 0
+    resumed = final_weights(tmp_path / "straight")
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle in the top left\na blue square in the center\n")
+    assert sample_mmdit.main(["--checkpoint", str(run_dir), "--prompts", str(prompts), "--out", str(tmp_path / "out"),
+                              "--steps", "2"]) == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["0000.png", "0001.png"]
+
+
+def test_run_directory_of_another_model_is_refused_untouched(tiny, tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    assert main(tiny("training.max_steps=1")) == 0
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()}
+    assert main(tiny("training.max_steps=1", "model.num_layers=3")) == 2
+    assert "model" in caplog.text and "output_dir" in caplog.text
+    assert before == {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()}
+
+
+def test_sampler_rejects_unknown_words_and_missing_checkpoints(tiny, tmp_path):
+    assert main(tiny("training.max_steps=1")) == 0
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a purple circle in the center\n")
+    with pytest.raises(SystemExit, match="purple"):
+        sample_mmdit.main(["--checkpoint", str(tmp_path / "run"), "--prompts", str(prompts), "--out", str(tmp_path / "o")])
+    with pytest.raises(SystemExit, match="complete checkpoint"):
+        sample_mmdit.main(["--checkpoint", str(tmp_path), "--prompts", str(prompts), "--out", str(tmp_path / "o")])

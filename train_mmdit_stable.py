@@ -1,0 +1,234 @@
+"""Train an MMDiT with rectified flow. The loop below is the recipe; performance plugins wrap it from `perf/`.
+
+    python train_mmdit_stable.py [--config FILE] [key=value ...]
+"""
+
+import argparse
+import copy
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from configs.schema import DEFAULT_CONFIG, ConfigError, load_config
+from data.images import save_grid
+from data.loader import step_batches
+from data.shapes import ShapesDataset, all_prompts, caption, prompt_fidelity
+from models.pipeline import build_model, build_tokenizer, generate
+from models.rectified_flow import (draw_sample_noise, interpolate, per_sample_loss, training_sigmas)
+from optim.adamw import build_adamw
+from optim.ema import EMA
+from optim.schedule import warmup_cosine
+from perf.checkpoint import (latest_valid_checkpoint, optimizer_from_tensors, optimizer_to_tensors,
+                             prune_checkpoints, read_checkpoint, write_checkpoint)
+from perf.compile import apply_compile
+from perf.precision import autocast, grad_scaler
+from perf.profiler import build_profiler
+
+log = logging.getLogger("mmdit")
+# Keys whose change makes an existing run directory's checkpoints meaningless.
+RUN_IDENTITY_KEYS = ("model", "text_encoder", "data", "training.seed")
+
+
+def setup_logging(rank: int) -> None:
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.ERROR,
+                        format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("training.device=cuda but no CUDA device is available")
+    return torch.device("cuda" if name == "auto" and torch.cuda.is_available() else
+                        "cpu" if name == "auto" else name)
+
+
+def prepare_run_dir(cfg: DictConfig) -> Path:
+    """Create the run directory, or check that an existing one belongs to this config before reusing it."""
+    run_dir = Path(cfg.logging.output_dir)
+    saved = run_dir / "config.yaml"
+    if saved.is_file():
+        old = OmegaConf.load(saved)
+        changed = [k for k in RUN_IDENTITY_KEYS if OmegaConf.select(old, k) != OmegaConf.select(cfg, k)]
+        if changed:
+            raise ConfigError(f"{run_dir} holds a run with different {changed}; choose another "
+                              f"logging.output_dir or restore those settings (nothing was changed on disk)")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    saved.write_text(OmegaConf.to_yaml(cfg))
+    return run_dir
+
+
+def lr_at(step: int, cfg: DictConfig) -> float:
+    o = cfg.optimizer
+    return warmup_cosine(step, o.lr, o.warmup_steps, cfg.training.max_steps, o.min_lr_ratio)
+
+
+def drop_captions(text: dict, drop: torch.Tensor) -> dict:
+    """Replace dropped samples' captions by the empty caption (all padding / zero embeddings)."""
+    if "input_ids" in text:
+        return {"input_ids": torch.where(drop[:, None], 0, text["input_ids"])}
+    keep = (~drop).to(text["prompt_embeds"].dtype)
+    return {"prompt_embeds": text["prompt_embeds"] * keep[:, None, None],
+            "pooled_prompt_embeds": text["pooled_prompt_embeds"] * keep[:, None]}
+
+
+def forward_backward(model, batch: dict, cfg: DictConfig, device: torch.device, scaler) -> torch.Tensor:
+    """Loss and gradients of this rank's share of one optimizer step, in micro-batches.
+
+    Each sample's loss is divided by the rank's sample count, so gradients are a plain mean over the
+    rank's samples whatever the micro-batch split."""
+    step, positions = int(batch["step"]), batch["position"]
+    x0_all = batch["latents"].to(device, non_blocking=True)
+    text_all = {k: batch[k].to(device) for k in ("input_ids", "prompt_embeds", "pooled_prompt_embeds") if k in batch}
+    draws = draw_sample_noise(cfg.training.seed, step, positions, tuple(x0_all.shape[1:])).to(device)
+    f = cfg.flow
+    sigma_all = training_sigmas(draws, f.sigma_sampling, f.logit_mean, f.logit_std, f.shift)
+    drop_all = draws.dropout_uniform < cfg.data.caption_dropout
+    total = torch.zeros((), device=device)
+    for start in range(0, len(positions), cfg.training.train_batch_size):
+        part = slice(start, start + cfg.training.train_batch_size)
+        x0, noise, sigma = x0_all[part], draws.noise[part], sigma_all[part]
+        text = drop_captions({k: v[part] for k, v in text_all.items()}, drop_all[part])
+        with autocast(device, cfg.training.dtype):
+            v_pred = model(interpolate(x0, noise, sigma), sigma, text)
+        loss = per_sample_loss(v_pred, x0, noise).sum() / len(positions)
+        scaler.scale(loss * cfg.loss.loss_scale).backward()
+        total += loss.detach()
+    return total
+
+
+def sample_and_score(model, ema: EMA, tokenizer, cfg: DictConfig, run_dir: Path, step: int,
+                     shape: tuple) -> dict[str, float]:
+    """EMA-weight samples for all 90 prompts: prompt fidelity, and a captioned grid PNG."""
+    sampler_model = copy.deepcopy(model).eval()
+    ema.copy_to(sampler_model)
+    prompts = all_prompts()
+    captions = [caption(*p) for p in prompts]
+    s = cfg.sampling
+    images = generate(sampler_model, tokenizer, captions, cfg.training.seed, s.steps, s.cfg_scale, s.shift, shape)
+    fidelity = prompt_fidelity(images, prompts)
+    shown = torch.linspace(0, len(prompts) - 1, s.grid_size).long().tolist()
+    save_grid(images[shown], [captions[i] for i in shown], run_dir / "samples" / f"step_{step:08d}.png")
+    return fidelity
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config over the typed schema")
+    parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. training.max_steps=50")
+    args = parser.parse_args(argv)
+    rank = 0
+    setup_logging(rank)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        device = resolve_device(cfg.training.device)
+        dataset = ShapesDataset(cfg.data.num_items, cfg.training.seed)
+        tokenizer = build_tokenizer()
+        torch.manual_seed(cfg.training.seed)
+        model = build_model(cfg, dataset.latent_channels, dataset.latent_size, len(tokenizer.vocab)).to(device)
+        run_dir = prepare_run_dir(cfg)
+    except ConfigError as e:
+        log.error("config error: %s", e)
+        return 2
+
+    t = cfg.training
+    world_size = 1
+    global_batch = t.train_batch_size * t.gradient_accumulation_steps * world_size
+    optimizer = build_adamw(model, cfg.optimizer.lr, (cfg.optimizer.beta1, cfg.optimizer.beta2),
+                            cfg.optimizer.eps, cfg.optimizer.weight_decay, device)
+    ema = EMA(model, cfg.optimizer.ema_decay)
+    scaler = grad_scaler(device, t.dtype)
+    start_step = resume(run_dir, model, ema, optimizer, scaler)
+    apply_compile(model, t.compile_model)
+    log.info("MMDiT %.2fM params, text encoder %.2fM; global batch %d; steps %d -> %d; run dir %s",
+             sum(p.numel() for p in model.transformer.parameters()) / 1e6,
+             sum(p.numel() for p in model.text_encoder.parameters()) / 1e6,
+             global_batch, start_step, t.max_steps, run_dir)
+
+    batches = step_batches(dataset, tokenizer, global_batch, t.seed, rank, world_size, start_step, t.max_steps,
+                           cfg.data.num_workers)
+    shape = (dataset.latent_channels, dataset.latent_size, dataset.latent_size)
+    metrics_file = open(run_dir / "metrics.jsonl", "a")
+    profiler = build_profiler(t.enable_profiling, t.profile_steps, run_dir / "tensorboard", rank)
+    step, window_start, window_samples = start_step, time.perf_counter(), 0
+    with profiler:
+        for batch in batches:
+            step = int(batch["step"])
+            lr = lr_at(step, cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            model.train()
+            loss = forward_backward(model, batch, cfg, device, scaler)
+            scaler.unscale_(optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.grad_clip_norm or float("inf"))
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            ema.update(model, step)
+            profiler.step()
+            done = step + 1
+            window_samples += global_batch
+
+            if done % cfg.logging.log_every == 0 or done == t.max_steps:
+                elapsed = time.perf_counter() - window_start
+                record = {"step": done, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(),
+                          "samples_per_s": window_samples / elapsed, "time": time.time()}
+                metrics_file.write(json.dumps(record) + "\n")
+                metrics_file.flush()
+                log.info("%s loss %.4f lr %.2e grad %.3f %.0f img/s", progress(done, t.max_steps), record["loss"],
+                         lr, record["grad_norm"], record["samples_per_s"])
+                window_start, window_samples = time.perf_counter(), 0
+            if cfg.sampling.every and done % cfg.sampling.every == 0 and done != t.max_steps:
+                report_fidelity(sample_and_score(model, ema, tokenizer, cfg, run_dir, done, shape), done, metrics_file)
+            if cfg.logging.save_freq and done % cfg.logging.save_freq == 0 and done != t.max_steps:
+                save(run_dir, done, model, ema, optimizer, scaler, cfg)
+
+    save(run_dir, t.max_steps, model, ema, optimizer, scaler, cfg)
+    fidelity = sample_and_score(model, ema, tokenizer, cfg, run_dir, t.max_steps, shape)
+    report_fidelity(fidelity, t.max_steps, metrics_file)
+    (run_dir / "fidelity.json").write_text(json.dumps(fidelity, indent=1))
+    metrics_file.close()
+    log.info("done: run directory %s", run_dir)
+    return 0
+
+
+def progress(done: int, total: int, width: int = 20) -> str:
+    filled = round(width * done / total)
+    return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total}"
+
+
+def report_fidelity(fidelity: dict[str, float], step: int, metrics_file) -> None:
+    metrics_file.write(json.dumps({"step": step, **{f"fidelity/{k}": v for k, v in fidelity.items()}}) + "\n")
+    metrics_file.flush()
+    log.info("prompt fidelity at step %d (90 prompts): color %.2f  shape %.2f  position %.2f", step,
+             fidelity["color"], fidelity["shape"], fidelity["position"])
+
+
+def save(run_dir: Path, step: int, model, ema: EMA, optimizer, scaler, cfg: DictConfig) -> None:
+    optim_tensors, optim_meta = optimizer_to_tensors(optimizer)
+    tensors = {"model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+               "ema": {k: v.cpu() for k, v in ema.state_dict().items()}, "optimizer": optim_tensors}
+    meta = {"step": step, "optimizer": optim_meta, "scaler": scaler.state_dict()}
+    path = write_checkpoint(run_dir, step, tensors, meta, {"config.yaml": OmegaConf.to_yaml(cfg)})
+    prune_checkpoints(run_dir, cfg.logging.keep_last)
+    log.info("checkpoint %s", path)
+
+
+def resume(run_dir: Path, model, ema: EMA, optimizer, scaler) -> int:
+    path = latest_valid_checkpoint(run_dir)
+    if path is None:
+        return 0
+    tensors, meta = read_checkpoint(path)
+    model.load_state_dict(tensors["model"])
+    ema.load_state_dict(tensors["ema"])
+    optimizer.load_state_dict(optimizer_from_tensors(tensors["optimizer"], meta["optimizer"]))
+    scaler.load_state_dict(meta["scaler"])
+    log.info("resumed from %s", path)
+    return meta["step"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
