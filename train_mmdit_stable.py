@@ -23,10 +23,10 @@ from models.rectified_flow import (draw_sample_noise, interpolate, per_sample_lo
 from optim.adamw import build_adamw
 from optim.ema import EMA
 from optim.schedule import warmup_cosine
-from perf.checkpoint import (latest_valid_checkpoint, optimizer_from_tensors, optimizer_to_tensors,
-                             prune_checkpoints, read_checkpoint, write_checkpoint)
+from perf.checkpoint import Checkpointer, optimizer_from_tensors, optimizer_to_tensors, read_checkpoint
 from perf.compile import apply_compile
 from perf.precision import autocast, grad_scaler
+from perf.preemption import PreemptionHandler
 from perf.profiler import build_profiler
 
 log = logging.getLogger("mmdit")
@@ -56,9 +56,19 @@ def prepare_run_dir(cfg: DictConfig) -> Path:
         if changed:
             raise ConfigError(f"{run_dir} holds a run with different {changed}; choose another "
                               f"logging.output_dir or restore those settings (nothing was changed on disk)")
+        old_flat, new_flat = flatten(OmegaConf.to_container(old)), flatten(OmegaConf.to_container(cfg))
+        for key in sorted(k for k in new_flat if old_flat.get(k) != new_flat[k]):
+            log.info("config change since the run's last start: %s %s -> %s", key, old_flat.get(key), new_flat[key])
     run_dir.mkdir(parents=True, exist_ok=True)
     saved.write_text(OmegaConf.to_yaml(cfg))
     return run_dir
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        out.update(flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return out
 
 
 def lr_at(step: int, cfg: DictConfig) -> float:
@@ -115,12 +125,28 @@ def sample_and_score(model, ema: EMA, tokenizer, cfg: DictConfig, run_dir: Path,
     return fidelity
 
 
+def optimizer_step(model, optimizer, scaler, ema: EMA, step: int, clip_norm: float) -> torch.Tensor:
+    """Unscale, clip, step, then update the EMA; returns the gradient norm before clipping."""
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm or float("inf"))
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    ema.update(model, step)
+    return grad_norm
+
+
+def due(done: int, every: int, last: int) -> bool:
+    """Periodic work at every `every`-th step; the last step is handled after the loop."""
+    return every > 0 and done % every == 0 and done != last
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config over the typed schema")
     parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. training.max_steps=50")
     args = parser.parse_args(argv)
-    rank = 0
+    rank, world_size = 0, 1
     setup_logging(rank)
     try:
         cfg = load_config(args.config, args.overrides)
@@ -134,65 +160,90 @@ def main(argv: list[str] | None = None) -> int:
         log.error("config error: %s", e)
         return 2
 
-    t = cfg.training
-    world_size = 1
+    t, o = cfg.training, cfg.optimizer
     global_batch = t.train_batch_size * t.gradient_accumulation_steps * world_size
-    optimizer = build_adamw(model, cfg.optimizer.lr, (cfg.optimizer.beta1, cfg.optimizer.beta2),
-                            cfg.optimizer.eps, cfg.optimizer.weight_decay, device)
-    ema = EMA(model, cfg.optimizer.ema_decay)
+    optimizer = build_adamw(model, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay, device)
+    ema = EMA(model, o.ema_decay)
     scaler = grad_scaler(device, t.dtype)
-    start_step = resume(run_dir, model, ema, optimizer, scaler)
+    checkpointer = Checkpointer(run_dir, cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
+                                cfg.checkpoint.fail_on_error)
+    start_step = resume(checkpointer.last_complete, model, ema, optimizer, scaler)
     apply_compile(model, t.compile_model)
     log.info("MMDiT %.2fM params, text encoder %.2fM; global batch %d; steps %d -> %d; run dir %s",
              sum(p.numel() for p in model.transformer.parameters()) / 1e6,
              sum(p.numel() for p in model.text_encoder.parameters()) / 1e6,
              global_batch, start_step, t.max_steps, run_dir)
-
     batches = step_batches(dataset, tokenizer, global_batch, t.seed, rank, world_size, start_step, t.max_steps,
                            cfg.data.num_workers)
     shape = (dataset.latent_channels, dataset.latent_size, dataset.latent_size)
-    metrics_file = open(run_dir / "metrics.jsonl", "a")
+
+    done, preempted = start_step, False
+    throughput = Throughput()
+    preemption = PreemptionHandler()
     profiler = build_profiler(t.enable_profiling, t.profile_steps, run_dir / "tensorboard", rank)
-    step, window_start, window_samples = start_step, time.perf_counter(), 0
-    with profiler:
-        for batch in batches:
-            step = int(batch["step"])
-            lr = lr_at(step, cfg)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            model.train()
-            loss = forward_backward(model, batch, cfg, device, scaler)
-            scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.grad_clip_norm or float("inf"))
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            ema.update(model, step)
-            profiler.step()
-            done = step + 1
-            window_samples += global_batch
+    with open(run_dir / "metrics.jsonl", "a") as metrics, profiler:
+        try:
+            for batch in batches:
+                step = int(batch["step"])
+                checkpointer.report_errors()
+                lr = lr_at(step, cfg)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                model.train()
+                loss = forward_backward(model, batch, cfg, device, scaler)
+                grad_norm = optimizer_step(model, optimizer, scaler, ema, step, o.grad_clip_norm)
+                profiler.step()
+                done = step + 1
+                throughput.add(global_batch)
 
-            if done % cfg.logging.log_every == 0 or done == t.max_steps:
-                elapsed = time.perf_counter() - window_start
-                record = {"step": done, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(),
-                          "samples_per_s": window_samples / elapsed, "time": time.time()}
-                metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()
-                log.info("%s loss %.4f lr %.2e grad %.3f %.0f img/s", progress(done, t.max_steps), record["loss"],
-                         lr, record["grad_norm"], record["samples_per_s"])
-                window_start, window_samples = time.perf_counter(), 0
-            if cfg.sampling.every and done % cfg.sampling.every == 0 and done != t.max_steps:
-                report_fidelity(sample_and_score(model, ema, tokenizer, cfg, run_dir, done, shape), done, metrics_file)
-            if cfg.logging.save_freq and done % cfg.logging.save_freq == 0 and done != t.max_steps:
-                save(run_dir, done, model, ema, optimizer, scaler, cfg)
-
-    save(run_dir, t.max_steps, model, ema, optimizer, scaler, cfg)
-    fidelity = sample_and_score(model, ema, tokenizer, cfg, run_dir, t.max_steps, shape)
-    report_fidelity(fidelity, t.max_steps, metrics_file)
+                if done % cfg.logging.log_every == 0 or done == t.max_steps:
+                    write_metrics(metrics, {"step": done, "loss": loss.item(), "lr": lr,
+                                            "grad_norm": grad_norm.item(), "samples_per_s": throughput.rate(),
+                                            "checkpoint_stall_s": checkpointer.last_stall_s})
+                    log.info("%s loss %.4f lr %.2e grad %.3f %.0f img/s", progress(done, t.max_steps),
+                             loss.item(), lr, grad_norm.item(), throughput.rate())
+                    throughput.reset()
+                if due(done, cfg.sampling.every, t.max_steps):
+                    report_fidelity(sample_and_score(model, ema, tokenizer, cfg, run_dir, done, shape), done, metrics)
+                if due(done, cfg.logging.save_freq, t.max_steps):
+                    save(checkpointer, done, model, ema, optimizer, scaler, cfg)
+                if preemption.should_stop(device):
+                    preempted = True
+                    break
+            save(checkpointer, done, model, ema, optimizer, scaler, cfg)  # the final step is always saved
+            checkpointer.close()
+        finally:
+            preemption.close()
+        if checkpointer.last_error:
+            log.error("the final checkpoint was not written; exiting with an error")
+            return 1
+        if preempted:
+            log.info("pre-empted: checkpoint of step %d written, exiting cleanly", done)
+            return 0
+        fidelity = sample_and_score(model, ema, tokenizer, cfg, run_dir, t.max_steps, shape)
+        report_fidelity(fidelity, t.max_steps, metrics)
     (run_dir / "fidelity.json").write_text(json.dumps(fidelity, indent=1))
-    metrics_file.close()
     log.info("done: run directory %s", run_dir)
     return 0
+
+
+class Throughput:
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.start, self.samples = time.perf_counter(), 0
+
+    def add(self, samples: int) -> None:
+        self.samples += samples
+
+    def rate(self) -> float:
+        return self.samples / max(time.perf_counter() - self.start, 1e-9)
+
+
+def write_metrics(metrics, record: dict) -> None:
+    metrics.write(json.dumps({**record, "time": time.time()}) + "\n")
+    metrics.flush()
 
 
 def progress(done: int, total: int, width: int = 20) -> str:
@@ -200,25 +251,21 @@ def progress(done: int, total: int, width: int = 20) -> str:
     return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total}"
 
 
-def report_fidelity(fidelity: dict[str, float], step: int, metrics_file) -> None:
-    metrics_file.write(json.dumps({"step": step, **{f"fidelity/{k}": v for k, v in fidelity.items()}}) + "\n")
-    metrics_file.flush()
+def report_fidelity(fidelity: dict[str, float], step: int, metrics) -> None:
+    write_metrics(metrics, {"step": step, **{f"fidelity/{k}": v for k, v in fidelity.items()}})
     log.info("prompt fidelity at step %d (90 prompts): color %.2f  shape %.2f  position %.2f", step,
              fidelity["color"], fidelity["shape"], fidelity["position"])
 
 
-def save(run_dir: Path, step: int, model, ema: EMA, optimizer, scaler, cfg: DictConfig) -> None:
+def save(checkpointer: Checkpointer, step: int, model, ema: EMA, optimizer, scaler, cfg: DictConfig) -> None:
     optim_tensors, optim_meta = optimizer_to_tensors(optimizer)
-    tensors = {"model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-               "ema": {k: v.cpu() for k, v in ema.state_dict().items()}, "optimizer": optim_tensors}
+    tensors = {"model": model.state_dict(), "ema": ema.state_dict(), "optimizer": optim_tensors}
     meta = {"step": step, "optimizer": optim_meta, "scaler": scaler.state_dict()}
-    path = write_checkpoint(run_dir, step, tensors, meta, {"config.yaml": OmegaConf.to_yaml(cfg)})
-    prune_checkpoints(run_dir, cfg.logging.keep_last)
-    log.info("checkpoint %s", path)
+    checkpointer.save(step, tensors, meta, {"config.yaml": OmegaConf.to_yaml(cfg)})
 
 
-def resume(run_dir: Path, model, ema: EMA, optimizer, scaler) -> int:
-    path = latest_valid_checkpoint(run_dir)
+def resume(path: Path | None, model, ema: EMA, optimizer, scaler) -> int:
+    """Restore everything exact resumption needs; the data position and noise follow from the step."""
     if path is None:
         return 0
     tensors, meta = read_checkpoint(path)

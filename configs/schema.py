@@ -13,13 +13,13 @@ DEFAULT_CONFIG = Path(__file__).parent / "shapes.yaml"
 
 @dataclass
 class ModelConfig:
-    patch_size: int = 2  # smaller patches see finer detail but cost ~4x tokens per halving
+    patch_size: int = 4  # smaller patches see finer detail but cost ~4x tokens per halving
     num_layers: int = 6  # depth: capacity against time per step
     num_attention_heads: int = 4  # hidden size = heads * head_dim
     attention_head_dim: int = 32  # wider heads: more capacity, more FLOPs per token
     sample_size: int = 32  # nominal input size; sets the scale of the sin-cos position table
     pos_embed_max_size: int = 16  # largest patch grid side the position table covers
-    qk_norm: Optional[Literal["rms_norm"]] = None  # per-head RMSNorm on q,k (SD3.5): stabler at high lr, a bit slower
+    qk_norm: Optional[Literal["rms_norm"]] = "rms_norm"  # per-head RMSNorm on q,k (SD3.5): stabler at high lr; None as SD3
     dual_attention_layers: List[int] = field(default_factory=list)  # SD3.5 image-only attn2 in these blocks
 
 
@@ -43,23 +43,23 @@ class FlowConfig:
     sigma_sampling: Literal["logit_normal", "uniform"] = "logit_normal"  # logit-normal focuses on mid noise
     logit_mean: float = 0.0  # centre of the logit-normal; > 0 trains more at high noise
     logit_std: float = 1.0  # spread of the logit-normal; larger covers the ends better
-    shift: float = 1.0  # SD3 timestep shift of training sigmas; > 1 moves training to higher noise
+    shift: float = 3.0  # SD3 timestep shift of training sigmas; > 1 trains more at high noise, where shapes form
 
 
 @dataclass
 class SamplingConfig:
     steps: int = 30  # Euler steps: quality against sampling time
-    cfg_scale: float = 3.0  # classifier-free guidance weight; 1 disables guidance (half the cost)
-    shift: float = 1.0  # timestep shift of the sampling schedule
-    every: int = 500  # sample a grid every N steps (and at the end); 0 only at the end
+    cfg_scale: float = 5.0  # classifier-free guidance weight; 1 disables guidance (half the cost)
+    shift: float = 3.0  # timestep shift of the sampling schedule; > 1 spends more steps at high noise
+    every: int = 0  # sample all 90 prompts + a grid every N steps (~10 s each); 0: only at the end
     grid_size: int = 16  # images in the periodic sample grid
 
 
 @dataclass
 class TrainingConfig:
-    train_batch_size: int = 64  # micro-batch per device per micro-step; memory against throughput
+    train_batch_size: int = 16  # micro-batch per device per micro-step; memory against throughput
     gradient_accumulation_steps: int = 1  # micro-steps per optimizer step; global batch = batch * accum * world
-    max_steps: int = 2000  # optimizer steps in the run
+    max_steps: int = 3400  # optimizer steps in the run
     seed: int = 0  # data order, noise, sigmas and init all derive from it
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # autocast precision: speed and memory against accuracy
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
@@ -70,14 +70,14 @@ class TrainingConfig:
 
 @dataclass
 class OptimizerConfig:
-    lr: float = 1e-3  # peak learning rate after warmup
+    lr: float = 2e-3  # peak learning rate after warmup
     beta1: float = 0.9
     beta2: float = 0.99  # lower adapts faster to changing gradient scale, noisier
     eps: float = 1e-8
     weight_decay: float = 0.0  # on matmul/conv weights only; regularises, slows fitting
     grad_clip_norm: float = 1.0  # global gradient norm cap; 0 disables; guards against spikes
-    warmup_steps: int = 100  # linear warmup: stability early against slower start
-    min_lr_ratio: float = 0.1  # cosine decays to lr * this at max_steps
+    warmup_steps: int = 200  # linear warmup: stability early against slower start
+    min_lr_ratio: float = 0.02  # cosine decays to lr * this at max_steps
     ema_decay: float = 0.999  # EMA of weights for sampling; higher is smoother but lags longer
 
 
@@ -89,9 +89,15 @@ class LossConfig:
 @dataclass
 class LoggingConfig:
     output_dir: str = "runs/shapes"  # the run directory: config, metrics, samples, checkpoints; resumed if present
-    save_freq: int = 500  # checkpoint every N steps (and at the end); 0 only at the end
-    log_every: int = 10  # metrics line every N steps
-    keep_last: int = 2  # checkpoints kept; older ones are deleted after a newer one is complete
+    save_freq: int = 1000  # checkpoint every N steps (and at the end); 0 only at the end
+    log_every: int = 100  # metrics line every N steps
+
+
+@dataclass
+class CheckpointConfig:
+    async_save: bool = True  # write in a background thread: training stalls only for the CPU snapshot
+    keep_last: int = 2  # checkpoints kept; older ones are deleted only after a newer one is complete
+    fail_on_error: bool = False  # a failed write stops training instead of being logged and retried next save
 
 
 @dataclass
@@ -105,6 +111,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 class ConfigError(ValueError):
@@ -133,7 +140,7 @@ def validate(cfg: DictConfig) -> None:
                 "model.pos_embed_max_size", "model.sample_size", "text_encoder.dim", "text_encoder.num_heads",
                 "data.num_items", "sampling.steps", "training.train_batch_size",
                 "training.gradient_accumulation_steps", "training.max_steps", "training.profile_steps",
-                "optimizer.lr", "optimizer.eps", "logging.log_every", "logging.keep_last", "loss.loss_scale"]
+                "optimizer.lr", "optimizer.eps", "logging.log_every", "checkpoint.keep_last", "loss.loss_scale"]
     for key in positive:
         if not OmegaConf.select(cfg, key) > 0:
             raise ConfigError(f"{key} must be > 0, got {OmegaConf.select(cfg, key)}")

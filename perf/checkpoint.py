@@ -1,7 +1,12 @@
-"""Checkpoints as directories of safetensors files plus JSON, written atomically and verifiable.
+"""Checkpoints as directories of safetensors files plus JSON, written atomically and verifiable, by a
+background thread from a CPU snapshot.
 
 A checkpoint is written into `.tmp-step_XXXXXXXX`, fsynced, given a manifest (sizes and sha256 of every file)
 last, and only then renamed to `step_XXXXXXXX`. A directory without a valid manifest is never resumed from.
+
+`Checkpointer.save` copies the whole training state into reused CPU buffers on the training thread (pinned,
+non-blocking copies on CUDA, ordered before any later optimizer kernel by the stream), then hands the write
+to one background thread. At most one save is in flight: a new save first waits for the previous one.
 """
 
 import hashlib
@@ -9,6 +14,8 @@ import json
 import logging
 import os
 import shutil
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -111,7 +118,16 @@ def read_checkpoint(path: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dic
 def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
     """Delete all but the newest `keep_last` complete checkpoints; called only after a newer one is complete."""
     for old in checkpoints(run_dir)[:-keep_last]:
-        shutil.rmtree(old)
+        trash = old.with_name(f".trash-{old.name}")
+        os.rename(old, trash)  # atomic: a kill mid-delete never leaves a half-deleted step_ directory
+        shutil.rmtree(trash)
+
+
+def remove_leftovers(run_dir: Path) -> None:
+    """Temporary and half-deleted directories of an earlier process that was killed."""
+    for path in checkpoint_root(run_dir).glob(".*-step_*"):
+        log.info("removing leftover %s", path)
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def optimizer_to_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
@@ -121,7 +137,7 @@ def optimizer_to_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, to
     for pid, entries in state["state"].items():
         for key, value in entries.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"{pid}.{key}"] = value.detach().cpu()
+                tensors[f"{pid}.{key}"] = value.detach()
             else:
                 scalars[f"{pid}.{key}"] = value
     return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
@@ -133,3 +149,117 @@ def optimizer_from_tensors(tensors: dict[str, torch.Tensor], meta: dict) -> dict
         pid, key = flat.split(".", 1)
         state.setdefault(int(pid), {})[key] = value
     return {"state": state, "param_groups": meta["param_groups"]}
+
+
+class CheckpointWriteError(RuntimeError):
+    pass
+
+
+class Checkpointer:
+    """Snapshots on the training thread, writes in the background (or inline when `async_save` is off)."""
+
+    def __init__(self, run_dir: Path, keep_last: int, async_save: bool, fail_on_error: bool, enabled: bool = True):
+        self.run_dir, self.keep_last = Path(run_dir), keep_last
+        self.async_save, self.fail_on_error, self.enabled = async_save, fail_on_error, enabled
+        self.buffers: dict[str, dict[str, torch.Tensor]] = {}
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint") if async_save else None
+        self.pending: Future | None = None
+        self.pending_step = -1
+        self.last_complete: Path | None = None
+        if enabled:
+            remove_leftovers(run_dir)
+            self.last_complete = latest_valid_checkpoint(run_dir)
+        self.last_stall_s = 0.0
+        self.last_error: str | None = None
+
+    def stage(self, tensors: dict[str, dict[str, torch.Tensor]]) -> tuple[dict, torch.cuda.Event | None]:
+        """Copy into reused CPU buffers; returns the copies and, on CUDA, an event marking their completion."""
+        on_cuda = any(t.is_cuda for state in tensors.values() for t in state.values())
+        staged = {}
+        for stem, state in tensors.items():
+            buffers = self.buffers.setdefault(stem, {})
+            for name, tensor in state.items():
+                buf = buffers.get(name)
+                if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
+                    buf = buffers[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
+                                                      pin_memory=on_cuda)
+                buf.copy_(tensor.detach(), non_blocking=on_cuda)
+            staged[stem] = {name: buffers[name] for name in state}
+        event = None
+        if on_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        return staged, event
+
+    def staging_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for state in self.buffers.values() for t in state.values())
+
+    def save(self, step: int, tensors: dict[str, dict[str, torch.Tensor]], meta: dict,
+             extra_files: dict[str, str]) -> None:
+        """Snapshot now, write (in the background when async). Waits first for a save still in flight."""
+        if not self.enabled or step == self.pending_step:  # e.g. pre-empted right after a periodic save
+            return
+        start = time.perf_counter()
+        if self.pending is not None and not self.pending.done():
+            self.wait(reason=f"save of step {step} waits for step {self.pending_step} still being written")
+        self.report_errors()
+        first = not self.buffers
+        staged, event = self.stage(tensors)
+        meta = json.loads(json.dumps(meta))  # a deep copy: the live dicts keep changing
+        if first:
+            log.info("checkpoint staging buffers: %.1f MiB of CPU memory", self.staging_bytes() / 2**20)
+        self.pending_step = step
+        if self.executor is None:
+            self.pending = Future()
+            try:
+                self.pending.set_result(self.write(step, staged, event, meta, extra_files))
+            except Exception as e:  # same error path as the background writer
+                self.pending.set_exception(e)
+            self.report_errors()
+        else:
+            self.pending = self.executor.submit(self.write, step, staged, event, meta, extra_files)
+        self.last_stall_s = time.perf_counter() - start
+
+    def write(self, step: int, staged: dict, event, meta: dict, extra_files: dict[str, str]) -> Path:
+        if event is not None:
+            event.synchronize()
+        try:
+            path = write_checkpoint(self.run_dir, step, staged, meta, extra_files)
+        except Exception:
+            shutil.rmtree(checkpoint_root(self.run_dir) / f".tmp-step_{step:08d}", ignore_errors=True)
+            raise
+        prune_checkpoints(self.run_dir, self.keep_last)
+        return path
+
+    def report_errors(self) -> None:
+        """Log (or raise, when fatal) the outcome of a finished save, once."""
+        if self.pending is None or not self.pending.done():
+            return
+        future, self.pending = self.pending, None
+        error = future.exception()
+        if error is None:
+            self.last_complete, self.last_error = future.result(), None
+            log.info("checkpoint %s complete", self.last_complete)
+            return
+        message = (f"checkpoint of step {self.pending_step} into {checkpoint_root(self.run_dir)} failed: "
+                   f"{type(error).__name__}: {error}; the last complete checkpoint is {self.last_complete}")
+        self.last_error = message
+        if self.fail_on_error:
+            raise CheckpointWriteError(message) from error
+        log.error("%s; training continues", message)
+
+    def wait(self, reason: str = "") -> None:
+        if self.pending is None:
+            return
+        start = time.perf_counter()
+        try:
+            self.pending.exception()  # blocks until done, never raises
+        finally:
+            if reason:
+                log.info("%s: waited %.2fs", reason, time.perf_counter() - start)
+        self.report_errors()
+
+    def close(self) -> None:
+        self.wait()
+        if self.executor is not None:
+            self.executor.shutdown(wait=True)

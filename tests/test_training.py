@@ -1,3 +1,4 @@
+import errno
 import json
 import shutil
 
@@ -67,8 +68,10 @@ def test_micro_batch_split_does_not_change_the_math(tiny, tmp_path):
     ref = final_weights(tmp_path / "1x16")
     for name in ("2x8", "4x4"):
         other = final_weights(tmp_path / name)
-        for key in ref:
-            torch.testing.assert_close(other[key], ref[key], rtol=1e-4, atol=1e-5)
+        # Adam normalises updates, so a summation-order difference in a near-zero gradient can move a weight
+        # by up to one step (lr 2e-3); a real change of the math would move every weight by that much.
+        diffs = torch.cat([(other[k] - ref[k]).abs().flatten() for k in ref])
+        assert diffs.max() < 2e-4 and diffs.mean() < 1e-7, (diffs.max(), diffs.mean())
         assert losses(tmp_path / name) == pytest.approx(losses(tmp_path / "1x16"), rel=1e-5)
 
 
@@ -114,3 +117,29 @@ def test_sampler_rejects_unknown_words_and_missing_checkpoints(tiny, tmp_path):
         sample_mmdit.main(["--checkpoint", str(tmp_path / "run"), "--prompts", str(prompts), "--out", str(tmp_path / "o")])
     with pytest.raises(SystemExit, match="complete checkpoint"):
         sample_mmdit.main(["--checkpoint", str(tmp_path), "--prompts", str(prompts), "--out", str(tmp_path / "o")])
+
+
+def fail_writes_of(step: int, monkeypatch):
+    """Make writing the checkpoint of `step` fail as a full disk would."""
+    import perf.checkpoint as ckpt
+    real_save = ckpt.save_file
+
+    def save_file(tensors, path, *args, **kwargs):
+        if f"step_{step:08d}" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(tensors, path, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "save_file", save_file)
+
+
+def test_failed_checkpoint_write_leaves_training_running(tiny, tmp_path, monkeypatch, caplog):
+    fail_writes_of(4, monkeypatch)
+    assert main(tiny("training.max_steps=6", "logging.save_freq=2", "checkpoint.keep_last=5")) == 0
+    assert "checkpoint of step 4" in caplog.text and "No space left on device" in caplog.text
+    assert [p.name for p in checkpoints(tmp_path / "run")] == ["step_00000002", "step_00000006"]
+
+
+def test_failed_final_checkpoint_is_an_error_exit(tiny, tmp_path, monkeypatch):
+    fail_writes_of(3, monkeypatch)
+    assert main(tiny("training.max_steps=3")) == 1
+    assert checkpoints(tmp_path / "run") == []

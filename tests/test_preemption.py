@@ -1,0 +1,87 @@
+"""Real processes: SIGTERM gives a checkpoint and exit 0; SIGKILL at random moments never loses the run."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import TINY
+from perf.checkpoint import checkpoints, read_checkpoint, verify
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def start(run_dir: Path, *extra: str) -> subprocess.Popen:
+    args = [*TINY, f"logging.output_dir={run_dir}", "logging.save_freq=10", "sampling.steps=1", *extra]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "train_mmdit_stable.py", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_training(proc: subprocess.Popen, timeout: float = 60) -> str:
+    """Block until the process has logged its first training step; returns what it printed so far."""
+    deadline, seen = time.monotonic() + timeout, []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        seen.append(line)
+        if not line:
+            break
+        if " loss " in line:
+            return "".join(seen)
+    raise AssertionError("training never started:\n" + "".join(seen))
+
+
+def final_model(run_dir: Path) -> dict:
+    return load_file(checkpoints(run_dir)[-1] / "model.safetensors")
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_and_exits_zero(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, "training.max_steps=100000")
+    wait_for_training(proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "pre-empted" in out
+    last = checkpoints(run_dir)[-1]
+    assert verify(last) is None
+    _, meta = read_checkpoint(last)
+    assert 0 < meta["step"] < 100000 and last.name == f"step_{meta['step']:08d}"
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_never_loses_the_run(tmp_path):
+    steps = 150  # ~35 ms each: every kill below lands somewhere in the first 40 steps after a (re)start
+    reference = start(tmp_path / "reference", f"training.max_steps={steps}")
+    out, _ = reference.communicate(timeout=300)
+    assert reference.returncode == 0, out
+
+    rng = random.Random(1234)
+    run_dir, kills, resumes = tmp_path / "killed", 0, 0
+    for attempt in range(12):
+        proc = start(run_dir, f"training.max_steps={steps}")
+        head = ""
+        if attempt < 8:
+            head = wait_for_training(proc)
+            time.sleep(rng.uniform(0.0, 1.5))
+            if proc.poll() is None:
+                proc.kill()
+                kills += 1
+        out, _ = proc.communicate(timeout=300)
+        resumes += "resumed from" in head + out
+        if proc.returncode == 0:
+            break
+        for path in checkpoints(run_dir):  # after every kill, every step_ directory is complete and intact
+            assert verify(path) is None, path
+    assert proc.returncode == 0, out
+    assert kills >= 3 and resumes >= 2, f"the test must interrupt training ({kills} kills, {resumes} resumes)"
+    killed, straight = final_model(run_dir), final_model(tmp_path / "reference")
+    assert all(torch.equal(killed[k], straight[k]) for k in straight)
