@@ -26,14 +26,12 @@ def start(run_dir: Path, *extra: str) -> subprocess.Popen:
 
 
 def wait_for_training(proc: subprocess.Popen, timeout: float = 60) -> str:
-    """Block until the process has logged its first training step; returns what it printed so far."""
+    """Block until the process has logged a training step or ended; returns what it printed so far."""
     deadline, seen = time.monotonic() + timeout, []
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         seen.append(line)
-        if not line:
-            break
-        if " loss " in line:
+        if not line or " loss " in line:  # a restart after the last step has no step to log
             return "".join(seen)
     raise AssertionError("training never started:\n" + "".join(seen))
 
