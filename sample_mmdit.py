@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from configs.schema import load_config
+from configs.schema import ConfigError, load_config
 from data.images import save_png
 from data.shapes import ShapesDataset
 from models.pipeline import build_model, build_tokenizer, generate
@@ -36,13 +36,21 @@ def find_checkpoint(path: Path) -> Path:
 
 def load_for_sampling(path: Path, use_ema: bool = True):
     checkpoint = find_checkpoint(path)
-    cfg = load_config(checkpoint / "config.yaml")
+    try:
+        cfg = load_config(checkpoint / "config.yaml")
+    except ConfigError as e:
+        raise SystemExit(f"{checkpoint}: {e}") from None
     tokenizer = build_tokenizer()
     model = build_model(cfg, ShapesDataset.latent_channels, ShapesDataset.latent_size, len(tokenizer.vocab))
     tensors, _ = read_checkpoint(checkpoint)
     model.load_state_dict(tensors["model"])
     if use_ema:
-        model.load_state_dict(tensors["ema"], strict=False)  # EMA holds every trained parameter, no buffers
+        result = model.load_state_dict(tensors["ema"], strict=False)  # every trained parameter, no buffers
+        buffers = {name for name, _ in model.named_buffers()}
+        if result.unexpected_keys or set(result.missing_keys) - buffers:
+            raise SystemExit(f"{checkpoint}: EMA weights do not match the model "
+                             f"(missing {sorted(set(result.missing_keys) - buffers)[:5]}, "
+                             f"unexpected {result.unexpected_keys[:5]})")
     return model.eval(), tokenizer, cfg, checkpoint
 
 
@@ -68,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer(prompts)
     except ValueError as e:
         raise SystemExit(f"{args.prompts}: {e}") from None
-    steps = args.steps or cfg.sampling.steps
+    if args.steps is not None and args.steps < 1:
+        raise SystemExit(f"--steps must be >= 1, got {args.steps}")
+    steps = cfg.sampling.steps if args.steps is None else args.steps
     cfg_scale = cfg.sampling.cfg_scale if args.cfg is None else args.cfg
     shape = (ShapesDataset.latent_channels, ShapesDataset.latent_size, ShapesDataset.latent_size)
     images = generate(model, tokenizer, prompts, args.seed, steps, cfg_scale, cfg.sampling.shift, shape)

@@ -30,8 +30,8 @@ from perf.preemption import PreemptionHandler
 from perf.profiler import build_profiler
 
 log = logging.getLogger("mmdit")
-# Keys whose change makes an existing run directory's checkpoints meaningless.
-RUN_IDENTITY_KEYS = ("model", "text_encoder", "data", "training.seed")
+# What an existing run directory's checkpoints and data position mean; a resume must not change them.
+RUN_IDENTITY_KEYS = ("model", "text_encoder", "data.name", "data.num_items", "training.seed")
 
 
 def setup_logging(rank: int) -> None:
@@ -51,8 +51,13 @@ def prepare_run_dir(cfg: DictConfig) -> Path:
     run_dir = Path(cfg.logging.output_dir)
     saved = run_dir / "config.yaml"
     if saved.is_file():
-        old = OmegaConf.load(saved)
+        try:
+            old = OmegaConf.load(saved)
+        except Exception as e:
+            raise ConfigError(f"{saved} is unreadable ({e}); fix it or choose another logging.output_dir") from None
         changed = [k for k in RUN_IDENTITY_KEYS if OmegaConf.select(old, k) != OmegaConf.select(cfg, k)]
+        if global_batch(old) != global_batch(cfg):
+            changed.append("global batch (training.train_batch_size * training.gradient_accumulation_steps)")
         if changed:
             raise ConfigError(f"{run_dir} holds a run with different {changed}; choose another "
                               f"logging.output_dir or restore those settings (nothing was changed on disk)")
@@ -62,6 +67,11 @@ def prepare_run_dir(cfg: DictConfig) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     saved.write_text(OmegaConf.to_yaml(cfg))
     return run_dir
+
+
+def global_batch(cfg: DictConfig, world_size: int = 1) -> int:
+    """Samples per optimizer step; the data order and noise of every step depend on it."""
+    return cfg.training.train_batch_size * cfg.training.gradient_accumulation_steps * world_size
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
@@ -161,19 +171,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     t, o = cfg.training, cfg.optimizer
-    global_batch = t.train_batch_size * t.gradient_accumulation_steps * world_size
+    batch_size = global_batch(cfg, world_size)
     optimizer = build_adamw(model, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay, device)
     ema = EMA(model, o.ema_decay)
     scaler = grad_scaler(device, t.dtype)
     checkpointer = Checkpointer(run_dir, cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
                                 cfg.checkpoint.fail_on_error)
     start_step = resume(checkpointer.last_complete, model, ema, optimizer, scaler)
+    if start_step > t.max_steps:
+        log.error("config error: training.max_steps=%d is below the step of %s; raise it to continue",
+                  t.max_steps, checkpointer.last_complete)
+        return 2
     apply_compile(model, t.compile_model)
     log.info("MMDiT %.2fM params, text encoder %.2fM; global batch %d; steps %d -> %d; run dir %s",
              sum(p.numel() for p in model.transformer.parameters()) / 1e6,
              sum(p.numel() for p in model.text_encoder.parameters()) / 1e6,
-             global_batch, start_step, t.max_steps, run_dir)
-    batches = step_batches(dataset, tokenizer, global_batch, t.seed, rank, world_size, start_step, t.max_steps,
+             batch_size, start_step, t.max_steps, run_dir)
+    batches = step_batches(dataset, tokenizer, batch_size, t.seed, rank, world_size, start_step, t.max_steps,
                            cfg.data.num_workers)
     shape = (dataset.latent_channels, dataset.latent_size, dataset.latent_size)
 
@@ -194,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                 grad_norm = optimizer_step(model, optimizer, scaler, ema, step, o.grad_clip_norm)
                 profiler.step()
                 done = step + 1
-                throughput.add(global_batch)
+                throughput.add(batch_size)
 
                 if done % cfg.logging.log_every == 0 or done == t.max_steps:
                     write_metrics(metrics, {"step": done, "loss": loss.item(), "lr": lr,
@@ -271,8 +285,14 @@ def resume(path: Path | None, model, ema: EMA, optimizer, scaler) -> int:
     tensors, meta = read_checkpoint(path)
     model.load_state_dict(tensors["model"])
     ema.load_state_dict(tensors["ema"])
+    configured = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     optimizer.load_state_dict(optimizer_from_tensors(tensors["optimizer"], meta["optimizer"]))
-    scaler.load_state_dict(meta["scaler"])
+    for group, settings in zip(optimizer.param_groups, configured):
+        group.update(settings)  # betas, eps, weight decay come from today's config, not the checkpoint's
+    if scaler.is_enabled() and not meta["scaler"]:
+        log.warning("the checkpoint was not trained in fp16: the fp16 grad scaler starts fresh")
+    else:
+        scaler.load_state_dict(meta["scaler"])
     log.info("resumed from %s", path)
     return meta["step"]
 

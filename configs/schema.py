@@ -19,7 +19,7 @@ class ModelConfig:
     attention_head_dim: int = 32  # wider heads: more capacity, more FLOPs per token
     sample_size: int = 32  # nominal input size; sets the scale of the sin-cos position table
     pos_embed_max_size: int = 16  # largest patch grid side the position table covers
-    qk_norm: Optional[Literal["rms_norm"]] = "rms_norm"  # per-head RMSNorm on q,k (SD3.5): stabler at high lr; None as SD3
+    qk_norm: Optional[Literal["rms_norm"]] = "rms_norm"  # per-head q,k RMSNorm (SD3.5): stabler at high lr
     dual_attention_layers: List[int] = field(default_factory=list)  # SD3.5 image-only attn2 in these blocks
 
 
@@ -127,7 +127,13 @@ def load_config(path: str | Path = DEFAULT_CONFIG, overrides: list[str] = ()) ->
     if bad:
         raise ConfigError(f"overrides must be key=value, got {bad}")
     try:
-        cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides)))
+        loaded = OmegaConf.load(path)
+    except Exception as e:  # YAML syntax errors and unreadable files
+        raise ConfigError(f"config file {path} is not valid YAML: {e}".split("\n")[0]) from None
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(loaded).__name__}")
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), loaded, OmegaConf.from_dotlist(list(overrides)))
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
         raise ConfigError(f"invalid config key {key!r}: {e.msg if hasattr(e, 'msg') else e}".split("\n")[0]) from None
@@ -138,7 +144,7 @@ def load_config(path: str | Path = DEFAULT_CONFIG, overrides: list[str] = ()) ->
 def validate(cfg: DictConfig) -> None:
     positive = ["model.patch_size", "model.num_layers", "model.num_attention_heads", "model.attention_head_dim",
                 "model.pos_embed_max_size", "model.sample_size", "text_encoder.dim", "text_encoder.num_heads",
-                "data.num_items", "sampling.steps", "training.train_batch_size",
+                "data.num_items", "sampling.steps", "sampling.grid_size", "training.train_batch_size",
                 "training.gradient_accumulation_steps", "training.max_steps", "training.profile_steps",
                 "optimizer.lr", "optimizer.eps", "logging.log_every", "checkpoint.keep_last", "loss.loss_scale"]
     for key in positive:
@@ -149,10 +155,18 @@ def validate(cfg: DictConfig) -> None:
     for key in non_negative:
         if OmegaConf.select(cfg, key) < 0:
             raise ConfigError(f"{key} must be >= 0, got {OmegaConf.select(cfg, key)}")
-    for key in ["data.caption_dropout", "optimizer.beta1", "optimizer.beta2", "optimizer.ema_decay",
-                "optimizer.min_lr_ratio"]:
-        if not 0 <= OmegaConf.select(cfg, key) < 1 + (key == "optimizer.min_lr_ratio"):
+    for key in ["data.caption_dropout", "optimizer.beta1", "optimizer.beta2", "optimizer.ema_decay"]:
+        if not 0 <= OmegaConf.select(cfg, key) < 1:
             raise ConfigError(f"{key} must be in [0, 1), got {OmegaConf.select(cfg, key)}")
+    if not 0 <= cfg.optimizer.min_lr_ratio <= 1:
+        raise ConfigError(f"optimizer.min_lr_ratio must be in [0, 1], got {cfg.optimizer.min_lr_ratio}")
+    m = cfg.model
+    if (m.num_attention_heads * m.attention_head_dim) % 4:
+        raise ConfigError(f"model.num_attention_heads * model.attention_head_dim = "
+                          f"{m.num_attention_heads * m.attention_head_dim} must be divisible by 4 "
+                          f"(the 2-D sin-cos position table splits it four ways)")
+    if m.sample_size < m.patch_size:
+        raise ConfigError(f"model.sample_size={m.sample_size} must be >= model.patch_size={m.patch_size}")
     if cfg.flow.shift <= 0 or cfg.sampling.shift <= 0:
         raise ConfigError("flow.shift and sampling.shift must be > 0")
     if cfg.text_encoder.dim % cfg.text_encoder.num_heads:

@@ -256,6 +256,8 @@ class MMDiT(nn.Module):
         if cfg.caption_projection_dim != cfg.hidden_size:
             raise ValueError(f"caption_projection_dim={cfg.caption_projection_dim} must equal "
                              f"num_attention_heads*attention_head_dim={cfg.hidden_size}")
+        if cfg.hidden_size % 4:
+            raise ValueError(f"hidden size {cfg.hidden_size} must be divisible by 4 for the 2-D sin-cos table")
         if cfg.qk_norm not in (None, "rms_norm"):
             raise ValueError(f"qk_norm must be None or 'rms_norm', got {cfg.qk_norm!r}")
         self.cfg = cfg

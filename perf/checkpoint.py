@@ -67,6 +67,7 @@ def write_checkpoint(run_dir: Path, step: int, tensors: dict[str, dict[str, torc
     manifest = {p.name: {"bytes": p.stat().st_size, "sha256": sha256(p)} for p in files}
     (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": manifest}, indent=1))
     fsync_path(tmp / MANIFEST)
+    fsync_path(tmp)  # the directory entries themselves, before the rename publishes them
     if final.exists():  # an invalid leftover of this step: replaced only now that the new one is complete
         shutil.rmtree(final)
     os.rename(tmp, final)
@@ -81,16 +82,16 @@ def verify(path: Path) -> str | None:
         return "no manifest (incomplete write)"
     try:
         manifest = json.loads(manifest_path.read_text())["files"]
-    except (ValueError, KeyError) as e:
-        return f"unreadable manifest: {e}"
-    for name, expected in manifest.items():
-        file = Path(path) / name
-        if not file.is_file():
-            return f"missing file {name}"
-        if file.stat().st_size != expected["bytes"]:
-            return f"{name} has {file.stat().st_size} bytes, manifest says {expected['bytes']}"
-        if sha256(file) != expected["sha256"]:
-            return f"{name} checksum mismatch"
+        for name, expected in manifest.items():
+            file = Path(path) / name
+            if not file.is_file():
+                return f"missing file {name}"
+            if file.stat().st_size != expected["bytes"]:
+                return f"{name} has {file.stat().st_size} bytes, manifest says {expected['bytes']}"
+            if sha256(file) != expected["sha256"]:
+                return f"{name} checksum mismatch"
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
+        return f"unreadable manifest: {type(e).__name__}: {e}"
     return None
 
 
@@ -115,9 +116,14 @@ def read_checkpoint(path: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dic
     return tensors, json.loads((path / "state.json").read_text())
 
 
-def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
-    """Delete all but the newest `keep_last` complete checkpoints; called only after a newer one is complete."""
-    for old in checkpoints(run_dir)[:-keep_last]:
+def step_of(path: Path) -> int:
+    return int(path.name.removeprefix("step_"))
+
+
+def prune_checkpoints(run_dir: Path, keep_last: int, newest: int) -> None:
+    """Keep the `keep_last` checkpoints up to step `newest` (just completed); delete older ones. Directories
+    of later steps (left invalid by an earlier attempt) are not counted: this run replaces them on its way."""
+    for old in [p for p in checkpoints(run_dir) if step_of(p) <= newest][:-keep_last]:
         trash = old.with_name(f".trash-{old.name}")
         os.rename(old, trash)  # atomic: a kill mid-delete never leaves a half-deleted step_ directory
         shutil.rmtree(trash)
@@ -197,8 +203,8 @@ class Checkpointer:
     def save(self, step: int, tensors: dict[str, dict[str, torch.Tensor]], meta: dict,
              extra_files: dict[str, str]) -> None:
         """Snapshot now, write (in the background when async). Waits first for a save still in flight."""
-        if not self.enabled or step == self.pending_step:  # e.g. pre-empted right after a periodic save
-            return
+        if not self.enabled or (step == self.pending_step and self.last_error is None):
+            return  # e.g. pre-empted right after a periodic save of the same step
         start = time.perf_counter()
         if self.pending is not None and not self.pending.done():
             self.wait(reason=f"save of step {step} waits for step {self.pending_step} still being written")
@@ -228,7 +234,10 @@ class Checkpointer:
         except Exception:
             shutil.rmtree(checkpoint_root(self.run_dir) / f".tmp-step_{step:08d}", ignore_errors=True)
             raise
-        prune_checkpoints(self.run_dir, self.keep_last)
+        try:
+            prune_checkpoints(self.run_dir, self.keep_last, newest=step)
+        except OSError as e:  # the new checkpoint is complete; old ones linger until the next save
+            log.warning("could not delete old checkpoints in %s: %s", checkpoint_root(self.run_dir), e)
         return path
 
     def report_errors(self) -> None:

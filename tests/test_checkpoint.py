@@ -42,6 +42,26 @@ def test_corrupt_truncated_and_partial_checkpoints_are_skipped(tmp_path):
     assert latest_valid_checkpoint(tmp_path) == root / "step_00000001"
 
 
+def test_a_malformed_manifest_is_a_reason_not_a_crash(tmp_path):
+    path = write(tmp_path, 1)
+    (path / "manifest.json").write_text('{"files": [1, 2]}')
+    assert "unreadable manifest" in verify(path)
+    assert latest_valid_checkpoint(tmp_path) is None
+
+
+def test_pruning_never_counts_invalid_later_steps(tmp_path):
+    """A corrupt step_4 left by an earlier attempt must not push the just-written step_3 out."""
+    for step in (1, 4):
+        write(tmp_path, step)
+    (tmp_path / "checkpoints" / "step_00000004" / "manifest.json").unlink()
+    checkpointer = Checkpointer(tmp_path, keep_last=1, async_save=False, fail_on_error=True)
+    assert checkpointer.last_complete.name == "step_00000001"
+    checkpointer.save(3, {"model": {"w": torch.zeros(2)}}, {"step": 3}, {})
+    checkpointer.close()
+    assert [p.name for p in checkpoints(tmp_path)] == ["step_00000003", "step_00000004"]
+    assert latest_valid_checkpoint(tmp_path).name == "step_00000003"
+
+
 def test_resave_of_a_valid_step_leaves_it_untouched(tmp_path):
     path = write(tmp_path, 2)
     before = os.stat(path / "model.safetensors").st_mtime_ns
@@ -52,7 +72,7 @@ def test_resave_of_a_valid_step_leaves_it_untouched(tmp_path):
 def test_prune_keeps_the_newest_and_leftovers_are_cleaned(tmp_path):
     for step in (1, 2, 3):
         write(tmp_path, step)
-    prune_checkpoints(tmp_path, keep_last=2)
+    prune_checkpoints(tmp_path, keep_last=2, newest=3)
     assert [p.name for p in checkpoints(tmp_path)] == ["step_00000002", "step_00000003"]
     root = tmp_path / "checkpoints"
     (root / ".tmp-step_00000004").mkdir()  # a killed writer's leftovers
@@ -147,7 +167,10 @@ def test_failed_write_is_reported_and_the_previous_checkpoint_stays(tmp_path, mo
     assert verify(checkpoints(tmp_path)[0]) is None
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
     monkeypatch.undo()
-    checkpointer.save(3, state_of(model), {"step": 3}, {})  # the next save works again
+    checkpointer.save(2, state_of(model), {"step": 2}, {})  # a retry of the failed step is not skipped
+    checkpointer.wait()
+    assert checkpointer.last_error is None and [p.name for p in checkpoints(tmp_path)] == ["step_00000002"]
+    checkpointer.save(3, state_of(model), {"step": 3}, {})
     checkpointer.close()
     assert checkpointer.last_error is None and [p.name for p in checkpoints(tmp_path)] == ["step_00000003"]
 

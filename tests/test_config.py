@@ -32,6 +32,9 @@ def test_overrides_apply():
     ("model.dual_attention_layers=[9]", "model.dual_attention_layers"),
     ("text_encoder.dim=30", "text_encoder.dim"),
     ("training.max_steps", "key=value"),
+    ("sampling.grid_size=-1", "sampling.grid_size"),
+    ("optimizer.min_lr_ratio=1.5", "optimizer.min_lr_ratio"),
+    ("model.sample_size=2", "model.sample_size"),
 ])
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("[", r"\[")):
@@ -51,3 +54,17 @@ def test_training_refuses_bad_config_before_any_compute(tmp_path, caplog, overri
     assert main([override, f"logging.output_dir={run_dir}"]) == 2
     assert message in caplog.text
     assert not run_dir.exists()  # nothing was written
+
+
+@pytest.mark.parametrize("text,message", [("model: [unclosed", "not valid YAML"), ("- a\n- b\n", "mapping")])
+def test_broken_config_files_name_the_file(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message) as info:
+        load_config(path)
+    assert "bad.yaml" in str(info.value)
+
+
+def test_hidden_size_must_split_four_ways():
+    with pytest.raises(ConfigError, match="model.num_attention_heads"):
+        load_config(DEFAULT_CONFIG, ["model.num_attention_heads=3", "model.attention_head_dim=30"])

@@ -143,3 +143,29 @@ def test_failed_final_checkpoint_is_an_error_exit(tiny, tmp_path, monkeypatch):
     fail_writes_of(3, monkeypatch)
     assert main(tiny("training.max_steps=3")) == 1
     assert checkpoints(tmp_path / "run") == []
+
+
+def test_resume_applies_todays_optimizer_settings_and_guards_the_run(tiny, tmp_path, caplog):
+    assert main(tiny("training.max_steps=2")) == 0
+    # a different global batch would change which items and noise every later step sees
+    assert main(tiny("training.max_steps=4", "training.train_batch_size=4")) == 2
+    assert "global batch" in caplog.text
+    # fewer steps than already trained
+    assert main(tiny("training.max_steps=1")) == 2
+    assert "training.max_steps" in caplog.text
+    # same global batch, other split, new weight decay, fp16: resumes, and the new settings apply
+    assert main(tiny("training.max_steps=3", "training.train_batch_size=4", "training.gradient_accumulation_steps=2",
+                     "optimizer.weight_decay=0.05", "training.dtype=fp16")) == 0
+    assert "grad scaler starts fresh" in caplog.text
+    state = json.loads((checkpoints(tmp_path / "run")[-1] / "state.json").read_text())
+    assert [g["weight_decay"] for g in state["optimizer"]["param_groups"]] == [0.05, 0.0]
+    assert state["step"] == 3 and state["scaler"]
+
+
+def test_sampler_validates_steps(tiny, tmp_path):
+    assert main(tiny("training.max_steps=1")) == 0
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle in the center\n")
+    with pytest.raises(SystemExit, match="--steps"):
+        sample_mmdit.main(["--checkpoint", str(tmp_path / "run"), "--prompts", str(prompts), "--out",
+                           str(tmp_path / "o"), "--steps", "0"])
