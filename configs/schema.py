@@ -59,7 +59,7 @@ class SamplingConfig:
 class TrainingConfig:
     train_batch_size: int = 16  # micro-batch per device per micro-step; memory against throughput
     gradient_accumulation_steps: int = 1  # micro-steps per optimizer step; global batch = batch * accum * world
-    max_steps: int = 3400  # optimizer steps in the run
+    max_steps: int = 3200  # optimizer steps in the run
     seed: int = 0  # data order, noise, sigmas and init all derive from it
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # autocast precision: speed and memory against accuracy
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
