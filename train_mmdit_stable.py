@@ -19,7 +19,7 @@ from data.images import save_grid
 from data.loader import step_batches
 from data.shapes import ShapesDataset, all_prompts, caption, prompt_fidelity
 from models.pipeline import build_model, build_tokenizer, generate
-from models.rectified_flow import (draw_sample_noise, interpolate, per_sample_loss, training_sigmas)
+from models.rectified_flow import draw_sample_noise, interpolate, per_sample_loss, training_sigmas
 from optim.adamw import build_adamw
 from optim.ema import EMA
 from optim.schedule import warmup_cosine
@@ -47,7 +47,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def prepare_run_dir(cfg: DictConfig) -> Path:
-    """Create the run directory, or check that an existing one belongs to this config before reusing it."""
+    """Create the run directory, or check that an existing one belongs to this config before reusing it.
+    The resolved config is written only once the resume is known to be possible (`save_config`)."""
     run_dir = Path(cfg.logging.output_dir)
     saved = run_dir / "config.yaml"
     if saved.is_file():
@@ -65,8 +66,11 @@ def prepare_run_dir(cfg: DictConfig) -> Path:
         for key in sorted(k for k in new_flat if old_flat.get(k) != new_flat[k]):
             log.info("config change since the run's last start: %s %s -> %s", key, old_flat.get(key), new_flat[key])
     run_dir.mkdir(parents=True, exist_ok=True)
-    saved.write_text(OmegaConf.to_yaml(cfg))
     return run_dir
+
+
+def save_config(run_dir: Path, cfg: DictConfig) -> None:
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
 
 
 def global_batch(cfg: DictConfig, world_size: int = 1) -> int:
@@ -182,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("config error: training.max_steps=%d is below the step of %s; raise it to continue",
                   t.max_steps, checkpointer.last_complete)
         return 2
+    save_config(run_dir, cfg)
     apply_compile(model, t.compile_model)
     log.info("MMDiT %.2fM params, text encoder %.2fM; global batch %d; steps %d -> %d; run dir %s",
              sum(p.numel() for p in model.transformer.parameters()) / 1e6,

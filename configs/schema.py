@@ -27,7 +27,7 @@ class ModelConfig:
 class TextEncoderConfig:
     dim: int = 128  # width of the jointly trained text encoder (joint and pooled dims of the MMDiT)
     num_layers: int = 1  # transformer layers over the caption; 0 is a bag of embeddings
-    num_heads: int = 4
+    num_heads: int = 4  # attention heads of the text encoder; must divide its dim
 
 
 @dataclass
@@ -71,9 +71,9 @@ class TrainingConfig:
 @dataclass
 class OptimizerConfig:
     lr: float = 2e-3  # peak learning rate after warmup
-    beta1: float = 0.9
+    beta1: float = 0.9  # momentum: smoother updates against slower reaction
     beta2: float = 0.99  # lower adapts faster to changing gradient scale, noisier
-    eps: float = 1e-8
+    eps: float = 1e-8  # Adam denominator floor; larger damps updates of rarely-updated weights
     weight_decay: float = 0.0  # on matmul/conv weights only; regularises, slows fitting
     grad_clip_norm: float = 1.0  # global gradient norm cap; 0 disables; guards against spikes
     warmup_steps: int = 200  # linear warmup: stability early against slower start

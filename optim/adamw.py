@@ -7,9 +7,6 @@ import torch.nn as nn
 
 log = logging.getLogger("mmdit")
 
-NO_DECAY_MODULES = (nn.Embedding, nn.LayerNorm, nn.RMSNorm)
-
-
 def decay_groups(model: nn.Module) -> tuple[list[str], list[str]]:
     """(decayed, not decayed) parameter names: biases, norm weights, embeddings and position tables
     (any parameter that is not a Linear/Conv weight) get no decay."""
@@ -19,7 +16,8 @@ def decay_groups(model: nn.Module) -> tuple[list[str], list[str]]:
             if not param.requires_grad:
                 continue
             full = f"{module_name}.{name}" if module_name else name
-            is_matmul_weight = name == "weight" and isinstance(module, (nn.Linear, nn.Conv2d, nn.MultiheadAttention))
+            is_matmul_weight = (name == "weight" and isinstance(module, (nn.Linear, nn.Conv2d))
+                                or name == "in_proj_weight" and isinstance(module, nn.MultiheadAttention))
             (decay if is_matmul_weight else no_decay).append(full)
     return decay, no_decay
 

@@ -164,17 +164,14 @@ class CheckpointWriteError(RuntimeError):
 class Checkpointer:
     """Snapshots on the training thread, writes in the background (or inline when `async_save` is off)."""
 
-    def __init__(self, run_dir: Path, keep_last: int, async_save: bool, fail_on_error: bool, enabled: bool = True):
-        self.run_dir, self.keep_last = Path(run_dir), keep_last
-        self.async_save, self.fail_on_error, self.enabled = async_save, fail_on_error, enabled
+    def __init__(self, run_dir: Path, keep_last: int, async_save: bool, fail_on_error: bool):
+        self.run_dir, self.keep_last, self.fail_on_error = Path(run_dir), keep_last, fail_on_error
         self.buffers: dict[str, dict[str, torch.Tensor]] = {}
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint") if async_save else None
         self.pending: Future | None = None
         self.pending_step = -1
-        self.last_complete: Path | None = None
-        if enabled:
-            remove_leftovers(run_dir)
-            self.last_complete = latest_valid_checkpoint(run_dir)
+        remove_leftovers(run_dir)
+        self.last_complete: Path | None = latest_valid_checkpoint(run_dir)
         self.last_stall_s = 0.0
         self.last_error: str | None = None
 
@@ -203,7 +200,7 @@ class Checkpointer:
     def save(self, step: int, tensors: dict[str, dict[str, torch.Tensor]], meta: dict,
              extra_files: dict[str, str]) -> None:
         """Snapshot now, write (in the background when async). Waits first for a save still in flight."""
-        if not self.enabled or (step == self.pending_step and self.last_error is None):
+        if step == self.pending_step and self.last_error is None:
             return  # e.g. pre-empted right after a periodic save of the same step
         start = time.perf_counter()
         if self.pending is not None and not self.pending.done():

@@ -1,0 +1,49 @@
+import math
+
+import torch
+
+from configs.schema import load_config
+from models.pipeline import build_model, build_tokenizer
+from optim.adamw import decay_groups
+from optim.ema import EMA
+from optim.schedule import warmup_cosine
+
+
+def test_decay_groups_of_the_mmdit():
+    cfg = load_config(overrides=["model.num_layers=2", "model.dual_attention_layers=[0]"])
+    model = build_model(cfg, 3, 32, len(build_tokenizer().vocab))
+    decay, no_decay = decay_groups(model)
+    assert set(decay) | set(no_decay) == {n for n, _ in model.named_parameters()}
+    assert not set(decay) & set(no_decay)
+    for name in decay:  # only matmul / conv weights
+        assert name.endswith("weight") and model.get_parameter(name).dim() >= 2, name
+    expected_no_decay = ["transformer.pos_embed.proj.bias", "transformer.transformer_blocks.0.attn.norm_q.weight",
+                         "transformer.transformer_blocks.0.attn2.norm_k.weight", "text_encoder.token_embedding.weight",
+                         "text_encoder.position_embedding", "text_encoder.final_norm.weight",
+                         "transformer.transformer_blocks.1.ff.net.2.bias"]
+    assert set(expected_no_decay) <= set(no_decay)
+    expected_decay = ["transformer.pos_embed.proj.weight", "transformer.transformer_blocks.0.attn.to_add_out.weight",
+                      "transformer.proj_out.weight", "text_encoder.layers.0.linear1.weight",
+                      "text_encoder.layers.0.self_attn.in_proj_weight"]
+    assert set(expected_decay) <= set(decay)
+    assert "transformer.pos_embed.pos_embed" not in decay + no_decay  # a fixed buffer, never trained
+
+
+def test_warmup_cosine():
+    lrs = [warmup_cosine(s, 1.0, 10, 110, 0.1) for s in range(120)]
+    assert lrs[0] == 0.1 and lrs[9] == 1.0 and math.isclose(lrs[60], 0.55)
+    assert math.isclose(lrs[110], 0.1) and lrs[119] == lrs[110]
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+
+
+def test_ema_follows_with_warm_start():
+    model = torch.nn.Linear(2, 2)
+    ema = EMA(model, decay=0.9)
+    start = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    ema.update(model, num_updates=0)  # warm start: decay (1+0)/(10+0) = 0.1, mostly the new value
+    torch.testing.assert_close(ema.shadow["weight"], 0.1 * start + 0.9)
+    before = ema.shadow["weight"].clone()
+    ema.update(model, num_updates=1000)  # capped at the configured 0.9
+    torch.testing.assert_close(ema.shadow["weight"], 0.9 * before + 0.1)
