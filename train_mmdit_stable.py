@@ -139,15 +139,20 @@ def sample_and_score(model, ema: EMA, tokenizer, cfg: DictConfig, run_dir: Path,
     return fidelity
 
 
-def optimizer_step(model, optimizer, scaler, ema: EMA, step: int, clip_norm: float) -> torch.Tensor:
-    """Unscale, clip, step, then update the EMA; returns the gradient norm before clipping."""
+def optimizer_step(model, optimizer, scaler, ema: EMA, step: int, clip_norm: float) -> tuple[torch.Tensor, bool]:
+    """Unscale, clip, step, then update the EMA; returns the gradient norm before clipping and whether the
+    step was applied. A non-finite gradient norm (a NaN/inf loss gives one) skips the step: weights,
+    optimizer state and EMA stay as they were; in fp16 the scaler still lowers its scale."""
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm or float("inf"))
-    scaler.step(optimizer)
+    applied = bool(torch.isfinite(grad_norm))  # one host sync per step; the fp16 scaler makes one anyway
+    if applied:
+        scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    ema.update(model, step)
-    return grad_norm
+    if applied:
+        ema.update(model, step)
+    return grad_norm, applied
 
 
 def due(done: int, every: int, last: int) -> bool:
@@ -196,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                            cfg.data.num_workers)
     shape = (dataset.latent_channels, dataset.latent_size, dataset.latent_size)
 
-    done, preempted = start_step, False
+    done, preempted, skipped, nonfinite_in_row = start_step, False, 0, 0
     throughput = Throughput()
     preemption = PreemptionHandler()
     profiler = build_profiler(t.enable_profiling, t.profile_steps, run_dir / "tensorboard", rank)
@@ -210,14 +215,25 @@ def main(argv: list[str] | None = None) -> int:
                     group["lr"] = lr
                 model.train()
                 loss = forward_backward(model, batch, cfg, device, scaler)
-                grad_norm = optimizer_step(model, optimizer, scaler, ema, step, o.grad_clip_norm)
+                grad_norm, applied = optimizer_step(model, optimizer, scaler, ema, step, o.grad_clip_norm)
+                nonfinite_in_row = 0 if applied else nonfinite_in_row + 1
+                skipped += not applied
+                if not applied:
+                    log.warning("step %d skipped: loss %s, grad norm %s (%d skipped in a row, %d in all)",
+                                step + 1, loss.item(), grad_norm.item(), nonfinite_in_row, skipped)
+                if nonfinite_in_row >= t.max_nonfinite_steps:
+                    log.error("stopping: %d non-finite steps in a row up to step %d; the last good checkpoint "
+                              "is %s", nonfinite_in_row, step + 1, checkpointer.last_complete)
+                    checkpointer.close()
+                    return 1
                 profiler.step()
                 done = step + 1
                 throughput.add(batch_size)
 
                 if done % cfg.logging.log_every == 0 or done == t.max_steps:
                     write_metrics(metrics, {"step": done, "loss": loss.item(), "lr": lr,
-                                            "grad_norm": grad_norm.item(), "samples_per_s": throughput.rate(),
+                                            "grad_norm": grad_norm.item(), "skipped_steps": skipped,
+                                            "samples_per_s": throughput.rate(),
                                             "checkpoint_stall_s": checkpointer.last_stall_s})
                     log.info("%s loss %.4f lr %.2e grad %.3f %.0f img/s", progress(done, t.max_steps),
                              loss.item(), lr, grad_norm.item(), throughput.rate())

@@ -66,6 +66,7 @@ class TrainingConfig:
     compile_model: bool = False  # torch.compile: faster steps after a slow first one
     enable_profiling: bool = False  # scheduled torch.profiler traces: insight against a slower run
     profile_steps: int = 5  # active steps the profiler records
+    max_nonfinite_steps: int = 20  # non-finite steps in a row before stopping: rides out spikes, stops a diverged run
 
 
 @dataclass
@@ -146,6 +147,7 @@ def validate(cfg: DictConfig) -> None:
                 "model.pos_embed_max_size", "model.sample_size", "text_encoder.dim", "text_encoder.num_heads",
                 "data.num_items", "sampling.steps", "sampling.grid_size", "training.train_batch_size",
                 "training.gradient_accumulation_steps", "training.max_steps", "training.profile_steps",
+                "training.max_nonfinite_steps",
                 "optimizer.lr", "optimizer.eps", "logging.log_every", "checkpoint.keep_last", "loss.loss_scale"]
     for key in positive:
         if not OmegaConf.select(cfg, key) > 0:
