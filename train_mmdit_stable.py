@@ -24,8 +24,9 @@ from optim.adamw import build_adamw
 from optim.ema import EMA
 from optim.schedule import warmup_cosine
 from perf.checkpoint import Checkpointer, optimizer_from_tensors, optimizer_to_tensors, read_checkpoint
+from perf.activation_checkpointing import apply_activation_checkpointing
 from perf.compile import apply_compile
-from perf.precision import autocast, grad_scaler
+from perf.precision import autocast, configure_cuda_math, grad_scaler
 from perf.preemption import PreemptionHandler
 from perf.profiler import build_profiler
 
@@ -184,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = build_adamw(model, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay, device)
     ema = EMA(model, o.ema_decay)
     scaler = grad_scaler(device, t.dtype)
+    configure_cuda_math(device, t.allow_tf32)
     checkpointer = Checkpointer(run_dir, cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
                                 cfg.checkpoint.fail_on_error)
     start_step = resume(checkpointer.last_complete, model, ema, optimizer, scaler)
@@ -192,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
                   t.max_steps, checkpointer.last_complete)
         return 2
     save_config(run_dir, cfg)
-    apply_compile(model, t.compile_model)
+    apply_activation_checkpointing(model, t.activation_checkpointing)
+    apply_compile(model, t.compile_model, t.compile_mode, t.compile_scope)
     log.info("MMDiT %.2fM params, text encoder %.2fM; global batch %d; steps %d -> %d; run dir %s",
              sum(p.numel() for p in model.transformer.parameters()) / 1e6,
              sum(p.numel() for p in model.text_encoder.parameters()) / 1e6,

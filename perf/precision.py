@@ -1,5 +1,5 @@
 """Mixed precision: autocast for bf16/fp16, a GradScaler for fp16. Master weights stay fp32; in fp32 both
-the autocast context and the scaler are no-ops."""
+the autocast context and the scaler are no-ops. On CUDA, TF32 matmuls and cuDNN autotuning are switches."""
 
 from contextlib import nullcontext
 
@@ -16,3 +16,13 @@ def autocast(device: torch.device, dtype: str):
 
 def grad_scaler(device: torch.device, dtype: str) -> torch.amp.GradScaler:
     return torch.amp.GradScaler(device.type, enabled=dtype == "fp16")
+
+
+def configure_cuda_math(device: torch.device, allow_tf32: bool) -> None:
+    """TF32 runs fp32 matmuls/convolutions on tensor cores (10-bit mantissa); cuDNN benchmark picks the
+    fastest convolution algorithm for the fixed input shapes. Nothing changes on other devices."""
+    if device.type != "cuda":
+        return
+    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    torch.backends.cudnn.allow_tf32 = allow_tf32
+    torch.backends.cudnn.benchmark = True

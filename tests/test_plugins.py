@@ -4,9 +4,14 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from torch.utils.checkpoint import checkpoint
 
 import train_mmdit_stable
-from perf.checkpoint import read_checkpoint
+from configs.schema import load_config
+from models.pipeline import build_model, build_tokenizer
+from perf.activation_checkpointing import apply_activation_checkpointing
+from perf.checkpoint import checkpoints, read_checkpoint
 from train_mmdit_stable import main
 
 
@@ -40,17 +45,56 @@ def test_compiled_training_matches_eager(tiny, tmp_path):
     assert main(tiny("training.max_steps=3", run="eager")) == 0
     assert main(tiny("training.max_steps=3", "training.compile_model=true", run="compiled")) == 0
     assert losses(tmp_path / "compiled") == pytest.approx(losses(tmp_path / "eager"), rel=1e-4)
+    eager, compiled = (load_file(checkpoints(tmp_path / r)[-1] / "model.safetensors") for r in ("eager", "compiled"))
+    assert eager.keys() == compiled.keys()
 
 
-def inject_nan(monkeypatch, bad_steps):
-    """Poison the gradients (and loss) of the given 0-based steps, as a diverging batch would."""
+def test_failed_compilation_falls_back_to_eager(tiny, tmp_path, monkeypatch, caplog):
+    calls = []
+
+    def broken_backend(graph, example_inputs):
+        calls.append(graph)
+        raise RuntimeError("injected compiler failure")
+
+    real_apply = train_mmdit_stable.apply_compile
+    monkeypatch.setattr(train_mmdit_stable, "apply_compile",
+                        lambda model, enabled, mode, scope: real_apply(model, enabled, mode, scope, broken_backend))
+    assert main(tiny("training.max_steps=3", run="eager")) == 0
+    assert main(tiny("training.max_steps=3", "training.compile_model=true", run="broken")) == 0
+    assert calls, "the compiler was asked and failed"
+    assert losses(tmp_path / "broken") == losses(tmp_path / "eager")  # then ran eagerly, bit for bit
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_activation_checkpointing_gives_the_same_gradients(every):
+    cfg = load_config(overrides=["model.num_layers=3", "text_encoder.dim=32", "text_encoder.num_heads=2"])
+    tokenizer = build_tokenizer()
+    grads = []
+    for checkpointing in (0, every):
+        torch.manual_seed(0)
+        model = build_model(cfg, 3, 32, len(tokenizer.vocab))
+        for p in model.parameters():  # leave the adaLN-Zero init so every block does real work
+            p.data.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.02)
+        apply_activation_checkpointing(model, checkpointing)
+        g = torch.Generator().manual_seed(1)
+        x, sigma = torch.randn(4, 3, 32, 32, generator=g), torch.rand(4, generator=g)
+        model(x, sigma, {"input_ids": tokenizer(["a red circle in the center"] * 4)}).square().mean().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+    wrapped = [i for i, b in enumerate(model.transformer.transformer_blocks) if getattr(b.forward, "func", None) is checkpoint]
+    assert wrapped == list(range(0, 3, every))
+
+
+def inject_nan(monkeypatch, bad_steps, value=float("nan")):
+    """Poison the gradients (and loss) of the given 0-based steps, as a diverging batch (NaN) or an fp16
+    overflow (inf) would."""
     real = train_mmdit_stable.forward_backward
 
     def forward_backward(model, batch, *args):
         loss = real(model, batch, *args)
         if int(batch["step"]) in bad_steps:
-            next(model.parameters()).grad.fill_(float("nan"))
-            return loss * float("nan")
+            next(model.parameters()).grad.fill_(value)
+            return loss * value
         return loss
 
     monkeypatch.setattr(train_mmdit_stable, "forward_backward", forward_backward)
@@ -74,3 +118,14 @@ def test_nonfinite_steps_in_a_row_stop_the_run(tiny, tmp_path, monkeypatch, capl
     inject_nan(monkeypatch, set(range(2, 100)))
     assert main(tiny("training.max_steps=50", "training.max_nonfinite_steps=3", "logging.save_freq=2")) == 1
     assert "3 non-finite steps in a row up to step 5" in caplog.text and "step_00000002" in caplog.text
+
+
+def test_fp16_overflow_is_skipped_and_lowers_the_loss_scale(tiny, tmp_path, monkeypatch):
+    inject_nan(monkeypatch, {1}, value=float("inf"))
+    assert main(tiny("training.max_steps=3", "training.dtype=fp16", "logging.save_freq=1",
+                     "checkpoint.keep_last=5")) == 0
+    (after_1, meta_1), (after_2, meta_2), _ = (read_checkpoint(p) for p in checkpoints(tmp_path / "run"))
+    assert all(torch.equal(after_1["model"][k], after_2["model"][k]) for k in after_1["model"])
+    assert meta_2["scaler"]["scale"] == meta_1["scaler"]["scale"] / 2  # GradScaler backoff
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped_steps"] for r in rows if "loss" in r] == [0, 1, 1]
