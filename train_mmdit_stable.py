@@ -25,6 +25,7 @@ from optim.ema import EMA
 from optim.schedule import warmup_cosine
 from perf.checkpoint import Checkpointer, optimizer_from_tensors, optimizer_to_tensors, read_checkpoint
 from perf.activation_checkpointing import apply_activation_checkpointing
+from perf.attention import apply_attention_backend
 from perf.compile import apply_compile
 from perf.precision import autocast, configure_cuda_math, grad_scaler
 from perf.preemption import PreemptionHandler
@@ -140,13 +141,14 @@ def sample_and_score(model, ema: EMA, tokenizer, cfg: DictConfig, run_dir: Path,
     return fidelity
 
 
-def optimizer_step(model, optimizer, scaler, ema: EMA, step: int, clip_norm: float) -> tuple[torch.Tensor, bool]:
+def optimizer_step(model, optimizer, scaler, ema: EMA, step: int, clip_norm: float,
+                   guard: bool) -> tuple[torch.Tensor, bool]:
     """Unscale, clip, step, then update the EMA; returns the gradient norm before clipping and whether the
-    step was applied. A non-finite gradient norm (a NaN/inf loss gives one) skips the step: weights,
-    optimizer state and EMA stay as they were; in fp16 the scaler still lowers its scale."""
+    step was applied. With the guard, a non-finite gradient norm (a NaN/inf loss gives one) skips the step:
+    weights, optimizer state and EMA stay as they were; in fp16 the scaler still lowers its scale."""
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm or float("inf"))
-    applied = bool(torch.isfinite(grad_norm))  # one host sync per step; the fp16 scaler makes one anyway
+    applied = bool(torch.isfinite(grad_norm)) if guard else True  # the guard's one host sync per step
     if applied:
         scaler.step(optimizer)
     scaler.update()
@@ -186,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     ema = EMA(model, o.ema_decay)
     scaler = grad_scaler(device, t.dtype)
     configure_cuda_math(device, t.allow_tf32)
+    apply_attention_backend(t.attention_backend, device, t.dtype, cfg.model.attention_head_dim)
     checkpointer = Checkpointer(run_dir, cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
                                 cfg.checkpoint.fail_on_error)
     start_step = resume(checkpointer.last_complete, model, ema, optimizer, scaler)
@@ -200,8 +203,9 @@ def main(argv: list[str] | None = None) -> int:
              sum(p.numel() for p in model.transformer.parameters()) / 1e6,
              sum(p.numel() for p in model.text_encoder.parameters()) / 1e6,
              batch_size, start_step, t.max_steps, run_dir)
-    batches = step_batches(dataset, tokenizer, batch_size, t.seed, rank, world_size, start_step, t.max_steps,
-                           cfg.data.num_workers)
+    d = cfg.data
+    batches = step_batches(dataset, tokenizer, batch_size, t.seed, rank, world_size, start_step, t.max_steps, device,
+                           d.num_workers, d.pin_memory, d.prefetch_factor)
     shape = (dataset.latent_channels, dataset.latent_size, dataset.latent_size)
 
     done, preempted, skipped, nonfinite_in_row = start_step, False, 0, 0
@@ -218,13 +222,14 @@ def main(argv: list[str] | None = None) -> int:
                     group["lr"] = lr
                 model.train()
                 loss = forward_backward(model, batch, cfg, device, scaler)
-                grad_norm, applied = optimizer_step(model, optimizer, scaler, ema, step, o.grad_clip_norm)
+                grad_norm, applied = optimizer_step(model, optimizer, scaler, ema, step, o.grad_clip_norm,
+                                                     guard=t.max_nonfinite_steps > 0)
                 nonfinite_in_row = 0 if applied else nonfinite_in_row + 1
                 skipped += not applied
                 if not applied:
                     log.warning("step %d skipped: loss %s, grad norm %s (%d skipped in a row, %d in all)",
                                 step + 1, loss.item(), grad_norm.item(), nonfinite_in_row, skipped)
-                if nonfinite_in_row >= t.max_nonfinite_steps:
+                if nonfinite_in_row and nonfinite_in_row >= t.max_nonfinite_steps:
                     log.error("stopping: %d non-finite steps in a row up to step %d; the last good checkpoint "
                               "is %s", nonfinite_in_row, step + 1, checkpointer.last_complete)
                     checkpointer.close()

@@ -77,7 +77,13 @@ class Collate:
 
 
 def step_batches(dataset, tokenizer, global_batch: int, seed: int, rank: int, world_size: int,
-                 start_step: int, end_step: int, num_workers: int = 0) -> torch.utils.data.DataLoader:
+                 start_step: int, end_step: int, device: torch.device, num_workers: int = 0,
+                 pin_memory: bool = True, prefetch_factor: int = 2) -> torch.utils.data.DataLoader:
+    """One loader for the whole run (iterated once, so workers live as long as the run). Workers change
+    where items are made, never which: the batches are the same for any worker count."""
     sampler = StepBatchSampler(len(dataset), global_batch, seed, rank, world_size, start_step, end_step)
+    if num_workers < 0:
+        num_workers = 4 if device.type == "cuda" else 0
     return torch.utils.data.DataLoader(StepDataset(dataset), batch_sampler=sampler, collate_fn=Collate(tokenizer),
-                                       num_workers=num_workers)
+                                       num_workers=num_workers, pin_memory=pin_memory and device.type == "cuda",
+                                       prefetch_factor=prefetch_factor if num_workers else None)

@@ -18,3 +18,11 @@ def tiny(tmp_path):
     def make(*extra: str, run: str = "run") -> list[str]:
         return [*TINY, f"logging.output_dir={tmp_path / run}", *extra]
     return make
+
+
+@pytest.fixture(autouse=True)
+def default_attention_kernel():
+    """A run may select another attention kernel for the process; tests start from the default."""
+    from models.attention import sdpa_attention, set_attention_kernel
+    yield
+    set_attention_kernel(sdpa_attention)

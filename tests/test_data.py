@@ -87,7 +87,18 @@ def test_epochs_are_permutations_and_resume_needs_only_the_step():
 
 def test_loader_batches_carry_step_positions_and_tokens():
     loader = step_batches(ShapesDataset(100, 0), build_tokenizer(), global_batch=8, seed=0, rank=1, world_size=2,
-                          start_step=3, end_step=5)
+                          start_step=3, end_step=5, device=torch.device("cpu"))
     batch = next(iter(loader))
     assert batch["step"] == 3 and batch["position"].tolist() == [4, 5, 6, 7]
     assert batch["latents"].shape == (4, 3, 32, 32) and batch["input_ids"].shape == (4, 7)
+
+
+def test_worker_processes_change_nothing_in_the_batches():
+    def batches(workers):
+        loader = step_batches(ShapesDataset(100, 0), build_tokenizer(), global_batch=8, seed=0, rank=0, world_size=1,
+                              start_step=0, end_step=4, device=torch.device("cpu"), num_workers=workers)
+        return list(loader)
+
+    for a, b in zip(batches(0), batches(2)):
+        assert a["step"] == b["step"] and torch.equal(a["position"], b["position"])
+        assert torch.equal(a["latents"], b["latents"]) and torch.equal(a["input_ids"], b["input_ids"])
