@@ -152,10 +152,10 @@ def load_config(path: str | Path = DEFAULT_CONFIG, overrides: list[str] = ()) ->
 def validate(cfg: DictConfig) -> None:
     positive = ["model.patch_size", "model.num_layers", "model.num_attention_heads", "model.attention_head_dim",
                 "model.pos_embed_max_size", "model.sample_size", "text_encoder.dim", "text_encoder.num_heads",
-                "data.num_items", "data.prefetch_factor", "sampling.steps", "sampling.grid_size", "training.train_batch_size",
-                "training.gradient_accumulation_steps", "training.max_steps", "training.profile_steps",
-
-                "optimizer.lr", "optimizer.eps", "logging.log_every", "checkpoint.keep_last", "loss.loss_scale"]
+                "data.num_items", "data.prefetch_factor", "sampling.steps", "sampling.grid_size",
+                "training.train_batch_size", "training.gradient_accumulation_steps", "training.max_steps",
+                "training.profile_steps", "optimizer.lr", "optimizer.eps", "logging.log_every", "checkpoint.keep_last",
+                "loss.loss_scale"]
     for key in positive:
         if not OmegaConf.select(cfg, key) > 0:
             raise ConfigError(f"{key} must be > 0, got {OmegaConf.select(cfg, key)}")
