@@ -129,3 +129,45 @@ def test_fp16_overflow_is_skipped_and_lowers_the_loss_scale(tiny, tmp_path, monk
     assert meta_2["scaler"]["scale"] == meta_1["scaler"]["scale"] / 2  # GradScaler backoff
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped_steps"] for r in rows if "loss" in r] == [0, 1, 1]
+
+
+def count_work(monkeypatch, tiny, run, *overrides):
+    """Transformer forwards, backward calls and host syncs (.item(), bool(tensor)) of one training run."""
+    counts = {"forward": 0, "backward": 0, "sync": 0}
+    real_build, real_backward = train_mmdit_stable.build_model, torch.Tensor.backward
+    real_item, real_bool = torch.Tensor.item, torch.Tensor.__bool__
+
+    def build_model(*args):
+        model = real_build(*args)
+        model.transformer.register_forward_pre_hook(lambda *_: counts.__setitem__("forward", counts["forward"] + 1))
+        return model
+
+    def counted(key, fn):
+        def wrapper(*args, **kwargs):
+            counts[key] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    with monkeypatch.context() as m:
+        m.setattr(train_mmdit_stable, "build_model", build_model)
+        m.setattr(train_mmdit_stable, "sample_and_score", lambda *args: {"color": 0, "shape": 0, "position": 0})
+        m.setattr(torch.Tensor, "backward", counted("backward", real_backward))
+        m.setattr(torch.Tensor, "item", counted("sync", real_item))
+        m.setattr(torch.Tensor, "__bool__", counted("sync", real_bool))
+        assert main(tiny(*overrides, "logging.log_every=1000", "training.gradient_accumulation_steps=2", run=run)) == 0
+    return counts
+
+
+def test_plugins_off_add_no_work_to_a_step(tiny, monkeypatch):
+    """With every plugin off, each optimizer step does exactly `accumulation` forwards and backwards and no
+    host synchronisation: the per-step difference between a 4-step and a 2-step run."""
+    off = ["training.max_nonfinite_steps=0", "checkpoint.async_save=false"]
+    short = count_work(monkeypatch, tiny, "short", "training.max_steps=2", *off)
+    long = count_work(monkeypatch, tiny, "long", "training.max_steps=4", *off)
+    per_step = {k: (long[k] - short[k]) / 2 for k in long}
+    assert per_step == {"forward": 2, "backward": 2, "sync": 0}
+    # the test sees a sync when there is one: the non-finite guard's one per step
+    guard = ["training.max_nonfinite_steps=5", "checkpoint.async_save=false"]
+    guarded_short = count_work(monkeypatch, tiny, "guarded_short", "training.max_steps=2", *guard)
+    guarded_long = count_work(monkeypatch, tiny, "guarded_long", "training.max_steps=4", *guard)
+    assert (guarded_long["sync"] - guarded_short["sync"]) / 2 == 1
