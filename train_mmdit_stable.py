@@ -184,10 +184,11 @@ def main(argv: list[str] | None = None) -> int:
 
     t, o = cfg.training, cfg.optimizer
     batch_size = global_batch(cfg, world_size)
-    optimizer = build_adamw(model, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay, device)
+    optimizer = build_adamw(model, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay, device, o.fused)
     ema = EMA(model, o.ema_decay)
     scaler = grad_scaler(device, t.dtype)
     configure_cuda_math(device, t.allow_tf32)
+    log.info("device %s, precision %s%s", device, t.dtype, " with a GradScaler" if scaler.is_enabled() else "")
     apply_attention_backend(t.attention_backend, device, t.dtype, cfg.model.attention_head_dim)
     checkpointer = Checkpointer(run_dir, cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
                                 cfg.checkpoint.fail_on_error)

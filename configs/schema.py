@@ -82,6 +82,7 @@ class OptimizerConfig:
     beta1: float = 0.9  # momentum: smoother updates against slower reaction
     beta2: float = 0.99  # lower adapts faster to changing gradient scale, noisier
     eps: float = 1e-8  # Adam denominator floor; larger damps updates of rarely-updated weights
+    fused: bool = True  # one fused AdamW kernel where the device has one (CUDA, CPU), else foreach
     weight_decay: float = 0.0  # on matmul/conv weights only; regularises, slows fitting
     grad_clip_norm: float = 1.0  # global gradient norm cap; 0 disables; guards against spikes
     warmup_steps: int = 200  # linear warmup: stability early against slower start

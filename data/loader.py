@@ -6,11 +6,14 @@ permutation of the dataset keyed by (seed, epoch). Rank r of W takes the contigu
 resuming at step s needs nothing but s.
 """
 
+import logging
 from functools import lru_cache
 
 import torch
 
 from models.rectified_flow import ORDER_STREAM, sample_key
+
+log = logging.getLogger("mmdit")
 
 
 class StepBatchSampler:
@@ -84,6 +87,9 @@ def step_batches(dataset, tokenizer, global_batch: int, seed: int, rank: int, wo
     sampler = StepBatchSampler(len(dataset), global_batch, seed, rank, world_size, start_step, end_step)
     if num_workers < 0:
         num_workers = 4 if device.type == "cuda" else 0
+    if num_workers:
+        log.info("data loading: %d workers, prefetch %d, pinned memory %s", num_workers, prefetch_factor,
+                 pin_memory and device.type == "cuda")
     return torch.utils.data.DataLoader(StepDataset(dataset), batch_sampler=sampler, collate_fn=Collate(tokenizer),
                                        num_workers=num_workers, pin_memory=pin_memory and device.type == "cuda",
                                        prefetch_factor=prefetch_factor if num_workers else None)

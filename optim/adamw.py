@@ -23,11 +23,11 @@ def decay_groups(model: nn.Module) -> tuple[list[str], list[str]]:
 
 
 def build_adamw(model: nn.Module, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                device: torch.device) -> torch.optim.AdamW:
+                device: torch.device, fused: bool = True) -> torch.optim.AdamW:
     params = dict(model.named_parameters())
     decay, no_decay = decay_groups(model)
     groups = [{"params": [params[n] for n in decay], "weight_decay": weight_decay},
               {"params": [params[n] for n in no_decay], "weight_decay": 0.0}]
-    impl = "fused" if device.type in ("cuda", "cpu") else "foreach"
+    impl = "fused" if fused and device.type in ("cuda", "cpu") else "foreach"
     log.info("AdamW (%s): %d tensors decayed, %d not", impl, len(decay), len(no_decay))
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **{impl: True})

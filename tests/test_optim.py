@@ -4,7 +4,7 @@ import torch
 
 from configs.schema import load_config
 from models.pipeline import build_model, build_tokenizer
-from optim.adamw import decay_groups
+from optim.adamw import build_adamw, decay_groups
 from optim.ema import EMA
 from optim.schedule import warmup_cosine
 
@@ -47,3 +47,21 @@ def test_ema_follows_with_warm_start():
     before = ema.shadow["weight"].clone()
     ema.update(model, num_updates=1000)  # capped at the configured 0.9
     torch.testing.assert_close(ema.shadow["weight"], 0.9 * before + 0.1)
+
+
+def test_fused_adamw_trains_like_foreach():
+    """Same update rule, one kernel: equal within fp32 rounding."""
+    results = []
+    for fused in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+        opt = build_adamw(model, 1e-2, (0.9, 0.99), 1e-8, 0.1, torch.device("cpu"), fused=fused)
+        assert opt.defaults["fused"] is (True if fused else None) and opt.defaults["foreach"] is (None if fused else True)
+        for step in range(5):
+            g = torch.Generator().manual_seed(step)
+            model(torch.randn(32, 8, generator=g)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
