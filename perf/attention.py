@@ -1,6 +1,6 @@
 """Attention backends: flash-attn (FlashAttention-3 on Hopper where installed, else FlashAttention-2) ->
-PyTorch SDPA -> math. `auto` picks the best one available for the device, dtype and head dim (on CPU the
-math kernel, measured fastest there); any fallback is reported once with its reason."""
+PyTorch SDPA -> math. `auto` picks the best one available for the device, dtype and head dim; any fallback
+is reported once with its reason."""
 
 import importlib.util
 import logging
@@ -34,14 +34,11 @@ def flash_unsupported_reason(device: torch.device, dtype: str, head_dim: int, mo
 
 def select_attention_backend(requested: str, device: torch.device, dtype: str, head_dim: int,
                              module: str | None) -> tuple[str, str | None]:
-    """(backend, reason for not using the requested / best one). On CPU, `auto` picks the math kernel:
-    benchmarks/ablation.py measured SDPA 12% slower per training step there (benchmarks/RESULTS.md)."""
+    """(backend, reason for not using the requested / best one)."""
     if requested in ("auto", "flash"):
         reason = flash_unsupported_reason(device, dtype, head_dim, module)
         if reason is None:
             return "flash", None
-        if requested == "auto" and device.type == "cpu":
-            return "math", reason + "; math is faster than SDPA on CPU"
         return "sdpa", reason
     return requested, None
 
