@@ -27,6 +27,7 @@ from perf.checkpoint import Checkpointer, optimizer_from_tensors, optimizer_to_t
 from perf.activation_checkpointing import apply_activation_checkpointing
 from perf.attention import apply_attention_backend
 from perf.compile import apply_compile
+from perf.nonfinite import NonFiniteGuard
 from perf.precision import autocast, configure_cuda_math, grad_scaler
 from perf.preemption import PreemptionHandler
 from perf.profiler import build_profiler
@@ -209,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
                            d.num_workers, d.pin_memory, d.prefetch_factor)
     shape = (dataset.latent_channels, dataset.latent_size, dataset.latent_size)
 
-    done, preempted, skipped, nonfinite_in_row = start_step, False, 0, 0
+    done, preempted = start_step, False
+    guard = NonFiniteGuard(t.max_nonfinite_steps)
     throughput = Throughput()
     preemption = PreemptionHandler()
     profiler = build_profiler(t.enable_profiling, t.profile_steps, run_dir / "tensorboard", rank)
@@ -224,15 +226,8 @@ def main(argv: list[str] | None = None) -> int:
                 model.train()
                 loss = forward_backward(model, batch, cfg, device, scaler)
                 grad_norm, applied = optimizer_step(model, optimizer, scaler, ema, step, o.grad_clip_norm,
-                                                     guard=t.max_nonfinite_steps > 0)
-                nonfinite_in_row = 0 if applied else nonfinite_in_row + 1
-                skipped += not applied
-                if not applied:
-                    log.warning("step %d skipped: loss %s, grad norm %s (%d skipped in a row, %d in all)",
-                                step + 1, loss.item(), grad_norm.item(), nonfinite_in_row, skipped)
-                if nonfinite_in_row and nonfinite_in_row >= t.max_nonfinite_steps:
-                    log.error("stopping: %d non-finite steps in a row up to step %d; the last good checkpoint "
-                              "is %s", nonfinite_in_row, step + 1, checkpointer.last_complete)
+                                                     guard.enabled)
+                if guard.diverged(applied, step + 1, loss, grad_norm, checkpointer.last_complete):
                     checkpointer.close()
                     return 1
                 profiler.step()
@@ -241,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 if done % cfg.logging.log_every == 0 or done == t.max_steps:
                     write_metrics(metrics, {"step": done, "loss": loss.item(), "lr": lr,
-                                            "grad_norm": grad_norm.item(), "skipped_steps": skipped,
+                                            "grad_norm": grad_norm.item(), "skipped_steps": guard.skipped,
                                             "samples_per_s": throughput.rate(),
                                             "checkpoint_stall_s": checkpointer.last_stall_s})
                     log.info("%s loss %.4f lr %.2e grad %.3f %.0f img/s", progress(done, t.max_steps),
