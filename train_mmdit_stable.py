@@ -155,7 +155,7 @@ def optimizer_step(model, optimizer, scaler, ema: EMA, step: int, clip_norm: flo
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     if applied:
-        ema.update(model, step)
+        ema.update(step)
     return grad_norm, applied
 
 
@@ -211,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     shape = (dataset.latent_channels, dataset.latent_size, dataset.latent_size)
 
     done, preempted = start_step, False
+    model.train()  # for the whole run: sampling works on a deep copy
     guard = NonFiniteGuard(t.max_nonfinite_steps)
     throughput = Throughput()
     preemption = PreemptionHandler()
@@ -223,7 +224,6 @@ def main(argv: list[str] | None = None) -> int:
                 lr = lr_at(step, cfg)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
-                model.train()
                 loss = forward_backward(model, batch, cfg, device, scaler)
                 grad_norm, applied = optimizer_step(model, optimizer, scaler, ema, step, o.grad_clip_norm,
                                                      guard.enabled)

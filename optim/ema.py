@@ -7,17 +7,18 @@ import torch.nn as nn
 class EMA:
     def __init__(self, model: nn.Module, decay: float):
         self.decay = decay
-        self.shadow = {n: p.detach().float().clone() for n, p in model.named_parameters() if p.requires_grad}
+        trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.shadow = {n: p.detach().float().clone() for n, p in trained}
+        self.params = [p for _, p in trained]  # the same tensors all run long (loads copy into them)
 
     def effective_decay(self, num_updates: int) -> float:
         """Warm start: early on the average must not be dominated by the random init."""
         return min(self.decay, (1 + num_updates) / (10 + num_updates))
 
     @torch.no_grad()
-    def update(self, model: nn.Module, num_updates: int) -> None:
+    def update(self, num_updates: int) -> None:
         decay = self.effective_decay(num_updates)
-        params = [p for n, p in model.named_parameters() if n in self.shadow]
-        torch._foreach_lerp_(list(self.shadow.values()), [p.detach().float() for p in params], 1 - decay)
+        torch._foreach_lerp_(list(self.shadow.values()), [p.detach().float() for p in self.params], 1 - decay)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.shadow

@@ -42,10 +42,10 @@ def test_ema_follows_with_warm_start():
     start = model.weight.detach().clone()
     with torch.no_grad():
         model.weight.fill_(1.0)
-    ema.update(model, num_updates=0)  # warm start: decay (1+0)/(10+0) = 0.1, mostly the new value
+    ema.update(num_updates=0)  # warm start: decay (1+0)/(10+0) = 0.1, mostly the new value
     torch.testing.assert_close(ema.shadow["weight"], 0.1 * start + 0.9)
     before = ema.shadow["weight"].clone()
-    ema.update(model, num_updates=1000)  # capped at the configured 0.9
+    ema.update(num_updates=1000)  # capped at the configured 0.9
     torch.testing.assert_close(ema.shadow["weight"], 0.9 * before + 0.1)
 
 
