@@ -23,10 +23,13 @@ from models.rectified_flow import draw_sample_noise, interpolate, per_sample_los
 from optim.adamw import build_adamw
 from optim.ema import EMA
 from optim.schedule import warmup_cosine
-from perf.checkpoint import Checkpointer, optimizer_from_tensors, optimizer_to_tensors, read_checkpoint
+from perf.checkpoint import (Checkpointer, NullCheckpointer, optimizer_from_tensors, optimizer_to_tensors,
+                             read_checkpoint)
 from perf.activation_checkpointing import apply_activation_checkpointing
 from perf.attention import apply_attention_backend
 from perf.compile import apply_compile
+from perf.distributed import (World, broadcast_from_main, check_all_parameters_used, destroy_distributed,
+                              init_distributed, mean_over_ranks, sync_gradients, unwrap, world_from_env, wrap_ddp)
 from perf.nonfinite import NonFiniteGuard
 from perf.precision import autocast, configure_cuda_math, grad_scaler
 from perf.preemption import PreemptionHandler
@@ -49,7 +52,7 @@ def resolve_device(name: str) -> torch.device:
                         "cpu" if name == "auto" else name)
 
 
-def prepare_run_dir(cfg: DictConfig) -> Path:
+def prepare_run_dir(cfg: DictConfig, world_size: int) -> Path:
     """Create the run directory, or check that an existing one belongs to this config before reusing it.
     The resolved config is written only once the resume is known to be possible (`save_config`)."""
     run_dir = Path(cfg.logging.output_dir)
@@ -57,11 +60,15 @@ def prepare_run_dir(cfg: DictConfig) -> Path:
     if saved.is_file():
         try:
             old = OmegaConf.load(saved)
+            old_world = json.loads((run_dir / "world.json").read_text())["world_size"] \
+                if (run_dir / "world.json").is_file() else 1
         except Exception as e:
-            raise ConfigError(f"{saved} is unreadable ({e}); fix it or choose another logging.output_dir") from None
+            raise ConfigError(f"{saved} or world.json is unreadable ({e}); fix it or choose another "
+                              f"logging.output_dir") from None
         changed = [k for k in RUN_IDENTITY_KEYS if OmegaConf.select(old, k) != OmegaConf.select(cfg, k)]
-        if global_batch(old) != global_batch(cfg):
-            changed.append("global batch (training.train_batch_size * training.gradient_accumulation_steps)")
+        if global_batch(old, old_world) != global_batch(cfg, world_size):
+            changed.append(f"global batch (training.train_batch_size * training.gradient_accumulation_steps * "
+                           f"world size: {global_batch(old, old_world)} before, {global_batch(cfg, world_size)} now)")
         if changed:
             raise ConfigError(f"{run_dir} holds a run with different {changed}; choose another "
                               f"logging.output_dir or restore those settings (nothing was changed on disk)")
@@ -72,8 +79,9 @@ def prepare_run_dir(cfg: DictConfig) -> Path:
     return run_dir
 
 
-def save_config(run_dir: Path, cfg: DictConfig) -> None:
+def save_config(run_dir: Path, cfg: DictConfig, world_size: int) -> None:
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    (run_dir / "world.json").write_text(json.dumps({"world_size": world_size}))
 
 
 def global_batch(cfg: DictConfig, world_size: int = 1) -> int:
@@ -115,14 +123,16 @@ def forward_backward(model, batch: dict, cfg: DictConfig, device: torch.device, 
     sigma_all = training_sigmas(draws, f.sigma_sampling, f.logit_mean, f.logit_std, f.shift)
     drop_all = draws.dropout_uniform < cfg.data.caption_dropout
     total = torch.zeros((), device=device)
-    for start in range(0, len(positions), cfg.training.train_batch_size):
+    starts = range(0, len(positions), cfg.training.train_batch_size)
+    for start in starts:
         part = slice(start, start + cfg.training.train_batch_size)
         x0, noise, sigma = x0_all[part], draws.noise[part], sigma_all[part]
         text = drop_captions({k: v[part] for k, v in text_all.items()}, drop_all[part])
-        with autocast(device, cfg.training.dtype):
-            v_pred = model(interpolate(x0, noise, sigma), sigma, text)
-        loss = per_sample_loss(v_pred, x0, noise).sum() / len(positions)
-        scaler.scale(loss * cfg.loss.loss_scale).backward()
+        with sync_gradients(model, last_micro_step=start == starts[-1]):
+            with autocast(device, cfg.training.dtype):
+                v_pred = model(interpolate(x0, noise, sigma), sigma, text)
+            loss = per_sample_loss(v_pred, x0, noise).sum() / len(positions)
+            scaler.scale(loss * cfg.loss.loss_scale).backward()
         total += loss.detach()
     return total
 
@@ -130,7 +140,7 @@ def forward_backward(model, batch: dict, cfg: DictConfig, device: torch.device, 
 def sample_and_score(model, ema: EMA, tokenizer, cfg: DictConfig, run_dir: Path, step: int,
                      shape: tuple) -> dict[str, float]:
     """EMA-weight samples for all 90 prompts: prompt fidelity, and a captioned grid PNG."""
-    sampler_model = copy.deepcopy(model).eval()
+    sampler_model = copy.deepcopy(unwrap(model)).eval()
     ema.copy_to(sampler_model)
     prompts = all_prompts()
     captions = [caption(*p) for p in prompts]
@@ -169,22 +179,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config over the typed schema")
     parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. training.max_steps=50")
     args = parser.parse_args(argv)
-    rank, world_size = 0, 1
-    setup_logging(rank)
+    world = world_from_env()
+    setup_logging(world.rank)
     try:
         cfg = load_config(args.config, args.overrides)
         device = resolve_device(cfg.training.device)
-        dataset = ShapesDataset(cfg.data.num_items, cfg.training.seed)
-        tokenizer = build_tokenizer()
-        torch.manual_seed(cfg.training.seed)
-        model = build_model(cfg, dataset.latent_channels, dataset.latent_size, len(tokenizer.vocab)).to(device)
-        run_dir = prepare_run_dir(cfg)
-    except ConfigError as e:
+    except ConfigError as e:  # every rank reads the same config, so every rank stops here
         log.error("config error: %s", e)
         return 2
+    device = init_distributed(world, device, cfg.training.dist_timeout_s)
+    try:
+        return train(cfg, world, device)
+    finally:
+        destroy_distributed()
 
+
+def train(cfg: DictConfig, world: World, device: torch.device) -> int:
     t, o = cfg.training, cfg.optimizer
-    batch_size = global_batch(cfg, world_size)
+    dataset = ShapesDataset(cfg.data.num_items, t.seed)
+    tokenizer = build_tokenizer()
+    torch.manual_seed(t.seed)
+    run_dir, error = Path(cfg.logging.output_dir), None
+    try:  # the same on every rank; only rank 0 touches the run directory, the others learn its verdict
+        model = build_model(cfg, dataset.latent_channels, dataset.latent_size, len(tokenizer.vocab)).to(device)
+        if world.is_main:
+            prepare_run_dir(cfg, world.world_size)
+    except ConfigError as e:
+        error = str(e)
+    error = broadcast_from_main(error)
+    if error:
+        log.error("config error: %s", error)
+        return 2
+
+    batch_size = global_batch(cfg, world.world_size)
     optimizer = build_adamw(model, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay, device, o.fused)
     ema = EMA(model, o.ema_decay)
     scaler = grad_scaler(device, t.dtype)
@@ -192,22 +219,25 @@ def main(argv: list[str] | None = None) -> int:
     log.info("device %s, precision %s%s", device, t.dtype, " with a GradScaler" if scaler.is_enabled() else "")
     apply_attention_backend(t.attention_backend, device, t.dtype, cfg.model.attention_head_dim)
     checkpointer = Checkpointer(run_dir, cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
-                                cfg.checkpoint.fail_on_error)
-    start_step = resume(checkpointer.last_complete, model, ema, optimizer, scaler)
+                                cfg.checkpoint.fail_on_error) if world.is_main else NullCheckpointer()
+    resume_from = broadcast_from_main(checkpointer.last_complete)  # every rank loads rank 0's choice
+    start_step = resume(resume_from, model, ema, optimizer, scaler)
     if start_step > t.max_steps:
         log.error("config error: training.max_steps=%d is below the step of %s; raise it to continue",
-                  t.max_steps, checkpointer.last_complete)
+                  t.max_steps, resume_from)
         return 2
-    save_config(run_dir, cfg)
+    if world.is_main:
+        save_config(run_dir, cfg, world.world_size)
     apply_activation_checkpointing(model, t.activation_checkpointing)
     apply_compile(model, t.compile_model, t.compile_mode, t.compile_scope)
-    log.info("MMDiT %.2fM params, text encoder %.2fM; global batch %d; steps %d -> %d; run dir %s",
-             sum(p.numel() for p in model.transformer.parameters()) / 1e6,
-             sum(p.numel() for p in model.text_encoder.parameters()) / 1e6,
-             batch_size, start_step, t.max_steps, run_dir)
+    model = wrap_ddp(model, world, device, t.ddp_bucket_cap_mb)  # after compile, as DDP's graph splitting wants
+    log.info("MMDiT %.2fM params, text encoder %.2fM; global batch %d over %d process(es); steps %d -> %d; "
+             "run dir %s", sum(p.numel() for p in unwrap(model).transformer.parameters()) / 1e6,
+             sum(p.numel() for p in unwrap(model).text_encoder.parameters()) / 1e6,
+             batch_size, world.world_size, start_step, t.max_steps, run_dir)
     d = cfg.data
-    batches = step_batches(dataset, tokenizer, batch_size, t.seed, rank, world_size, start_step, t.max_steps, device,
-                           d.num_workers, d.pin_memory, d.prefetch_factor)
+    batches = step_batches(dataset, tokenizer, batch_size, t.seed, world.rank, world.world_size, start_step,
+                           t.max_steps, device, d.num_workers, d.pin_memory, d.prefetch_factor)
     shape = (dataset.latent_channels, dataset.latent_size, dataset.latent_size)
 
     done, preempted = start_step, False
@@ -215,8 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     guard = NonFiniteGuard(t.max_nonfinite_steps)
     throughput = Throughput()
     preemption = PreemptionHandler()
-    profiler = build_profiler(t.enable_profiling, t.profile_steps, run_dir / "tensorboard", rank)
-    with open(run_dir / "metrics.jsonl", "a") as metrics, profiler:
+    profiler = build_profiler(t.enable_profiling, t.profile_steps, run_dir / "tensorboard", world.rank)
+    metrics = MetricsFile(run_dir / "metrics.jsonl", world.is_main)
+    with metrics, profiler:
         try:
             for batch in batches:
                 step = int(batch["step"])
@@ -225,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
                 for group in optimizer.param_groups:
                     group["lr"] = lr
                 loss = forward_backward(model, batch, cfg, device, scaler)
+                if step == start_step:
+                    check_all_parameters_used(model)
                 grad_norm, applied = optimizer_step(model, optimizer, scaler, ema, step, o.grad_clip_norm,
                                                      guard.enabled)
                 if guard.diverged(applied, step + 1, loss, grad_norm, checkpointer.last_complete):
@@ -235,14 +268,16 @@ def main(argv: list[str] | None = None) -> int:
                 throughput.add(batch_size)
 
                 if done % cfg.logging.log_every == 0 or done == t.max_steps:
-                    write_metrics(metrics, {"step": done, "loss": loss.item(), "lr": lr,
-                                            "grad_norm": grad_norm.item(), "skipped_steps": guard.skipped,
-                                            "samples_per_s": throughput.rate(),
-                                            "checkpoint_stall_s": checkpointer.last_stall_s})
+                    loss = mean_over_ranks(loss).item()  # every rank reaches this step, so no rank waits alone
+                    rate = throughput.rate()
+                    metrics.write({"step": done, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
+                                   "skipped_steps": guard.skipped, "samples_per_s": rate,
+                                   "samples_per_s_per_rank": rate / world.world_size,
+                                   "checkpoint_stall_s": checkpointer.last_stall_s})
                     log.info("%s loss %.4f lr %.2e grad %.3f %.0f img/s", progress(done, t.max_steps),
-                             loss.item(), lr, grad_norm.item(), throughput.rate())
+                             loss, lr, grad_norm.item(), rate)
                     throughput.reset()
-                if due(done, cfg.sampling.every, t.max_steps):
+                if due(done, cfg.sampling.every, t.max_steps) and world.is_main:
                     report_fidelity(sample_and_score(model, ema, tokenizer, cfg, run_dir, done, shape), done, metrics)
                 if due(done, cfg.logging.save_freq, t.max_steps):
                     save(checkpointer, done, model, ema, optimizer, scaler, cfg)
@@ -258,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         if preempted:
             log.info("pre-empted: checkpoint of step %d written, exiting cleanly", done)
+            return 0
+        if not world.is_main:
             return 0
         fidelity = sample_and_score(model, ema, tokenizer, cfg, run_dir, t.max_steps, shape)
         report_fidelity(fidelity, t.max_steps, metrics)
@@ -280,9 +317,23 @@ class Throughput:
         return self.samples / max(time.perf_counter() - self.start, 1e-9)
 
 
-def write_metrics(metrics, record: dict) -> None:
-    metrics.write(json.dumps({**record, "time": time.time()}) + "\n")
-    metrics.flush()
+class MetricsFile:
+    """metrics.jsonl, one JSON object per logged step; on ranks other than 0 writing is a no-op."""
+
+    def __init__(self, path: Path, enabled: bool):
+        self.file = open(path, "a") if enabled else None
+
+    def write(self, record: dict) -> None:
+        if self.file:
+            self.file.write(json.dumps({**record, "time": time.time()}) + "\n")
+            self.file.flush()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.file:
+            self.file.close()
 
 
 def progress(done: int, total: int, width: int = 20) -> str:
@@ -291,14 +342,14 @@ def progress(done: int, total: int, width: int = 20) -> str:
 
 
 def report_fidelity(fidelity: dict[str, float], step: int, metrics) -> None:
-    write_metrics(metrics, {"step": step, **{f"fidelity/{k}": v for k, v in fidelity.items()}})
+    metrics.write({"step": step, **{f"fidelity/{k}": v for k, v in fidelity.items()}})
     log.info("prompt fidelity at step %d (90 prompts): color %.2f  shape %.2f  position %.2f", step,
              fidelity["color"], fidelity["shape"], fidelity["position"])
 
 
 def save(checkpointer: Checkpointer, step: int, model, ema: EMA, optimizer, scaler, cfg: DictConfig) -> None:
     optim_tensors, optim_meta = optimizer_to_tensors(optimizer)
-    tensors = {"model": model.state_dict(), "ema": ema.state_dict(), "optimizer": optim_tensors}
+    tensors = {"model": unwrap(model).state_dict(), "ema": ema.state_dict(), "optimizer": optim_tensors}
     meta = {"step": step, "optimizer": optim_meta, "scaler": scaler.state_dict()}
     checkpointer.save(step, tensors, meta, {"config.yaml": OmegaConf.to_yaml(cfg)})
 

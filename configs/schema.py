@@ -73,6 +73,8 @@ class TrainingConfig:
     activation_checkpointing: int = 0  # recompute every k-th block in backward: less memory, ~1/3 more compute; 0 off
     enable_profiling: bool = False  # scheduled torch.profiler traces: insight against a slower run
     profile_steps: int = 5  # active steps the profiler records
+    dist_timeout_s: int = 1800  # DDP: how long a rank waits for the others before the job fails, not hangs
+    ddp_bucket_cap_mb: float = 25.0  # DDP gradient bucket size: larger buckets, fewer all-reduces, less overlap
     max_nonfinite_steps: int = 20  # non-finite steps in a row before stopping a diverged run; 0: no guard (no sync)
 
 
@@ -155,8 +157,8 @@ def validate(cfg: DictConfig) -> None:
                 "model.pos_embed_max_size", "model.sample_size", "text_encoder.dim", "text_encoder.num_heads",
                 "data.num_items", "data.prefetch_factor", "sampling.steps", "sampling.grid_size",
                 "training.train_batch_size", "training.gradient_accumulation_steps", "training.max_steps",
-                "training.profile_steps", "optimizer.lr", "optimizer.eps", "logging.log_every", "checkpoint.keep_last",
-                "loss.loss_scale"]
+                "training.profile_steps", "training.dist_timeout_s", "training.ddp_bucket_cap_mb", "optimizer.lr",
+                "optimizer.eps", "logging.log_every", "checkpoint.keep_last", "loss.loss_scale"]
     for key in positive:
         if not OmegaConf.select(cfg, key) > 0:
             raise ConfigError(f"{key} must be > 0, got {OmegaConf.select(cfg, key)}")

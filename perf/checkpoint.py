@@ -269,3 +269,20 @@ class Checkpointer:
         self.wait()
         if self.executor is not None:
             self.executor.shutdown(wait=True)
+
+
+class NullCheckpointer:
+    """What ranks other than 0 hold: the Checkpointer's interface, writing nothing."""
+
+    last_complete: Path | None = None
+    last_error: str | None = None
+    last_stall_s = 0.0
+
+    def save(self, step: int, tensors: dict, meta: dict, extra_files: dict[str, str]) -> None:
+        pass
+
+    def report_errors(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
