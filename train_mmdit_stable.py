@@ -31,9 +31,11 @@ from perf.compile import apply_compile
 from perf.distributed import (World, broadcast_from_main, check_all_parameters_used, destroy_distributed,
                               init_distributed, mean_over_ranks, sync_gradients, unwrap, world_from_env, wrap_ddp)
 from perf.nonfinite import NonFiniteGuard
+from perf.metrics import RunLogger, save_loss_curve
 from perf.precision import autocast, configure_cuda_math, grad_scaler
 from perf.preemption import PreemptionHandler
 from perf.profiler import build_profiler
+from perf.step_stats import SigmaBuckets, StepTimer, memory_stats, peak_flops, train_flops_per_sample
 
 log = logging.getLogger("mmdit")
 # What an existing run directory's checkpoints and data position mean; a resume must not change them.
@@ -110,7 +112,8 @@ def drop_captions(text: dict, drop: torch.Tensor) -> dict:
             "pooled_prompt_embeds": text["pooled_prompt_embeds"] * keep[:, None]}
 
 
-def forward_backward(model, batch: dict, cfg: DictConfig, device: torch.device, scaler) -> torch.Tensor:
+def forward_backward(model, batch: dict, cfg: DictConfig, device: torch.device, scaler,
+                     sigma_losses: SigmaBuckets) -> torch.Tensor:
     """Loss and gradients of this rank's share of one optimizer step, in micro-batches.
 
     Each sample's loss is divided by the rank's sample count, so gradients are a plain mean over the
@@ -131,14 +134,16 @@ def forward_backward(model, batch: dict, cfg: DictConfig, device: torch.device, 
         with sync_gradients(model, last_micro_step=start == starts[-1]):
             with autocast(device, cfg.training.dtype):
                 v_pred = model(interpolate(x0, noise, sigma), sigma, text)
-            loss = per_sample_loss(v_pred, x0, noise).sum() / len(positions)
+            losses = per_sample_loss(v_pred, x0, noise)
+            loss = losses.sum() / len(positions)
             scaler.scale(loss * cfg.loss.loss_scale).backward()
         total += loss.detach()
+        sigma_losses.add(sigma, losses)
     return total
 
 
-def sample_and_score(model, ema: EMA, tokenizer, cfg: DictConfig, run_dir: Path, step: int,
-                     shape: tuple) -> dict[str, float]:
+def sample_and_score(model, ema: EMA, tokenizer, cfg: DictConfig, run_dir: Path, step: int, shape: tuple,
+                     logger: RunLogger) -> dict[str, float]:
     """EMA-weight samples for all 90 prompts: prompt fidelity, and a captioned grid PNG."""
     sampler_model = copy.deepcopy(unwrap(model)).eval()
     ema.copy_to(sampler_model)
@@ -148,7 +153,12 @@ def sample_and_score(model, ema: EMA, tokenizer, cfg: DictConfig, run_dir: Path,
     images = generate(sampler_model, tokenizer, captions, cfg.training.seed, s.steps, s.cfg_scale, s.shift, shape)
     fidelity = prompt_fidelity(images, prompts)
     shown = torch.linspace(0, len(prompts) - 1, s.grid_size).long().tolist()
-    save_grid(images[shown], [captions[i] for i in shown], run_dir / "samples" / f"step_{step:08d}.png")
+    grid = run_dir / "samples" / f"step_{step:08d}.png"
+    save_grid(images[shown], [captions[i] for i in shown], grid)
+    logger.image(step, "samples", grid, [captions[i] for i in shown])
+    logger.scalars(step, {f"fidelity/{k}": v for k, v in fidelity.items()})
+    log.info("prompt fidelity at step %d (90 prompts): color %.2f  shape %.2f  position %.2f", step,
+             fidelity["color"], fidelity["shape"], fidelity["position"])
     return fidelity
 
 
@@ -243,47 +253,62 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
     done, preempted = start_step, False
     model.train()  # for the whole run: sampling works on a deep copy
     guard = NonFiniteGuard(t.max_nonfinite_steps)
-    throughput = Throughput()
     preemption = PreemptionHandler()
-    profiler = build_profiler(t.enable_profiling, t.profile_steps, run_dir / "tensorboard", world.rank)
-    metrics = MetricsFile(run_dir / "metrics.jsonl", world.is_main)
-    with metrics, profiler:
+    text_tokens = tokenizer([""]).shape[1]
+    tokens_per_sample = (shape[1] // cfg.model.patch_size) * (shape[2] // cfg.model.patch_size) + text_tokens
+    flops_per_sample = train_flops_per_sample(
+        lambda: build_model(cfg, *shape[:2], len(tokenizer.vocab)),
+        lambda: (torch.zeros(1, *shape), torch.full((1,), 0.5), {"input_ids": tokenizer([""])}))
+    peak = peak_flops(device, t.dtype, t.allow_tf32, cfg.logging.peak_tflops)
+    timer, sigma_losses, window = StepTimer(device), SigmaBuckets(device), Throughput(start_step)
+    profiler = build_profiler(t.enable_profiling, t.profile_steps, cfg.profiler, run_dir / "tensorboard",
+                              world.rank, device)
+    with RunLogger(run_dir, cfg, world.is_main) as logger, profiler:
         try:
             for batch in batches:
+                timer.lap("data")
                 step = int(batch["step"])
                 checkpointer.report_errors()
                 lr = lr_at(step, cfg)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
-                loss = forward_backward(model, batch, cfg, device, scaler)
+                loss = forward_backward(model, batch, cfg, device, scaler, sigma_losses)
                 if step == start_step:
                     check_all_parameters_used(model)
+                timer.lap("forward_backward")
                 grad_norm, applied = optimizer_step(model, optimizer, scaler, ema, step, o.grad_clip_norm,
                                                      guard.enabled)
+                timer.lap("optimizer")
                 if guard.diverged(applied, step + 1, loss, grad_norm, checkpointer.last_complete):
                     checkpointer.close()
                     return 1
                 profiler.step()
                 done = step + 1
-                throughput.add(batch_size)
 
                 if done % cfg.logging.log_every == 0 or done == t.max_steps:
-                    loss = mean_over_ranks(loss).item()  # every rank reaches this step, so no rank waits alone
-                    rate = throughput.rate()
-                    metrics.write({"step": done, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
-                                   "skipped_steps": guard.skipped, "samples_per_s": rate,
-                                   "samples_per_s_per_rank": rate / world.world_size,
-                                   "checkpoint_stall_s": checkpointer.last_stall_s})
-                    log.info("%s loss %.4f lr %.2e grad %.3f %.0f img/s", progress(done, t.max_steps),
-                             loss, lr, grad_norm.item(), rate)
-                    throughput.reset()
+                    samples_per_s = batch_size * window.steps_per_s(done)
+                    record = {"loss": mean_over_ranks(loss).item(), "lr": lr, "grad_norm": grad_norm.item(),
+                              "skipped_steps": guard.skipped, **sigma_losses.read(), "samples_per_s": samples_per_s,
+                              "samples_per_s_per_rank": samples_per_s / world.world_size,
+                              "tokens_per_s": samples_per_s * tokens_per_sample,
+                              "tokens_per_s_per_rank": samples_per_s * tokens_per_sample / world.world_size,
+                              "tflops_per_s_per_rank": flops_per_sample * samples_per_s / world.world_size / 1e12,
+                              **timer.read(), **memory_stats(device),
+                              "checkpoint_stall_s": checkpointer.last_stall_s}
+                    if peak:
+                        record["mfu"] = record["tflops_per_s_per_rank"] * 1e12 / peak
+                    logger.scalars(done, record)
+                    log.info("%s loss %.4f lr %.2e grad %.3f %.0f img/s%s", progress(done, start_step, t.max_steps,
+                             window), record["loss"], lr, record["grad_norm"], samples_per_s,
+                             f" MFU {record['mfu']:.1%}" if peak else "")
                 if due(done, cfg.sampling.every, t.max_steps) and world.is_main:
-                    report_fidelity(sample_and_score(model, ema, tokenizer, cfg, run_dir, done, shape), done, metrics)
+                    sample_and_score(model, ema, tokenizer, cfg, run_dir, done, shape, logger)
                 if due(done, cfg.logging.save_freq, t.max_steps):
                     save(checkpointer, done, model, ema, optimizer, scaler, cfg)
                 if preemption.should_stop(device):
                     preempted = True
                     break
+                timer.lap("logging_and_checkpoint")
             save(checkpointer, done, model, ema, optimizer, scaler, cfg)  # the final step is always saved
             checkpointer.close()
         finally:
@@ -296,55 +321,32 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
             return 0
         if not world.is_main:
             return 0
-        fidelity = sample_and_score(model, ema, tokenizer, cfg, run_dir, t.max_steps, shape)
-        report_fidelity(fidelity, t.max_steps, metrics)
+        fidelity = sample_and_score(model, ema, tokenizer, cfg, run_dir, t.max_steps, shape, logger)
     (run_dir / "fidelity.json").write_text(json.dumps(fidelity, indent=1))
+    save_loss_curve(run_dir / "metrics.jsonl", run_dir / "loss_curve.png")
     log.info("done: run directory %s", run_dir)
     return 0
 
 
 class Throughput:
-    def __init__(self):
-        self.reset()
+    """Optimizer steps per second since the last call; the run's elapsed time for the estimate of what is left."""
 
-    def reset(self) -> None:
-        self.start, self.samples = time.perf_counter(), 0
+    def __init__(self, start_step: int):
+        self.start = self.last = time.perf_counter()
+        self.last_step = start_step
 
-    def add(self, samples: int) -> None:
-        self.samples += samples
-
-    def rate(self) -> float:
-        return self.samples / max(time.perf_counter() - self.start, 1e-9)
-
-
-class MetricsFile:
-    """metrics.jsonl, one JSON object per logged step; on ranks other than 0 writing is a no-op."""
-
-    def __init__(self, path: Path, enabled: bool):
-        self.file = open(path, "a") if enabled else None
-
-    def write(self, record: dict) -> None:
-        if self.file:
-            self.file.write(json.dumps({**record, "time": time.time()}) + "\n")
-            self.file.flush()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.file:
-            self.file.close()
+    def steps_per_s(self, step: int) -> float:
+        now = time.perf_counter()
+        rate = (step - self.last_step) / max(now - self.last, 1e-9)
+        self.last, self.last_step = now, step
+        return rate
 
 
-def progress(done: int, total: int, width: int = 20) -> str:
+def progress(done: int, start: int, total: int, window: Throughput, width: int = 20) -> str:
     filled = round(width * done / total)
-    return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total}"
-
-
-def report_fidelity(fidelity: dict[str, float], step: int, metrics) -> None:
-    metrics.write({"step": step, **{f"fidelity/{k}": v for k, v in fidelity.items()}})
-    log.info("prompt fidelity at step %d (90 prompts): color %.2f  shape %.2f  position %.2f", step,
-             fidelity["color"], fidelity["shape"], fidelity["position"])
+    elapsed = window.last - window.start
+    left = elapsed / max(done - start, 1) * (total - done)
+    return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {elapsed:.0f}s <{left:.0f}s"
 
 
 def save(checkpointer: Checkpointer, step: int, model, ema: EMA, optimizer, scaler, cfg: DictConfig) -> None:

@@ -98,10 +98,35 @@ class LossConfig:
 
 
 @dataclass
+class ProfilerConfig:  # the schedule and contents of training.enable_profiling's traces
+    skip_first: int = 5  # steps before the schedule starts: skips start-up effects (allocator, compile)
+    wait: int = 1  # idle steps before each recording cycle
+    warmup: int = 1  # steps traced but discarded each cycle: hides the profiler's own start-up cost
+    repeat: int = 1  # recording cycles of training.profile_steps steps; one trace per cycle and rank
+    cuda: bool = True  # record CUDA kernels too (where there is a GPU)
+    record_shapes: bool = True  # input shapes per op (Operator view by shape); bigger traces
+    profile_memory: bool = True  # allocations per op (Memory view); some overhead
+    with_stack: bool = False  # Python source lines per op; much bigger traces and slower
+    memory_snapshot: bool = False  # CUDA only: allocator history over the profiled steps and on OOM (memory_viz)
+
+
+@dataclass
+class WandbConfig:
+    enabled: bool = False  # also log metrics and sample grids to Weights & Biases
+    project: str = "mmdit-stable"  # wandb project
+    entity: Optional[str] = None  # wandb team or user; None: your default
+    name: Optional[str] = None  # run name; None: the run directory's name
+    mode: Literal["online", "offline"] = "online"  # offline writes locally with no network (`wandb sync` later)
+
+
+@dataclass
 class LoggingConfig:
     output_dir: str = "runs/shapes"  # the run directory: config, metrics, samples, checkpoints; resumed if present
     save_freq: int = 1000  # checkpoint every N steps (and at the end); 0 only at the end
-    log_every: int = 100  # metrics line every N steps
+    log_every: int = 100  # metrics line every N steps; each line costs one host sync
+    tensorboard: bool = True  # scalars and sample grids in <run>/tensorboard, next to profiler traces
+    peak_tflops: float = 0.0  # device peak for MFU; 0: the known dense peak of the detected GPU, else no MFU
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 @dataclass
@@ -121,6 +146,7 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
@@ -158,13 +184,15 @@ def validate(cfg: DictConfig) -> None:
                 "data.num_items", "data.prefetch_factor", "sampling.steps", "sampling.grid_size",
                 "training.train_batch_size", "training.gradient_accumulation_steps", "training.max_steps",
                 "training.profile_steps", "training.dist_timeout_s", "training.ddp_bucket_cap_mb", "optimizer.lr",
-                "optimizer.eps", "logging.log_every", "checkpoint.keep_last", "loss.loss_scale"]
+                "optimizer.eps", "logging.log_every", "checkpoint.keep_last", "loss.loss_scale",
+                "profiler.repeat"]
     for key in positive:
         if not OmegaConf.select(cfg, key) > 0:
             raise ConfigError(f"{key} must be > 0, got {OmegaConf.select(cfg, key)}")
     non_negative = ["text_encoder.num_layers", "training.activation_checkpointing", "training.max_nonfinite_steps",
                     "sampling.every", "optimizer.weight_decay", "optimizer.grad_clip_norm", "optimizer.warmup_steps",
-                    "logging.save_freq", "training.seed"]
+                    "logging.save_freq", "training.seed",
+                    "profiler.skip_first", "profiler.wait", "profiler.warmup", "logging.peak_tflops"]
     for key in non_negative:
         if OmegaConf.select(cfg, key) < 0:
             raise ConfigError(f"{key} must be >= 0, got {OmegaConf.select(cfg, key)}")

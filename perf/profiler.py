@@ -1,29 +1,84 @@
-"""Scheduled torch.profiler: traces for TensorBoard's PyTorch Profiler tab, one worker name per rank."""
+"""Scheduled torch.profiler: traces for TensorBoard's PyTorch Profiler tab (and Perfetto), one worker name per
+rank, in the run's TensorBoard folder. It stops itself after its schedule; when off, no profiler exists.
+
+With `profiler.memory_snapshot` on CUDA, the allocator's history over the profiled steps is dumped as a
+pickle for https://pytorch.org/memory_viz, and again if the run dies of out-of-memory.
+"""
 
 import logging
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+from omegaconf import DictConfig
 
 log = logging.getLogger("mmdit")
 
 
-class _Off(nullcontext):
+class Off(nullcontext):
     def step(self) -> None:
         pass
 
 
-def build_profiler(enabled: bool, active_steps: int, trace_dir: Path, rank: int):
+class ScheduledProfiler:
+    def __init__(self, cfg: DictConfig, active_steps: int, trace_dir: Path, rank: int, device: torch.device):
+        self.trace_dir, self.rank = trace_dir, rank
+        self.steps_left = cfg.skip_first + (cfg.wait + cfg.warmup + active_steps) * cfg.repeat
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if cfg.cuda and device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.snapshot = cfg.memory_snapshot and device.type == "cuda"
+        if cfg.memory_snapshot and not self.snapshot:
+            log.warning("profiler.memory_snapshot needs a CUDA device; no snapshot on %s", device)
+        self.profiler = torch.profiler.profile(
+            activities=activities,
+            schedule=torch.profiler.schedule(skip_first=cfg.skip_first, wait=cfg.wait, warmup=cfg.warmup,
+                                             active=active_steps, repeat=cfg.repeat),
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(str(trace_dir), worker_name=f"rank{rank}"),
+            record_shapes=cfg.record_shapes, profile_memory=cfg.profile_memory, with_stack=cfg.with_stack)
+        log.info("profiling %d cycle(s) of %d steps after %d steps into %s (profiling slows those steps)",
+                 cfg.repeat, active_steps, cfg.skip_first + cfg.wait + cfg.warmup, trace_dir)
+
+    def __enter__(self):
+        if self.snapshot:
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
+        self.profiler.start()
+        return self
+
+    def step(self) -> None:
+        """Once per optimizer step; the last step of the schedule writes the trace and stops the profiler."""
+        if self.steps_left <= 0:
+            return
+        self.profiler.step()
+        self.steps_left -= 1
+        if self.steps_left == 0:
+            self.stop()
+
+    def stop(self) -> None:
+        self.profiler.stop()
+        self.dump_memory_snapshot("profiled steps")
+        if self.snapshot:
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self.snapshot = False
+        log.info("profiler finished: traces in %s", self.trace_dir)
+
+    def dump_memory_snapshot(self, reason: str) -> None:
+        if not self.snapshot:
+            return
+        path = self.trace_dir / f"memory_snapshot_rank{self.rank}.pickle"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.cuda.memory._dump_snapshot(str(path))
+        log.info("CUDA memory snapshot (%s) in %s: open it at https://pytorch.org/memory_viz", reason, path)
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if isinstance(exc, torch.OutOfMemoryError):
+            self.dump_memory_snapshot("out of memory")
+        if self.steps_left > 0:  # the run ended inside the schedule: keep what was recorded
+            self.steps_left = 0
+            self.stop()
+
+
+def build_profiler(enabled: bool, active_steps: int, cfg: DictConfig, trace_dir: Path, rank: int,
+                   device: torch.device):
     """A context whose `.step()` is called once per optimizer step; a no-op when disabled."""
-    if not enabled:
-        return _Off()
-    log.info("profiling %d steps into %s (profiling slows training)", active_steps, trace_dir)
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    return torch.profiler.profile(
-        activities=activities,
-        schedule=torch.profiler.schedule(wait=1, warmup=1, active=active_steps, repeat=1),
-        on_trace_ready=torch.profiler.tensorboard_trace_handler(str(trace_dir), worker_name=f"rank{rank}"),
-        record_shapes=True, profile_memory=True)
+    return ScheduledProfiler(cfg, active_steps, trace_dir, rank, device) if enabled else Off()

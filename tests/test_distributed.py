@@ -125,6 +125,13 @@ def test_ddp_with_compile_activation_checkpointing_and_bf16(tmp_path):
     assert diffs.max() < 2e-4 and diffs.mean() < 1e-7, (diffs.max(), diffs.mean())
 
 
+def test_profiler_traces_one_worker_per_rank(tmp_path):
+    from tests.test_observability import PROFILE, load_with_tb_profiler
+    run = [*TINY, "training.max_steps=5", *PROFILE, f"logging.output_dir={tmp_path / 'run'}"]
+    assert [r["status"] for r in spawn(2, train_recording_writes, run, "/nonexistent", tmp_path=tmp_path)] == [0, 0]
+    assert {"rank0", "rank1"} <= set(load_with_tb_profiler(tmp_path / "run" / "tensorboard").workers)
+
+
 def count_gradient_all_reduces(accumulation: int, use_no_sync: bool) -> int:
     """All-reduce calls (one per gradient bucket) during one optimizer step of `forward_backward`."""
     from contextlib import nullcontext
@@ -156,9 +163,10 @@ def count_gradient_all_reduces(accumulation: int, use_no_sync: bool) -> int:
     batch = {"step": 0, "position": torch.arange(world.rank * n, (world.rank + 1) * n),
              "latents": torch.randn(n, 3, 32, 32), "input_ids": tokenizer([caption(*all_prompts()[0])] * n)}
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    train_mmdit_stable.forward_backward(model, batch, cfg, device, scaler)  # DDP rebuilds its buckets after it
+    buckets = train_mmdit_stable.SigmaBuckets(device)
+    train_mmdit_stable.forward_backward(model, batch, cfg, device, scaler, buckets)  # DDP then rebuilds buckets
     calls.clear()
-    train_mmdit_stable.forward_backward(model, batch, cfg, device, scaler)
+    train_mmdit_stable.forward_backward(model, batch, cfg, device, scaler, buckets)
     destroy_distributed()
     return len(calls)
 

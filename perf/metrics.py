@@ -1,0 +1,130 @@
+"""Where a run's numbers and pictures go: metrics.jsonl, TensorBoard and (optionally) Weights & Biases.
+
+Only rank 0 writes; on other ranks every method is a no-op. TensorBoard and wandb are best-effort: a
+missing package or a failing service is one warning, and training goes on with the other sinks.
+"""
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+from PIL import Image, ImageDraw
+
+log = logging.getLogger("mmdit")
+
+
+class RunLogger:
+    def __init__(self, run_dir: Path, cfg: DictConfig, enabled: bool):
+        self.run_dir = run_dir
+        self.jsonl = open(run_dir / "metrics.jsonl", "a") if enabled else None
+        self.tensorboard = start_tensorboard(run_dir / "tensorboard") if enabled and cfg.logging.tensorboard else None
+        self.wandb = start_wandb(run_dir, cfg) if enabled and cfg.logging.wandb.enabled else None
+
+    def scalars(self, step: int, record: dict[str, float]) -> None:
+        if self.jsonl is None:
+            return
+        self.jsonl.write(json.dumps({"step": step, **record, "time": time.time()}) + "\n")
+        self.jsonl.flush()
+        if self.tensorboard:
+            for key, value in record.items():
+                self.tensorboard.add_scalar(key, value, step)
+            self.tensorboard.flush()
+        self.to_wandb(record, step)
+
+    def image(self, step: int, tag: str, path: Path, captions: list[str]) -> None:
+        """A sample grid (a PNG on disk) with its captions."""
+        if self.jsonl is None:
+            return
+        if self.tensorboard:
+            self.tensorboard.add_image(tag, np.asarray(Image.open(path).convert("RGB")), step, dataformats="HWC")
+            self.tensorboard.add_text(f"{tag}/captions", "  \n".join(captions), step)
+            self.tensorboard.flush()
+        if self.wandb:
+            self.to_wandb({tag: self.wandb.Image(str(path), caption=" | ".join(captions))}, step)
+
+    def to_wandb(self, record: dict, step: int) -> None:
+        if not self.wandb:
+            return
+        try:
+            self.wandb.log(record, step=step)
+        except Exception as e:  # a failing service must not stop training
+            log.warning("wandb logging failed (%s: %s); wandb is off for the rest of the run", type(e).__name__, e)
+            self.wandb = None
+
+    def close(self) -> None:
+        if self.jsonl:
+            self.jsonl.close()
+            self.jsonl = None
+        if self.tensorboard:
+            self.tensorboard.close()
+        if self.wandb:
+            try:
+                self.wandb.finish()
+            except Exception as e:
+                log.warning("wandb finish failed: %s", e)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def start_tensorboard(log_dir: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+        return SummaryWriter(str(log_dir))
+    except Exception as e:  # ImportError without the tensorboard package
+        log.warning("TensorBoard logging is off: %s: %s (pip install tensorboard)", type(e).__name__, e)
+        return None
+
+
+def start_wandb(run_dir: Path, cfg: DictConfig):
+    """The wandb module with a started run, or None with a warning."""
+    w = cfg.logging.wandb
+    try:
+        import wandb
+        wandb.init(project=w.project, entity=w.entity, name=w.name or run_dir.name, mode=w.mode, dir=str(run_dir),
+                   config=OmegaConf.to_container(cfg, resolve=True), resume="allow")
+        log.info("wandb: project %s, run %s, mode %s", w.project, w.name or run_dir.name, w.mode)
+        return wandb
+    except Exception as e:  # not installed, no network, bad credentials
+        log.warning("wandb is off: %s: %s; training goes on", type(e).__name__, e)
+        return None
+
+
+def save_loss_curve(metrics_path: Path, out: Path, size: tuple[int, int] = (640, 360)) -> None:
+    """The loss of every logged step (raw, and smoothed) as a PNG with a step axis."""
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines()]
+    points = sorted({r["step"]: r["loss"] for r in rows if "loss" in r}.items())
+    if len(points) < 2:
+        return
+    steps, losses = np.array(points, dtype=float).T
+    smooth, value = [], losses[0]
+    for loss in losses:
+        value = 0.9 * value + 0.1 * loss
+        smooth.append(value)
+    width, height = size
+    left, right, top, bottom = 60, 20, 30, 40
+    lo, hi = float(losses.min()), float(losses.max()) or 1.0
+    hi = hi if hi > lo else lo + 1.0
+
+    def xy(step, loss):
+        x = left + (step - steps[0]) / (steps[-1] - steps[0]) * (width - left - right)
+        return x, top + (hi - loss) / (hi - lo) * (height - top - bottom)
+
+    image = Image.new("RGB", size, "white")
+    draw = ImageDraw.Draw(image)
+    draw.rectangle([left, top, width - right, height - bottom], outline="black")
+    draw.line([xy(s, v) for s, v in zip(steps, losses)], fill=(160, 180, 230), width=1)
+    draw.line([xy(s, v) for s, v in zip(steps, smooth)], fill=(20, 60, 200), width=2)
+    draw.text((left, 8), "training loss (light: logged, dark: smoothed)", fill="black")
+    draw.text((4, top), f"{hi:.3f}", fill="black")
+    draw.text((4, height - bottom - 10), f"{lo:.3f}", fill="black")
+    draw.text((left, height - bottom + 6), f"step {int(steps[0])}", fill="black")
+    draw.text((width - right - 80, height - bottom + 6), f"step {int(steps[-1])}", fill="black")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    image.save(out)

@@ -1,0 +1,123 @@
+"""What a training step costs and achieves: time per phase, memory, FLOPs and MFU, and the loss by noise level.
+
+Everything here accumulates on the device between log steps and is read only when a metrics line is
+written, so it adds no host synchronisation to the steps in between.
+"""
+
+import resource
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch.utils.flop_counter import FlopCounterMode
+
+# Dense peak TFLOP/s of known GPUs (bf16/fp16 tensor cores; TF32 for fp32 when TF32 is allowed; else fp32).
+PEAK_TFLOPS = {  # name fragment: (bf16/fp16, tf32, fp32)
+    "H200": (989.4, 494.7, 66.9), "H100 SXM": (989.4, 494.7, 66.9), "H100 NVL": (835.0, 417.5, 60.0),
+    "H100": (756.0, 378.0, 51.2), "A100": (312.0, 156.0, 19.5), "L40S": (362.1, 183.0, 91.6),
+    "A10G": (70.0, 35.0, 31.2), "RTX 4090": (165.2, 82.6, 82.6), "V100": (125.0, 15.7, 15.7),
+}
+
+
+class SigmaBuckets:
+    """Mean loss per noise-level bucket of σ in [0, 1]: which noise levels the model struggles with."""
+
+    def __init__(self, device: torch.device, count: int = 4):
+        self.count = count
+        self.sums = torch.zeros(count, device=device)
+        self.samples = torch.zeros(count, device=device)
+
+    def add(self, sigma: torch.Tensor, per_sample_loss: torch.Tensor) -> None:
+        bucket = (sigma.detach() * self.count).long().clamp(0, self.count - 1)
+        self.sums.index_add_(0, bucket, per_sample_loss.detach().float())
+        self.samples.index_add_(0, bucket, torch.ones_like(self.samples[bucket]))
+
+    def read(self) -> dict[str, float]:
+        """Means since the last read, over all ranks; resets."""
+        totals = torch.stack([self.sums, self.samples])
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(totals)
+        self.sums.zero_()
+        self.samples.zero_()
+        sums, samples = totals.tolist()
+        return {f"loss_by_sigma/{i / self.count:.2f}-{(i + 1) / self.count:.2f}": s / n
+                for i, (s, n) in enumerate(zip(sums, samples)) if n}
+
+
+class StepTimer:
+    """Seconds per step in each phase. On CUDA the phases are timed by events on the GPU's timeline (read
+    when logging, so no sync per step): "data" there is GPU time lost waiting for the next batch."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.totals: dict[str, float] = defaultdict(float)
+        self.events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self.steps = 0
+        self.last = self.now()
+
+    def now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def lap(self, phase: str) -> None:
+        now = self.now()
+        if self.cuda:
+            self.events.append((phase, self.last, now))
+        else:
+            self.totals[phase] += now - self.last
+        self.last = now
+        self.steps += phase == "data"
+
+    def read(self) -> dict[str, float]:
+        """Mean seconds per step of each phase since the last read; resets."""
+        if self.events:
+            self.events[-1][2].synchronize()
+        for phase, start, end in self.events:
+            self.totals[phase] += start.elapsed_time(end) / 1000
+        steps = max(self.steps, 1)
+        out = {f"time/{phase}_s": total / steps for phase, total in self.totals.items()}
+        out["time/step_s"] = sum(self.totals.values()) / steps
+        self.totals, self.events, self.steps = defaultdict(float), [], 0
+        return out
+
+
+def memory_stats(device: torch.device) -> dict[str, float]:
+    """CUDA allocator figures on GPUs (peak since the last read); process RSS on the CPU."""
+    if device.type == "cuda":
+        stats = {"memory/allocated_gib": torch.cuda.memory_allocated(device) / 2**30,
+                 "memory/peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+                 "memory/reserved_gib": torch.cuda.memory_reserved(device) / 2**30}
+        torch.cuda.reset_peak_memory_stats(device)
+        return stats
+    with open("/proc/self/statm") as f:
+        rss_pages = int(f.read().split()[1])
+    return {"memory/rss_gib": rss_pages * resource.getpagesize() / 2**30,
+            "memory/peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
+def train_flops_per_sample(build, sample_inputs) -> int:
+    """FLOPs of one sample's forward and backward, counted by torch's flop counter on a meta-device copy of
+    the model: no memory, no compute, and attention is counted (the CPU SDPA kernel is not)."""
+    with torch.device("meta"), torch.random.fork_rng(devices=[]):
+        model = build()
+        inputs = sample_inputs()
+    with FlopCounterMode(display=False) as counter:
+        model(*inputs).float().sum().backward()
+    return counter.get_total_flops()
+
+
+def peak_flops(device: torch.device, dtype: str, allow_tf32: bool, configured_tflops: float) -> float | None:
+    """FLOP/s that MFU divides by: the configured figure, else a known GPU's dense peak, else None."""
+    if configured_tflops > 0:
+        return configured_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for fragment, (half, tf32, fp32) in PEAK_TFLOPS.items():
+        if fragment in name:
+            return 1e12 * (half if dtype != "fp32" else tf32 if allow_tf32 else fp32)
+    return None

@@ -1,0 +1,139 @@
+"""The profiler and the numbers and pictures a run shows: traces, metrics.jsonl, TensorBoard, wandb."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from PIL import Image
+
+from configs.schema import load_config
+from models.attention import math_attention, set_attention_kernel
+from models.pipeline import build_model, build_tokenizer
+from perf.profiler import build_profiler
+from perf.step_stats import SigmaBuckets, train_flops_per_sample
+from train_mmdit_stable import main
+
+ROOT = Path(__file__).resolve().parents[1]
+PROFILE = ["training.enable_profiling=true", "training.profile_steps=2", "profiler.skip_first=1"]
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def load_with_tb_profiler(trace_dir: Path):
+    """The run as TensorBoard's PyTorch Profiler tab loads it (torch-tb-profiler's own loader)."""
+    from torch_tb_profiler import io
+    from torch_tb_profiler.profiler.loader import RunLoader
+    return RunLoader("run", str(trace_dir), io.Cache()).load()
+
+
+@pytest.mark.slow
+def test_profiler_trace_loads_into_the_tensorboard_profiler_views(tiny, tmp_path):
+    assert main(tiny("training.max_steps=6", *PROFILE)) == 0
+    traces = list((tmp_path / "run" / "tensorboard").glob("rank0*.pt.trace.json"))
+    assert len(traces) == 1 and json.loads(traces[0].read_text())["traceEvents"]
+    run = load_with_tb_profiler(tmp_path / "run" / "tensorboard")
+    assert run.workers == ["rank0"]
+    assert {"Overview", "Operator", "Trace"} <= {view.display_name for view in run.views}
+
+
+def test_profiler_stops_itself_after_its_schedule(tmp_path):
+    cfg = OmegaConf.structured(load_config().profiler)
+    cfg.skip_first, cfg.repeat = 1, 2
+    with build_profiler(True, 2, cfg, tmp_path, 0, torch.device("cpu")) as profiler:
+        for step in range(12):  # 1 skipped + 2 cycles of (1 wait + 1 warmup + 2 active) = 9 steps
+            torch.ones(8).sum()
+            profiler.step()
+            if step == 7:
+                assert torch.autograd.profiler._is_profiler_enabled
+        assert not torch.autograd.profiler._is_profiler_enabled
+    assert len(list(tmp_path.glob("rank0*.pt.trace.json"))) == 2
+
+
+def test_profiler_off_creates_no_profiler(tiny, tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a profiler was created with profiling off")
+    monkeypatch.setattr(torch.profiler, "profile", refuse)
+    assert main(tiny("training.max_steps=2")) == 0
+    assert not list((tmp_path / "run").rglob("*.pt.trace.json"))
+
+
+def test_metrics_reach_jsonl_and_tensorboard(tiny, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    assert main(tiny("training.max_steps=4", "logging.log_every=2", "logging.peak_tflops=0.1")) == 0
+    run_dir = tmp_path / "run"
+    logged = [r for r in rows(run_dir) if "loss" in r]
+    assert [r["step"] for r in logged] == [2, 4]
+    expected = {"loss", "lr", "grad_norm", "skipped_steps", "samples_per_s", "samples_per_s_per_rank", "tokens_per_s",
+                "tokens_per_s_per_rank", "tflops_per_s_per_rank", "mfu", "time/data_s", "time/forward_backward_s",
+                "time/optimizer_s", "time/step_s", "memory/rss_gib", "memory/peak_rss_gib"}
+    assert expected <= logged[-1].keys()
+    assert any(k.startswith("loss_by_sigma/") for k in logged[-1])
+    tokens = (32 // 4) ** 2 + build_tokenizer()([""]).shape[1]
+    assert logged[-1]["tokens_per_s"] == pytest.approx(logged[-1]["samples_per_s"] * tokens)
+    assert logged[-1]["mfu"] == pytest.approx(logged[-1]["tflops_per_s_per_rank"] / 0.1)
+    events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
+    scalars = events.Tags()["scalars"]
+    assert expected <= set(scalars)
+    assert [e.step for e in events.Scalars("loss")] == [2, 4]
+    assert [e.value for e in events.Scalars("loss")] == pytest.approx([r["loss"] for r in logged])
+    assert events.Tags()["images"] == ["samples"]  # the final sample grid
+    assert Image.open(run_dir / "loss_curve.png").size == (640, 360)
+
+
+def test_sigma_buckets_average_per_noise_level():
+    buckets = SigmaBuckets(torch.device("cpu"))
+    buckets.add(torch.tensor([0.1, 0.2, 0.9, 0.6]), torch.tensor([1.0, 3.0, 5.0, 7.0]))
+    assert buckets.read() == {"loss_by_sigma/0.00-0.25": 2.0, "loss_by_sigma/0.50-0.75": 7.0,
+                              "loss_by_sigma/0.75-1.00": 5.0}
+    assert buckets.read() == {}  # reset after reading
+
+
+def test_flop_count_on_meta_matches_a_real_count():
+    """The meta-device count (what MFU uses) agrees with torch's flop counter on a real model whose attention
+    is plain matmuls, which it counts (within 0.1 %: SDPA's meta decomposition and our math kernel shape their
+    matmuls differently); with the CPU SDPA kernel the real count would miss attention (~8 % of the total)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    cfg = load_config(overrides=["model.num_layers=2", "model.dual_attention_layers=[0]"])
+    vocab = len(build_tokenizer().vocab)
+    inputs = lambda: (torch.zeros(1, 3, 32, 32), torch.full((1,), 0.5), {"input_ids": torch.ones(1, 7).long()})
+    meta = train_flops_per_sample(lambda: build_model(cfg, 3, 32, vocab), inputs)
+    set_attention_kernel(math_attention)
+    with FlopCounterMode(display=False) as counter:
+        build_model(cfg, 3, 32, vocab)(*inputs()).sum().backward()
+    assert meta == pytest.approx(counter.get_total_flops(), rel=1e-3) and meta > 0
+
+
+def test_wandb_offline_writes_a_run_directory(tiny, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    assert main(tiny("training.max_steps=2", "logging.wandb.enabled=true", "logging.wandb.mode=offline")) == 0
+    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    records = list(runs[0].glob("*.wandb"))
+    assert len(runs) == 1 and len(records) == 1
+    assert b"attention_head_dim" in records[0].read_bytes()  # the resolved config is attached
+
+
+def test_a_missing_wandb_is_a_warning(tiny, tmp_path, monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    assert main(tiny("training.max_steps=2", "logging.wandb.enabled=true")) == 0
+    assert "wandb is off" in caplog.text
+    assert [r["step"] for r in rows(tmp_path / "run") if "loss" in r] == [1, 2]
+
+
+@pytest.mark.slow
+def test_launcher_enable_profiling(tmp_path):
+    """ENABLE_PROFILING=true ./train_mmdit_stable.sh: a trace that TensorBoard's profiler tab loads."""
+    from tests.conftest import TINY
+    env = {**os.environ, "ENABLE_PROFILING": "true", "PROFILE_STEPS": "2"}
+    out = subprocess.run([str(ROOT / "train_mmdit_stable.sh"), *TINY, "training.max_steps=10",
+                          f"logging.output_dir={tmp_path}"], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "profiling is on" in out.stderr
+    assert "Trace" in {view.display_name for view in load_with_tb_profiler(tmp_path / "tensorboard").views}
