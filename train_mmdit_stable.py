@@ -27,6 +27,7 @@ from perf.checkpoint import (Checkpointer, NullCheckpointer, optimizer_from_tens
                              read_checkpoint)
 from perf.activation_checkpointing import apply_activation_checkpointing
 from perf.attention import apply_attention_backend
+from perf.batch_sizer import build_batch_sizer
 from perf.compile import apply_compile
 from perf.distributed import (World, broadcast_from_main, check_all_parameters_used, destroy_distributed,
                               init_distributed, mean_over_ranks, sync_gradients, unwrap, world_from_env, wrap_ddp)
@@ -112,12 +113,13 @@ def drop_captions(text: dict, drop: torch.Tensor) -> dict:
             "pooled_prompt_embeds": text["pooled_prompt_embeds"] * keep[:, None]}
 
 
-def forward_backward(model, batch: dict, cfg: DictConfig, device: torch.device, scaler,
-                     sigma_losses: SigmaBuckets) -> torch.Tensor:
+def forward_backward(model, batch: dict, cfg: DictConfig, device: torch.device, scaler, sigma_losses: SigmaBuckets,
+                     micro_batch: int, ddp_sync: bool = True) -> torch.Tensor:
     """Loss and gradients of this rank's share of one optimizer step, in micro-batches.
 
     Each sample's loss is divided by the rank's sample count, so gradients are a plain mean over the
-    rank's samples whatever the micro-batch split."""
+    rank's samples whatever the micro-batch split. Under DDP the last micro-step all-reduces the gradients,
+    unless `ddp_sync` is off (the batch sizer then reduces them itself)."""
     step, positions = int(batch["step"]), batch["position"]
     x0_all = batch["latents"].to(device, non_blocking=True)
     text_all = {k: batch[k].to(device) for k in ("input_ids", "prompt_embeds", "pooled_prompt_embeds") if k in batch}
@@ -126,19 +128,22 @@ def forward_backward(model, batch: dict, cfg: DictConfig, device: torch.device, 
     sigma_all = training_sigmas(draws, f.sigma_sampling, f.logit_mean, f.logit_std, f.shift)
     drop_all = draws.dropout_uniform < cfg.data.caption_dropout
     total = torch.zeros((), device=device)
-    starts = range(0, len(positions), cfg.training.train_batch_size)
+    sigmas, sample_losses = [], []
+    starts = range(0, len(positions), micro_batch)
     for start in starts:
-        part = slice(start, start + cfg.training.train_batch_size)
+        part = slice(start, start + micro_batch)
         x0, noise, sigma = x0_all[part], draws.noise[part], sigma_all[part]
         text = drop_captions({k: v[part] for k, v in text_all.items()}, drop_all[part])
-        with sync_gradients(model, last_micro_step=start == starts[-1]):
+        with sync_gradients(model, last_micro_step=ddp_sync and start == starts[-1]):
             with autocast(device, cfg.training.dtype):
                 v_pred = model(interpolate(x0, noise, sigma), sigma, text)
             losses = per_sample_loss(v_pred, x0, noise)
             loss = losses.sum() / len(positions)
             scaler.scale(loss * cfg.loss.loss_scale).backward()
         total += loss.detach()
-        sigma_losses.add(sigma, losses)
+        sigmas.append(sigma)
+        sample_losses.append(losses.detach())
+    sigma_losses.add(torch.cat(sigmas), torch.cat(sample_losses))  # only once the whole step succeeded
     return total
 
 
@@ -231,7 +236,8 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
     checkpointer = Checkpointer(run_dir, cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
                                 cfg.checkpoint.fail_on_error) if world.is_main else NullCheckpointer()
     resume_from = broadcast_from_main(checkpointer.last_complete)  # every rank loads rank 0's choice
-    start_step = resume(resume_from, model, ema, optimizer, scaler)
+    sizer = build_batch_sizer(cfg, t.train_batch_size, device, world.rank, model)
+    start_step = resume(resume_from, model, ema, optimizer, scaler, sizer)
     if start_step > t.max_steps:
         log.error("config error: training.max_steps=%d is below the step of %s; raise it to continue",
                   t.max_steps, resume_from)
@@ -272,7 +278,8 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
                 lr = lr_at(step, cfg)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
-                loss = forward_backward(model, batch, cfg, device, scaler, sigma_losses)
+                loss = sizer.run(step, lambda micro_batch, ddp_sync: forward_backward(
+                    model, batch, cfg, device, scaler, sigma_losses, micro_batch, ddp_sync), model)
                 if step == start_step:
                     check_all_parameters_used(model)
                 timer.lap("forward_backward")
@@ -294,7 +301,7 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
                               "tokens_per_s_per_rank": samples_per_s * tokens_per_sample / world.world_size,
                               "tflops_per_s_per_rank": flops_per_sample * samples_per_s / world.world_size / 1e12,
                               **timer.read(), **memory_stats(device),
-                              "checkpoint_stall_s": checkpointer.last_stall_s}
+                              **sizer.metrics(), "checkpoint_stall_s": checkpointer.last_stall_s}
                     if peak:
                         record["mfu"] = record["tflops_per_s_per_rank"] * 1e12 / peak
                     logger.scalars(done, record)
@@ -304,12 +311,12 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
                 if due(done, cfg.sampling.every, t.max_steps) and world.is_main:
                     sample_and_score(model, ema, tokenizer, cfg, run_dir, done, shape, logger)
                 if due(done, cfg.logging.save_freq, t.max_steps):
-                    save(checkpointer, done, model, ema, optimizer, scaler, cfg)
+                    save(checkpointer, done, model, ema, optimizer, scaler, sizer, cfg)
                 if preemption.should_stop(device):
                     preempted = True
                     break
                 timer.lap("logging_and_checkpoint")
-            save(checkpointer, done, model, ema, optimizer, scaler, cfg)  # the final step is always saved
+            save(checkpointer, done, model, ema, optimizer, scaler, sizer, cfg)  # the final step is always saved
             checkpointer.close()
         finally:
             preemption.close()
@@ -349,14 +356,14 @@ def progress(done: int, start: int, total: int, window: Throughput, width: int =
     return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {elapsed:.0f}s <{left:.0f}s"
 
 
-def save(checkpointer: Checkpointer, step: int, model, ema: EMA, optimizer, scaler, cfg: DictConfig) -> None:
+def save(checkpointer: Checkpointer, step: int, model, ema: EMA, optimizer, scaler, sizer, cfg: DictConfig) -> None:
     optim_tensors, optim_meta = optimizer_to_tensors(optimizer)
     tensors = {"model": unwrap(model).state_dict(), "ema": ema.state_dict(), "optimizer": optim_tensors}
-    meta = {"step": step, "optimizer": optim_meta, "scaler": scaler.state_dict()}
+    meta = {"step": step, "optimizer": optim_meta, "scaler": scaler.state_dict(), "batch_sizer": sizer.state_dict()}
     checkpointer.save(step, tensors, meta, {"config.yaml": OmegaConf.to_yaml(cfg)})
 
 
-def resume(path: Path | None, model, ema: EMA, optimizer, scaler) -> int:
+def resume(path: Path | None, model, ema: EMA, optimizer, scaler, sizer) -> int:
     """Restore everything exact resumption needs; the data position and noise follow from the step."""
     if path is None:
         return 0
@@ -371,6 +378,7 @@ def resume(path: Path | None, model, ema: EMA, optimizer, scaler) -> int:
         log.warning("the checkpoint was not trained in fp16: the fp16 grad scaler starts fresh")
     else:
         scaler.load_state_dict(meta["scaler"])
+    sizer.load_state_dict(meta.get("batch_sizer", {}))
     log.info("resumed from %s", path)
     return meta["step"]
 

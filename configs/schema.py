@@ -98,6 +98,17 @@ class LossConfig:
 
 
 @dataclass
+class BatchSizerConfig:
+    enabled: bool = False  # on out-of-memory, halve the micro-batch and re-run the step (same math, more steps)
+    grow_after: int = 200  # clean steps before trying twice the micro-batch (up to training.train_batch_size)
+    retry_after: int = 2000  # steps before a micro-batch size that ran out of memory is tried again
+    debug_oom_above: int = -1  # fault injection: a real OutOfMemoryError for micro-batches above this; -1 off
+    debug_oom_ranks: List[int] = field(default_factory=list)  # ranks that inject; empty: all
+    debug_oom_steps: List[int] = field(default_factory=list)  # steps that inject; empty: every step
+    debug_oom_phase: Literal["forward", "backward"] = "forward"  # raise in the forward, or inside the backward
+
+
+@dataclass
 class ProfilerConfig:  # the schedule and contents of training.enable_profiling's traces
     skip_first: int = 5  # steps before the schedule starts: skips start-up effects (allocator, compile)
     wait: int = 1  # idle steps before each recording cycle
@@ -147,6 +158,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    batch_sizer: BatchSizerConfig = field(default_factory=BatchSizerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
@@ -192,7 +204,8 @@ def validate(cfg: DictConfig) -> None:
     non_negative = ["text_encoder.num_layers", "training.activation_checkpointing", "training.max_nonfinite_steps",
                     "sampling.every", "optimizer.weight_decay", "optimizer.grad_clip_norm", "optimizer.warmup_steps",
                     "logging.save_freq", "training.seed",
-                    "profiler.skip_first", "profiler.wait", "profiler.warmup", "logging.peak_tflops"]
+                    "profiler.skip_first", "profiler.wait", "profiler.warmup", "logging.peak_tflops",
+                    "batch_sizer.grow_after", "batch_sizer.retry_after"]
     for key in non_negative:
         if OmegaConf.select(cfg, key) < 0:
             raise ConfigError(f"{key} must be >= 0, got {OmegaConf.select(cfg, key)}")
@@ -208,6 +221,8 @@ def validate(cfg: DictConfig) -> None:
                           f"(the 2-D sin-cos position table splits it four ways)")
     if m.sample_size < m.patch_size:
         raise ConfigError(f"model.sample_size={m.sample_size} must be >= model.patch_size={m.patch_size}")
+    if cfg.batch_sizer.debug_oom_above < -1:
+        raise ConfigError(f"batch_sizer.debug_oom_above must be >= 0, or -1 for off; got {cfg.batch_sizer.debug_oom_above}")
     if cfg.data.num_workers < -1:
         raise ConfigError(f"data.num_workers must be >= 0, or -1 for the device default; got {cfg.data.num_workers}")
     if cfg.flow.shift <= 0 or cfg.sampling.shift <= 0:

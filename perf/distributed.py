@@ -81,8 +81,11 @@ def wrap_ddp(model: nn.Module, world: World, device: torch.device, bucket_cap_mb
     find_unused_parameters stays off: the MMDiT has none, and `check_all_parameters_used` says so loudly."""
     if not world.distributed:
         return model
+    # No buffer broadcast: the only buffer is the constant position table, and a broadcast in every forward
+    # would be a collective that a rank failing mid-step (out of memory) never reaches.
     return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
-                                   bucket_cap_mb=bucket_cap_mb, find_unused_parameters=False)
+                                   bucket_cap_mb=bucket_cap_mb, find_unused_parameters=False,
+                                   broadcast_buffers=False)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

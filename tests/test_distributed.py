@@ -164,9 +164,9 @@ def count_gradient_all_reduces(accumulation: int, use_no_sync: bool) -> int:
              "latents": torch.randn(n, 3, 32, 32), "input_ids": tokenizer([caption(*all_prompts()[0])] * n)}
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     buckets = train_mmdit_stable.SigmaBuckets(device)
-    train_mmdit_stable.forward_backward(model, batch, cfg, device, scaler, buckets)  # DDP then rebuilds buckets
+    train_mmdit_stable.forward_backward(model, batch, cfg, device, scaler, buckets, 2)  # DDP then rebuilds buckets
     calls.clear()
-    train_mmdit_stable.forward_backward(model, batch, cfg, device, scaler, buckets)
+    train_mmdit_stable.forward_backward(model, batch, cfg, device, scaler, buckets, 2)
     destroy_distributed()
     return len(calls)
 
