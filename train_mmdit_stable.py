@@ -5,6 +5,7 @@
 
 import argparse
 import copy
+import dataclasses
 import json
 import logging
 import sys
@@ -18,6 +19,7 @@ from configs.schema import DEFAULT_CONFIG, ConfigError, load_config
 from data.images import save_grid
 from data.loader import step_batches
 from data.shapes import ShapesDataset, all_prompts, caption, prompt_fidelity
+from models.diffusers_io import CheckpointFormatError, load_diffusers_weights, read_config
 from models.pipeline import build_model, build_tokenizer, generate
 from models.rectified_flow import draw_sample_noise, interpolate, per_sample_loss, training_sigmas
 from optim.adamw import build_adamw
@@ -68,7 +70,7 @@ def prepare_run_dir(cfg: DictConfig, world_size: int) -> Path:
         except Exception as e:
             raise ConfigError(f"{saved} or world.json is unreadable ({e}); fix it or choose another "
                               f"logging.output_dir") from None
-        changed = [k for k in RUN_IDENTITY_KEYS if OmegaConf.select(old, k) != OmegaConf.select(cfg, k)]
+        changed = [k for k in RUN_IDENTITY_KEYS if identity(old, k) != identity(cfg, k)]
         if global_batch(old, old_world) != global_batch(cfg, world_size):
             changed.append(f"global batch (training.train_batch_size * training.gradient_accumulation_steps * "
                            f"world size: {global_batch(old, old_world)} before, {global_batch(cfg, world_size)} now)")
@@ -82,9 +84,31 @@ def prepare_run_dir(cfg: DictConfig, world_size: int) -> Path:
     return run_dir
 
 
+def identity(cfg: DictConfig, key: str):
+    """The part of the config under `key` that a resume must keep; where the weights started does not count."""
+    value = OmegaConf.select(cfg, key)
+    if isinstance(value, DictConfig):
+        value = {k: v for k, v in OmegaConf.to_container(value).items() if k != "init_from"}
+    return value
+
+
 def save_config(run_dir: Path, cfg: DictConfig, world_size: int) -> None:
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     (run_dir / "world.json").write_text(json.dumps({"world_size": world_size}))
+
+
+def init_from_diffusers(transformer, directory: str) -> None:
+    """Start from a diffusers transformer directory whose architecture is the configured one."""
+    try:
+        theirs = dataclasses.asdict(read_config(Path(directory)))
+        ours = dataclasses.asdict(transformer.cfg)
+        different = {k: (theirs[k], ours[k]) for k in ours if theirs[k] != ours[k]}
+        if different:
+            raise CheckpointFormatError(f"its config differs from the configured model (theirs, ours): {different}")
+        load_diffusers_weights(transformer, Path(directory))
+    except CheckpointFormatError as e:
+        raise ConfigError(f"model.init_from={directory}: {e}") from None
+    log.info("transformer weights from %s", directory)
 
 
 def global_batch(cfg: DictConfig, world_size: int = 1) -> int:
@@ -217,6 +241,8 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
     run_dir, error = Path(cfg.logging.output_dir), None
     try:  # the same on every rank; only rank 0 touches the run directory, the others learn its verdict
         model = build_model(cfg, dataset.latent_channels, dataset.latent_size, len(tokenizer.vocab)).to(device)
+        if cfg.model.init_from:
+            init_from_diffusers(unwrap(model).transformer, cfg.model.init_from)
         if world.is_main:
             prepare_run_dir(cfg, world.world_size)
     except ConfigError as e:

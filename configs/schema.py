@@ -21,6 +21,7 @@ class ModelConfig:
     pos_embed_max_size: int = 16  # largest patch grid side the position table covers
     qk_norm: Optional[Literal["rms_norm"]] = "rms_norm"  # per-head q,k RMSNorm (SD3.5): stabler at high lr
     dual_attention_layers: List[int] = field(default_factory=list)  # SD3.5 image-only attn2 in these blocks
+    init_from: Optional[str] = None  # a diffusers SD3Transformer2DModel directory to start from (same shape)
 
 
 @dataclass

@@ -1,0 +1,104 @@
+"""Diffusers `SD3Transformer2DModel` directories in and out: config.json plus safetensors (one file, or
+shards with an index). The MMDiT uses diffusers' parameter names, so weights map key for key; anything
+that does not fit is reported by name before a single weight is copied."""
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from models.mmdit import MMDiT, MMDiTConfig
+
+CLASS_NAME = "SD3Transformer2DModel"
+WEIGHTS = "diffusion_pytorch_model.safetensors"
+INDEX = "diffusion_pytorch_model.safetensors.index.json"
+# config.json keys diffusers writes that do not change the architecture this MMDiT implements
+IGNORED_KEYS = {"_class_name", "_diffusers_version", "_name_or_path", "qk_norm_eps"}
+# architecture features of newer diffusers configs; accepted only at the value that means "absent"
+NEUTRAL_VALUES = {"pos_embed_type": "sincos", "use_pos_embed": True, "context_pre_only": None}
+
+
+class CheckpointFormatError(ValueError):
+    pass
+
+
+def read_config(directory: Path) -> MMDiTConfig:
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise CheckpointFormatError(f"{path} does not exist: expected a diffusers {CLASS_NAME} directory")
+    raw = json.loads(path.read_text())
+    if raw.get("_class_name", CLASS_NAME) != CLASS_NAME:
+        raise CheckpointFormatError(f"{path}: _class_name is {raw['_class_name']!r}, expected {CLASS_NAME!r} "
+                                    f"(point at the pipeline's transformer/ folder)")
+    fields = {f.name for f in dataclasses.fields(MMDiTConfig)}
+    unknown = {k: v for k, v in raw.items()
+               if k not in fields and k not in IGNORED_KEYS and NEUTRAL_VALUES.get(k, object()) != v}
+    if unknown:
+        raise CheckpointFormatError(f"{path}: settings this MMDiT does not implement: {unknown}")
+    config = MMDiTConfig(**{k: v for k, v in raw.items() if k in fields})
+    config.dual_attention_layers = list(config.dual_attention_layers or [])
+    return config
+
+
+def read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    directory = Path(directory)
+    if (directory / WEIGHTS).is_file():
+        return load_file(directory / WEIGHTS)
+    if (directory / INDEX).is_file():
+        shards = sorted(set(json.loads((directory / INDEX).read_text())["weight_map"].values()))
+        weights = {}
+        for shard in shards:
+            if not (directory / shard).is_file():
+                raise CheckpointFormatError(f"{directory / INDEX} names the shard {shard}, which is missing")
+            weights.update(load_file(directory / shard))
+        return weights
+    raise CheckpointFormatError(f"{directory} has neither {WEIGHTS} nor {INDEX}")
+
+
+def check_state_dict(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor], source) -> None:
+    missing = sorted(expected.keys() - found.keys())
+    unexpected = sorted(found.keys() - expected.keys())
+    shapes = {k: (tuple(found[k].shape), tuple(expected[k].shape)) for k in expected.keys() & found.keys()
+              if found[k].shape != expected[k].shape}
+    if missing or unexpected or shapes:
+        raise CheckpointFormatError(f"{source} does not fit the MMDiT: missing {missing[:20]}, unexpected "
+                                    f"{unexpected[:20]}, shape (found, expected) {dict(list(shapes.items())[:20])}")
+
+
+def load_diffusers_transformer(directory: Path, dtype: torch.dtype = torch.float32) -> MMDiT:
+    """An MMDiT with the directory's config and weights (cast to `dtype`)."""
+    model = MMDiT(read_config(directory))
+    load_diffusers_weights(model, directory, dtype)
+    return model
+
+
+def load_diffusers_weights(model: MMDiT, directory: Path, dtype: torch.dtype = torch.float32) -> None:
+    weights = read_weights(directory)
+    check_state_dict(model.state_dict(), weights, directory)
+    model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=True)
+
+
+def export_diffusers_transformer(model: MMDiT, directory: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """Write a directory that `SD3Transformer2DModel.from_pretrained` loads. An existing directory is never
+    overwritten; the files are written to a temporary sibling and renamed into place when complete."""
+    directory = Path(directory)
+    if directory.exists():
+        raise FileExistsError(f"{directory} exists; export into a new directory (nothing was overwritten)")
+    tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        config = {"_class_name": CLASS_NAME, "_diffusers_version": "0.30.0", **dataclasses.asdict(model.cfg)}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        # persistent buffers are recomputed by diffusers too, but it stores them; keep the state dict whole
+        state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in model.state_dict().items()}
+        save_file(state, tmp / WEIGHTS, metadata={"format": "pt"})
+        tmp.rename(directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
