@@ -176,7 +176,9 @@ def main() -> None:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     peak = matmul_flops(device)
-    reference_flops = worker("sdpa", args.size, steps=0, warmup=0)["flops_per_step"]  # the same math for all
+    # the same math for all; counted on the math-attention baseline, since the flop counter does not see the
+    # CPU SDPA kernel (it would miss attention there)
+    reference_flops = worker("baseline", args.size, steps=0, warmup=0)["flops_per_step"]
     runs: dict[str, list[dict]] = {}
     for round_ in range(args.rounds):  # interleaved rounds: a noisy minute hits every variant alike
         for name in args.variants:
