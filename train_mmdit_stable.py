@@ -32,7 +32,7 @@ from perf.attention import apply_attention_backend
 from perf.batch_sizer import build_batch_sizer
 from perf.compile import apply_compile
 from perf.distributed import (World, broadcast_from_main, check_all_parameters_used, destroy_distributed,
-                              init_distributed, mean_over_ranks, sync_gradients, unwrap, world_from_env, wrap_ddp)
+                              first_error, init_distributed, mean_over_ranks, sync_gradients, unwrap, world_from_env, wrap_ddp)
 from perf.nonfinite import NonFiniteGuard
 from perf.metrics import RunLogger, save_loss_curve
 from perf.precision import autocast, configure_cuda_math, grad_scaler
@@ -247,7 +247,7 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
             prepare_run_dir(cfg, world.world_size)
     except ConfigError as e:
         error = str(e)
-    error = broadcast_from_main(error)
+    error = first_error(error)
     if error:
         log.error("config error: %s", error)
         return 2
@@ -295,7 +295,7 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
     timer, sigma_losses, window = StepTimer(device), SigmaBuckets(device), Throughput(start_step)
     profiler = build_profiler(t.enable_profiling, t.profile_steps, cfg.profiler, run_dir / "tensorboard",
                               world.rank, device)
-    with RunLogger(run_dir, cfg, world.is_main) as logger, profiler:
+    with RunLogger(run_dir, cfg, world.is_main, start_step) as logger, profiler:
         try:
             for batch in batches:
                 timer.lap("data")
@@ -305,7 +305,7 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
                 for group in optimizer.param_groups:
                     group["lr"] = lr
                 loss = sizer.run(step, lambda micro_batch, ddp_sync: forward_backward(
-                    model, batch, cfg, device, scaler, sigma_losses, micro_batch, ddp_sync), model)
+                    model, batch, cfg, device, scaler, sigma_losses, micro_batch, ddp_sync), model, sigma_losses)
                 if step == start_step:
                     check_all_parameters_used(model)
                 timer.lap("forward_backward")

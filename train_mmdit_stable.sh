@@ -3,7 +3,7 @@
 # Arguments pass through to train_mmdit_stable.py as config overrides.
 #
 # One process when there is at most one GPU and no distributed variable is set; otherwise torchrun:
-#   NPROC_PER_NODE  processes on this node (default: the number of GPUs, at least 1)
+#   NPROC_PER_NODE  processes on this node (default: the GPUs in CUDA_VISIBLE_DEVICES, else all; at least 1)
 #   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT   static multi-node rendezvous (default 1, 0, -, 29500)
 #   RDZV_ENDPOINT (host:port), RDZV_ID            elastic c10d rendezvous instead of MASTER_ADDR
 #   ENABLE_PROFILING=true  turn on the scheduled profiler (PROFILE_STEPS=N: active steps to record)
@@ -19,8 +19,10 @@ if [[ "${ENABLE_PROFILING:-false}" == "true" ]]; then
   [[ -n "${PROFILE_STEPS:-}" ]] && extra+=("training.profile_steps=${PROFILE_STEPS}")
 fi
 
-gpus=0
-if command -v nvidia-smi >/dev/null 2>&1; then gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true); fi
+gpus=0  # the GPUs this job may use: CUDA_VISIBLE_DEVICES when set, else all that nvidia-smi lists
+if [[ -n "${CUDA_VISIBLE_DEVICES+set}" ]]; then
+  IFS=, read -r -a visible <<< "$CUDA_VISIBLE_DEVICES"; gpus=${#visible[@]}
+elif command -v nvidia-smi >/dev/null 2>&1; then gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true); fi
 nproc=${NPROC_PER_NODE:-$(( gpus > 0 ? gpus : 1 ))}
 nnodes=${NNODES:-1}
 
@@ -40,6 +42,7 @@ if [[ -n "${RDZV_ENDPOINT:-}" ]]; then
 elif [[ "$nnodes" == 1 && -z "${MASTER_ADDR:-}" ]]; then
   launch+=(--standalone)
 else
+  [[ "$nnodes" == 1 ]] || : "${NODE_RANK:?NODE_RANK (0..NNODES-1) is required with NNODES>1}"
   launch+=(--node-rank "${NODE_RANK:-0}" --master-addr "${MASTER_ADDR:?MASTER_ADDR is required with NNODES>1}"
            --master-port "${MASTER_PORT:-29500}")
 fi

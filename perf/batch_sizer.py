@@ -68,7 +68,7 @@ class FixedMicroBatch:
     def __init__(self, micro_batch: int):
         self.micro_batch = micro_batch
 
-    def run(self, step: int, step_fn, model) -> torch.Tensor:
+    def run(self, step: int, step_fn, model, sigma_losses) -> torch.Tensor:
         return step_fn(self.micro_batch, True)
 
     def state_dict(self) -> dict:
@@ -92,12 +92,13 @@ class BatchSizer:
         log.info("OOM-aware batch sizer: micro-batch %d, halved on out-of-memory, regrown after %d clean steps%s",
                  max_micro_batch, self.grow_after, f"; {injector}" if injector.above >= 0 else "")
 
-    def run(self, step: int, step_fn, model) -> torch.Tensor:
-        """Loss of the step, with gradients in place (all-reduced under DDP). `step_fn(micro_batch, sync)`."""
+    def run(self, step: int, step_fn, model, sigma_losses) -> torch.Tensor:
+        """Loss of the step, with gradients in place (all-reduced under DDP). `step_fn(micro_batch, sync)`.
+        A failed attempt's contribution to `sigma_losses` is rolled back on every rank."""
         self.maybe_grow(step)
         self.injector.step = step
         while True:
-            error = None
+            error, before = None, sigma_losses.state()
             try:
                 loss = step_fn(self.micro_batch, False)
             except torch.OutOfMemoryError as e:  # only OOM: any other error stops the run
@@ -107,6 +108,7 @@ class BatchSizer:
                 all_reduce_gradients(model)
                 self.clean_steps += 1
                 return loss
+            sigma_losses.restore(before)
             self.release(model)  # outside the except block, so the failed attempt's frames are gone
             self.shrink(step, error)
 
@@ -165,7 +167,11 @@ def all_reduce_gradients(model) -> None:
     """The mean gradient over ranks, as DDP's own reduction would give it."""
     if not (dist.is_available() and dist.is_initialized()):
         return
-    grads = [p.grad for p in unwrap(model).parameters() if p.grad is not None]
+    params = [p for p in unwrap(model).parameters() if p.requires_grad]
+    for p in params:  # the same list of collectives on every rank, even if a parameter got no gradient
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
     torch._foreach_div_(grads, dist.get_world_size())  # before the sum, as DDP's default hook does
     for work in [dist.all_reduce(g, async_op=True) for g in grads]:
         work.wait()

@@ -34,7 +34,7 @@ class World:
 
 
 def world_from_env() -> World:
-    """Rank, world size and local rank as torchrun (or SLURM through the launcher) sets them."""
+    """Rank, world size and local rank as torchrun sets them."""
     env = os.environ
     return World(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
 
@@ -66,6 +66,15 @@ def broadcast_from_main(value):
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def first_error(error: str | None) -> str | None:
+    """Any rank's error (the first by rank) on every rank, so that all stop together."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return error
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((f"rank {r}: {e}" for r, e in enumerate(errors) if e), None)
 
 
 def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ missing package or a failing service is one warning, and training goes on with t
 import json
 import logging
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -17,10 +18,11 @@ log = logging.getLogger("mmdit")
 
 
 class RunLogger:
-    def __init__(self, run_dir: Path, cfg: DictConfig, enabled: bool):
+    def __init__(self, run_dir: Path, cfg: DictConfig, enabled: bool, start_step: int = 0):
         self.run_dir = run_dir
         self.jsonl = open(run_dir / "metrics.jsonl", "a") if enabled else None
-        self.tensorboard = start_tensorboard(run_dir / "tensorboard") if enabled and cfg.logging.tensorboard else None
+        on = enabled and cfg.logging.tensorboard
+        self.tensorboard = start_tensorboard(run_dir / "tensorboard", start_step) if on else None
         self.wandb = start_wandb(run_dir, cfg) if enabled and cfg.logging.wandb.enabled else None
 
     def scalars(self, step: int, record: dict[str, float]) -> None:
@@ -73,10 +75,11 @@ class RunLogger:
         self.close()
 
 
-def start_tensorboard(log_dir: Path):
+def start_tensorboard(log_dir: Path, start_step: int):
     try:
         from torch.utils.tensorboard import SummaryWriter
-        return SummaryWriter(str(log_dir))
+        # on resume, hide what an interrupted run logged after the checkpoint: those steps are redone
+        return SummaryWriter(str(log_dir), purge_step=start_step + 1 if start_step else None)
     except Exception as e:  # ImportError without the tensorboard package
         log.warning("TensorBoard logging is off: %s: %s (pip install tensorboard)", type(e).__name__, e)
         return None
@@ -87,8 +90,11 @@ def start_wandb(run_dir: Path, cfg: DictConfig):
     w = cfg.logging.wandb
     try:
         import wandb
+        id_file = run_dir / "wandb_run_id"  # a resumed run continues the same wandb run
+        if not id_file.is_file():
+            id_file.write_text(uuid.uuid4().hex[:12])
         wandb.init(project=w.project, entity=w.entity, name=w.name or run_dir.name, mode=w.mode, dir=str(run_dir),
-                   config=OmegaConf.to_container(cfg, resolve=True), resume="allow")
+                   config=OmegaConf.to_container(cfg, resolve=True), id=id_file.read_text(), resume="allow")
         log.info("wandb: project %s, run %s, mode %s", w.project, w.name or run_dir.name, w.mode)
         return wandb
     except Exception as e:  # not installed, no network, bad credentials
@@ -98,8 +104,13 @@ def start_wandb(run_dir: Path, cfg: DictConfig):
 
 def save_loss_curve(metrics_path: Path, out: Path, size: tuple[int, int] = (640, 360)) -> None:
     """The loss of every logged step (raw, and smoothed) as a PNG with a step axis."""
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines()]
-    points = sorted({r["step"]: r["loss"] for r in rows if "loss" in r}.items())
+    rows = []
+    for line in metrics_path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut by a kill; the resumed run logged that step again
+            continue
+    points = sorted({r["step"]: r["loss"] for r in rows if "loss" in r and np.isfinite(r["loss"])}.items())
     if len(points) < 2:
         return
     steps, losses = np.array(points, dtype=float).T

@@ -2,7 +2,7 @@
 rank, in the run's TensorBoard folder. It stops itself after its schedule; when off, no profiler exists.
 
 With `profiler.memory_snapshot` on CUDA, the allocator's history over the profiled steps is dumped as a
-pickle for https://pytorch.org/memory_viz, and again if the run dies of out-of-memory.
+pickle for https://pytorch.org/memory_viz when they end, or earlier if an out-of-memory error ends them.
 """
 
 import logging
@@ -54,9 +54,9 @@ class ScheduledProfiler:
         if self.steps_left == 0:
             self.stop()
 
-    def stop(self) -> None:
+    def stop(self, reason: str = "profiled steps") -> None:
         self.profiler.stop()
-        self.dump_memory_snapshot("profiled steps")
+        self.dump_memory_snapshot(reason)
         if self.snapshot:
             torch.cuda.memory._record_memory_history(enabled=None)
             self.snapshot = False
@@ -71,11 +71,9 @@ class ScheduledProfiler:
         log.info("CUDA memory snapshot (%s) in %s: open it at https://pytorch.org/memory_viz", reason, path)
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if isinstance(exc, torch.OutOfMemoryError):
-            self.dump_memory_snapshot("out of memory")
         if self.steps_left > 0:  # the run ended inside the schedule: keep what was recorded
             self.steps_left = 0
-            self.stop()
+            self.stop("out of memory" if isinstance(exc, torch.OutOfMemoryError) else "run ended")
 
 
 def build_profiler(enabled: bool, active_steps: int, cfg: DictConfig, trace_dir: Path, rank: int,

@@ -14,8 +14,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 # Dense peak TFLOP/s of known GPUs (bf16/fp16 tensor cores; TF32 for fp32 when TF32 is allowed; else fp32).
 PEAK_TFLOPS = {  # name fragment: (bf16/fp16, tf32, fp32)
-    "H200": (989.4, 494.7, 66.9), "H100 SXM": (989.4, 494.7, 66.9), "H100 NVL": (835.0, 417.5, 60.0),
-    "H100": (756.0, 378.0, 51.2), "A100": (312.0, 156.0, 19.5), "L40S": (362.1, 183.0, 91.6),
+    "H200": (989.4, 494.7, 66.9), "H100 PCIe": (756.0, 378.0, 51.2), "H100 NVL": (835.0, 417.5, 60.0),
+    "H100": (989.4, 494.7, 66.9),  # SXM, which reports itself as "NVIDIA H100 80GB HBM3"
+    "A100": (312.0, 156.0, 19.5), "L40S": (362.1, 183.0, 91.6),
     "A10G": (70.0, 35.0, 31.2), "RTX 4090": (165.2, 82.6, 82.6), "V100": (125.0, 15.7, 15.7),
 }
 
@@ -32,6 +33,13 @@ class SigmaBuckets:
         bucket = (sigma.detach() * self.count).long().clamp(0, self.count - 1)
         self.sums.index_add_(0, bucket, per_sample_loss.detach().float())
         self.samples.index_add_(0, bucket, torch.ones_like(self.samples[bucket]))
+
+    def state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.sums.clone(), self.samples.clone()
+
+    def restore(self, state: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.sums.copy_(state[0])
+        self.samples.copy_(state[1])
 
     def read(self) -> dict[str, float]:
         """Means since the last read, over all ranks; resets."""
