@@ -11,8 +11,6 @@ import logging
 import sys
 from pathlib import Path
 
-import torch
-
 from configs.schema import ConfigError, load_config
 from data.images import save_png
 from data.shapes import ShapesDataset

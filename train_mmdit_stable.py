@@ -38,7 +38,8 @@ from perf.metrics import RunLogger, save_loss_curve
 from perf.precision import autocast, configure_cuda_math, grad_scaler
 from perf.preemption import PreemptionHandler
 from perf.profiler import build_profiler
-from perf.step_stats import SigmaBuckets, StepTimer, memory_stats, peak_flops, train_flops_per_sample
+from perf.step_stats import (SigmaBuckets, StepTimer, memory_stats, peak_flops, throughput_metrics,
+                             train_flops_per_sample)
 
 log = logging.getLogger("mmdit")
 # What an existing run directory's checkpoints and data position mean; a resume must not change them.
@@ -321,15 +322,11 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
                 if done % cfg.logging.log_every == 0 or done == t.max_steps:
                     samples_per_s = batch_size * window.steps_per_s(done)
                     record = {"loss": mean_over_ranks(loss).item(), "lr": lr, "grad_norm": grad_norm.item(),
-                              "skipped_steps": guard.skipped, **sigma_losses.read(), "samples_per_s": samples_per_s,
-                              "samples_per_s_per_rank": samples_per_s / world.world_size,
-                              "tokens_per_s": samples_per_s * tokens_per_sample,
-                              "tokens_per_s_per_rank": samples_per_s * tokens_per_sample / world.world_size,
-                              "tflops_per_s_per_rank": flops_per_sample * samples_per_s / world.world_size / 1e12,
-                              **timer.read(), **memory_stats(device),
-                              **sizer.metrics(), "checkpoint_stall_s": checkpointer.last_stall_s}
-                    if peak:
-                        record["mfu"] = record["tflops_per_s_per_rank"] * 1e12 / peak
+                              "skipped_steps": guard.skipped, **sigma_losses.read(),
+                              **throughput_metrics(samples_per_s, world.world_size, tokens_per_sample,
+                                                   flops_per_sample, peak),
+                              **timer.read(), **memory_stats(device), **sizer.metrics(),
+                              "checkpoint_stall_s": checkpointer.last_stall_s}
                     logger.scalars(done, record)
                     log.info("%s loss %.4f lr %.2e grad %.3f %.0f img/s%s", progress(done, start_step, t.max_steps,
                              window), record["loss"], lr, record["grad_norm"], samples_per_s,

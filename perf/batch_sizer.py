@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from perf.distributed import unwrap
+from perf.distributed import is_distributed, unwrap
+from perf.step_stats import memory_stats
 
 log = logging.getLogger("mmdit")
 
@@ -113,7 +114,7 @@ class BatchSizer:
             self.shrink(step, error)
 
     def any_rank(self, failed: bool) -> bool:
-        if not (dist.is_available() and dist.is_initialized()):
+        if not is_distributed():
             return failed
         flag = torch.tensor([float(failed)], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -165,7 +166,7 @@ class BatchSizer:
 
 def all_reduce_gradients(model) -> None:
     """The mean gradient over ranks, as DDP's own reduction would give it."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_distributed():
         return
     params = [p for p in unwrap(model).parameters() if p.requires_grad]
     for p in params:  # the same list of collectives on every rank, even if a parameter got no gradient
@@ -183,7 +184,6 @@ def memory_figures(device: torch.device) -> str:
         return (f"GPU memory: {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB allocated, "
                 f"{torch.cuda.memory_reserved(device) / 2**30:.2f} GiB reserved, {free / 2**30:.2f} GiB free "
                 f"of {total / 2**30:.2f} GiB")
-    from perf.step_stats import memory_stats
     stats = memory_stats(device)
     return f"process memory: {stats['memory/rss_gib']:.2f} GiB resident, peak {stats['memory/peak_rss_gib']:.2f} GiB"
 

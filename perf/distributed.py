@@ -33,6 +33,11 @@ class World:
         return self.world_size > 1
 
 
+def is_distributed() -> bool:
+    """Whether a process group is up (there are collectives to run)."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def world_from_env() -> World:
     """Rank, world size and local rank as torchrun sets them."""
     env = os.environ
@@ -55,13 +60,13 @@ def init_distributed(world: World, device: torch.device, timeout_s: int) -> torc
 
 
 def destroy_distributed() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if is_distributed():
         dist.destroy_process_group()
 
 
 def broadcast_from_main(value):
     """Rank 0's value of a picklable object on every rank (the value itself without a process group)."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_distributed():
         return value
     box = [value]
     dist.broadcast_object_list(box, src=0)
@@ -70,7 +75,7 @@ def broadcast_from_main(value):
 
 def first_error(error: str | None) -> str | None:
     """Any rank's error (the first by rank) on every rank, so that all stop together."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_distributed():
         return error
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
@@ -78,7 +83,7 @@ def first_error(error: str | None) -> str | None:
 
 
 def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_distributed():
         return value
     value = value.detach().clone()
     dist.all_reduce(value)  # a sum: gloo has no AVG

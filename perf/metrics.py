@@ -19,7 +19,6 @@ log = logging.getLogger("mmdit")
 
 class RunLogger:
     def __init__(self, run_dir: Path, cfg: DictConfig, enabled: bool, start_step: int = 0):
-        self.run_dir = run_dir
         self.jsonl = open(run_dir / "metrics.jsonl", "a") if enabled else None
         on = enabled and cfg.logging.tensorboard
         self.tensorboard = start_tensorboard(run_dir / "tensorboard", start_step) if on else None

@@ -7,6 +7,8 @@ import signal
 import torch
 import torch.distributed as dist
 
+from perf.distributed import is_distributed
+
 log = logging.getLogger("mmdit")
 
 
@@ -26,7 +28,7 @@ class PreemptionHandler:
     def should_stop(self, device: torch.device) -> bool:
         """True on every rank as soon as any rank was signalled (so all ranks stop at the same step)."""
         stop = self.received is not None
-        if dist.is_available() and dist.is_initialized():
+        if is_distributed():
             flag = torch.tensor([float(stop)], device=device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             stop = bool(flag.item())

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
+from perf.distributed import is_distributed
+
 # Dense peak TFLOP/s of known GPUs (bf16/fp16 tensor cores; TF32 for fp32 when TF32 is allowed; else fp32).
 PEAK_TFLOPS = {  # name fragment: (bf16/fp16, tf32, fp32)
     "H200": (989.4, 494.7, 66.9), "H100 PCIe": (756.0, 378.0, 51.2), "H100 NVL": (835.0, 417.5, 60.0),
@@ -44,7 +46,7 @@ class SigmaBuckets:
     def read(self) -> dict[str, float]:
         """Means since the last read, over all ranks; resets."""
         totals = torch.stack([self.sums, self.samples])
-        if dist.is_available() and dist.is_initialized():
+        if is_distributed():
             dist.all_reduce(totals)
         self.sums.zero_()
         self.samples.zero_()
@@ -116,6 +118,18 @@ def train_flops_per_sample(build, sample_inputs) -> int:
     with FlopCounterMode(display=False) as counter:
         model(*inputs).float().sum().backward()
     return counter.get_total_flops()
+
+
+def throughput_metrics(samples_per_s: float, world_size: int, tokens_per_sample: int, flops_per_sample: int,
+                       peak: float | None) -> dict[str, float]:
+    """Global and per-rank samples/s and tokens/s, achieved TFLOP/s per rank, and MFU when the peak is known."""
+    per_rank = samples_per_s / world_size
+    out = {"samples_per_s": samples_per_s, "samples_per_s_per_rank": per_rank,
+           "tokens_per_s": samples_per_s * tokens_per_sample, "tokens_per_s_per_rank": per_rank * tokens_per_sample,
+           "tflops_per_s_per_rank": per_rank * flops_per_sample / 1e12}
+    if peak:
+        out["mfu"] = per_rank * flops_per_sample / peak
+    return out
 
 
 def peak_flops(device: torch.device, dtype: str, allow_tf32: bool, configured_tflops: float) -> float | None:

@@ -1,10 +1,9 @@
-import json
-
 import pytest
 import torch
 
 from models.attention import math_attention, sdpa_attention
 from perf.attention import flash_kernel, flash_module, select_attention_backend
+from tests.conftest import losses
 from train_mmdit_stable import main
 
 CUDA = torch.device("cuda")
@@ -59,8 +58,7 @@ def test_backend_selection(requested, device, dtype, head_dim, module, expected,
 def test_training_with_each_cpu_backend_agrees(tiny, tmp_path, caplog):
     for backend in ("sdpa", "math", "flash"):
         assert main(tiny("training.max_steps=3", f"training.attention_backend={backend}", run=backend)) == 0
-    loss = {b: [json.loads(r)["loss"] for r in (tmp_path / b / "metrics.jsonl").read_text().splitlines()
-                if "loss" in r] for b in ("sdpa", "math", "flash")}
+    loss = {b: losses(tmp_path / b) for b in ("sdpa", "math", "flash")}
     assert loss["math"] == pytest.approx(loss["sdpa"], rel=1e-5)
     assert loss["flash"] == loss["sdpa"]  # flash is unavailable on CPU: it fell back to sdpa, bit for bit
     assert "flash requested but flash-attn is not installed" in caplog.text

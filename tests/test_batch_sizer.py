@@ -1,7 +1,6 @@
 """The OOM-aware batch sizer: injected out-of-memory errors split the step, keep the math, and never hang DDP."""
 
 import hashlib
-import json
 
 import pytest
 import torch
@@ -9,7 +8,7 @@ import torch
 import train_mmdit_stable
 from perf.batch_sizer import OutOfMemoryAtMicroBatchOne
 from perf.checkpoint import checkpoints, read_checkpoint
-from tests.conftest import TINY
+from tests.conftest import TINY, metric_rows
 from tests.test_distributed import spawn
 from tests.test_training import final_weights
 from train_mmdit_stable import main
@@ -18,8 +17,7 @@ SIZER = ["batch_sizer.enabled=true", "training.max_steps=3"]
 
 
 def logged(run_dir, key):
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r[key] for r in rows if key in r]
+    return [r[key] for r in metric_rows(run_dir) if key in r]
 
 
 def assert_same_math(run_dir, reference_dir):

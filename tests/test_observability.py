@@ -16,14 +16,11 @@ from models.attention import math_attention, set_attention_kernel
 from models.pipeline import build_model, build_tokenizer
 from perf.profiler import build_profiler
 from perf.step_stats import SigmaBuckets, train_flops_per_sample
+from tests.conftest import metric_rows as rows
 from train_mmdit_stable import main
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ["training.enable_profiling=true", "training.profile_steps=2", "profiler.skip_first=1"]
-
-
-def rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def load_with_tb_profiler(trace_dir: Path):

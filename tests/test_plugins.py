@@ -1,6 +1,5 @@
 """The plugins that ship with the foundation: each trains like the plain loop, within a stated tolerance."""
 
-import json
 
 import pytest
 import torch
@@ -12,12 +11,8 @@ from configs.schema import load_config
 from models.pipeline import build_model, build_tokenizer
 from perf.activation_checkpointing import apply_activation_checkpointing
 from perf.checkpoint import checkpoints, read_checkpoint
+from tests.conftest import losses, metric_rows
 from train_mmdit_stable import main
-
-
-def losses(run_dir):
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "loss" in r]
 
 
 @pytest.mark.parametrize("dtype,tolerance", [("bf16", 0.05), ("fp16", 0.01)])
@@ -99,7 +94,7 @@ def test_nonfinite_step_is_skipped_and_counted(tiny, tmp_path, monkeypatch, capl
         assert all(torch.equal(after_1[stem][k], after_2[stem][k]) for k in after_1[stem]), stem
     assert not all(torch.equal(after_2["model"][k], after_3["model"][k]) for k in after_2["model"])
     assert all(torch.isfinite(v).all() for v in after_3["model"].values())
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(tmp_path / "run")
     assert [r["skipped_steps"] for r in rows if "loss" in r] == [0, 1, 1]
 
 
@@ -116,7 +111,7 @@ def test_fp16_overflow_is_skipped_and_lowers_the_loss_scale(tiny, tmp_path, monk
     (after_1, meta_1), (after_2, meta_2), _ = (read_checkpoint(p) for p in checkpoints(tmp_path / "run"))
     assert all(torch.equal(after_1["model"][k], after_2["model"][k]) for k in after_1["model"])
     assert meta_2["scaler"]["scale"] == meta_1["scaler"]["scale"] / 2  # GradScaler backoff
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(tmp_path / "run")
     assert [r["skipped_steps"] for r in rows if "loss" in r] == [0, 1, 1]
 
 

@@ -12,16 +12,12 @@ from data.shapes import ShapesDataset
 from models.pipeline import build_model, build_tokenizer
 from models.rectified_flow import draw_sample_noise, interpolate, per_sample_loss
 from perf.checkpoint import checkpoints
+from tests.conftest import losses
 from train_mmdit_stable import main
 
 
 def final_weights(run_dir):
     return load_file(checkpoints(run_dir)[-1] / "model.safetensors")
-
-
-def losses(run_dir):
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "loss" in r]
 
 
 def test_loss_falls_when_overfitting_one_batch():
