@@ -15,31 +15,22 @@ from configs.schema import ConfigError, load_config
 from data.images import save_png
 from data.shapes import ShapesDataset
 from models.pipeline import build_model, build_tokenizer, generate
-from perf.checkpoint import latest_valid_checkpoint, read_checkpoint, verify
+from perf.checkpoint import find_checkpoint, read_checkpoint
 
 log = logging.getLogger("mmdit")
 
 
-def find_checkpoint(path: Path) -> Path:
-    if (path / "manifest.json").is_file():
-        problem = verify(path)
-        if problem:
-            raise SystemExit(f"checkpoint {path} is not usable: {problem}")
-        return path
-    found = latest_valid_checkpoint(path)
-    if found is None:
-        raise SystemExit(f"{path} is neither a checkpoint directory nor a run directory with a complete checkpoint")
-    return found
-
-
 def load_for_sampling(path: Path, use_ema: bool = True):
-    checkpoint = find_checkpoint(path)
+    try:
+        checkpoint = find_checkpoint(path)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     try:
         cfg = load_config(checkpoint / "config.yaml")
     except ConfigError as e:
         raise SystemExit(f"{checkpoint}: {e}") from None
     tokenizer = build_tokenizer()
-    model = build_model(cfg, ShapesDataset.latent_channels, ShapesDataset.latent_size, len(tokenizer.vocab))
+    model = build_model(cfg, ShapesDataset, tokenizer)
     tensors, _ = read_checkpoint(checkpoint)
     model.load_state_dict(tensors["model"])
     if use_ema:
@@ -78,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--steps must be >= 1, got {args.steps}")
     steps = cfg.sampling.steps if args.steps is None else args.steps
     cfg_scale = cfg.sampling.cfg_scale if args.cfg is None else args.cfg
-    shape = (ShapesDataset.latent_channels, ShapesDataset.latent_size, ShapesDataset.latent_size)
+    shape = (ShapesDataset.latent_channels, *ShapesDataset.latent_sizes[0])
     images = generate(model, tokenizer, prompts, args.seed, steps, cfg_scale, cfg.sampling.shift, shape)
     for i, image in enumerate(images):
         save_png(image, args.out / f"{i:04d}.png")

@@ -18,9 +18,10 @@ from omegaconf import DictConfig, OmegaConf
 from configs.schema import DEFAULT_CONFIG, ConfigError, load_config
 from data.images import save_grid
 from data.loader import step_batches
-from data.shapes import ShapesDataset, all_prompts, caption, prompt_fidelity
+from data.shapes import all_prompts, caption, prompt_fidelity
 from models.diffusers_io import CheckpointFormatError, load_diffusers_weights, read_config
-from models.pipeline import build_model, build_tokenizer, generate
+from models.lora import adapter_settings, apply_lora
+from models.pipeline import build_data, build_model, example_text, generate
 from models.rectified_flow import draw_sample_noise, interpolate, per_sample_loss, training_sigmas
 from optim.adamw import build_adamw
 from optim.ema import EMA
@@ -42,8 +43,10 @@ from perf.step_stats import (SigmaBuckets, StepTimer, memory_stats, peak_flops, 
                              train_flops_per_sample)
 
 log = logging.getLogger("mmdit")
+TEXT_KEYS = ("input_ids", "prompt_embeds", "pooled_prompt_embeds")  # a batch's text, tokenized or encoded
 # What an existing run directory's checkpoints and data position mean; a resume must not change them.
-RUN_IDENTITY_KEYS = ("model", "text_encoder", "data.name", "data.num_items", "training.seed")
+RUN_IDENTITY_KEYS = ("model", "text_encoder", "lora", "data.name", "data.path", "data.aspect_buckets",
+                     "data.num_items", "training.seed")
 
 
 def setup_logging(rank: int) -> None:
@@ -86,9 +89,10 @@ def prepare_run_dir(cfg: DictConfig, world_size: int) -> Path:
 
 
 def identity(cfg: DictConfig, key: str):
-    """The part of the config under `key` that a resume must keep; where the weights started does not count."""
+    """The part of the config under `key` that a resume must keep. Where full training's weights started does
+    not count (checkpoints hold all weights); under LoRA it does (they hold only the adapters)."""
     value = OmegaConf.select(cfg, key)
-    if isinstance(value, DictConfig):
+    if isinstance(value, DictConfig) and not cfg.lora.enabled:
         value = {k: v for k, v in OmegaConf.to_container(value).items() if k != "init_from"}
     return value
 
@@ -129,13 +133,13 @@ def lr_at(step: int, cfg: DictConfig) -> float:
     return warmup_cosine(step, o.lr, o.warmup_steps, cfg.training.max_steps, o.min_lr_ratio)
 
 
-def drop_captions(text: dict, drop: torch.Tensor) -> dict:
-    """Replace dropped samples' captions by the empty caption (all padding / zero embeddings)."""
+def drop_captions(text: dict, drop: torch.Tensor, empty: dict | None) -> dict:
+    """Replace dropped samples' captions by the empty caption: all padding for token ids; for precomputed
+    embeddings the encoding of "" (what SD3 pipelines feed the unconditional branch), else zeros."""
     if "input_ids" in text:
         return {"input_ids": torch.where(drop[:, None], 0, text["input_ids"])}
-    keep = (~drop).to(text["prompt_embeds"].dtype)
-    return {"prompt_embeds": text["prompt_embeds"] * keep[:, None, None],
-            "pooled_prompt_embeds": text["pooled_prompt_embeds"] * keep[:, None]}
+    empty = empty or {k: torch.zeros_like(v[:1]) for k, v in text.items()}
+    return {k: torch.where(drop.view(-1, *[1] * (v.dim() - 1)), empty[k].to(v.dtype), v) for k, v in text.items()}
 
 
 def forward_backward(model, batch: dict, cfg: DictConfig, device: torch.device, scaler, sigma_losses: SigmaBuckets,
@@ -147,7 +151,8 @@ def forward_backward(model, batch: dict, cfg: DictConfig, device: torch.device, 
     unless `ddp_sync` is off (the batch sizer then reduces them itself)."""
     step, positions = int(batch["step"]), batch["position"]
     x0_all = batch["latents"].to(device, non_blocking=True)
-    text_all = {k: batch[k].to(device) for k in ("input_ids", "prompt_embeds", "pooled_prompt_embeds") if k in batch}
+    text_all = {k: batch[k].to(device) for k in TEXT_KEYS if k in batch}
+    empty_text = {k: batch[f"empty_{k}"].to(device) for k in TEXT_KEYS if f"empty_{k}" in batch} or None
     draws = draw_sample_noise(cfg.training.seed, step, positions, tuple(x0_all.shape[1:])).to(device)
     f = cfg.flow
     sigma_all = training_sigmas(draws, f.sigma_sampling, f.logit_mean, f.logit_std, f.shift)
@@ -158,7 +163,7 @@ def forward_backward(model, batch: dict, cfg: DictConfig, device: torch.device, 
     for start in starts:
         part = slice(start, start + micro_batch)
         x0, noise, sigma = x0_all[part], draws.noise[part], sigma_all[part]
-        text = drop_captions({k: v[part] for k, v in text_all.items()}, drop_all[part])
+        text = drop_captions({k: v[part] for k, v in text_all.items()}, drop_all[part], empty_text)
         with sync_gradients(model, last_micro_step=ddp_sync and start == starts[-1]):
             with autocast(device, cfg.training.dtype):
                 v_pred = model(interpolate(x0, noise, sigma), sigma, text)
@@ -236,17 +241,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def train(cfg: DictConfig, world: World, device: torch.device) -> int:
     t, o = cfg.training, cfg.optimizer
-    dataset = ShapesDataset(cfg.data.num_items, t.seed)
-    tokenizer = build_tokenizer()
     torch.manual_seed(t.seed)
     run_dir, error = Path(cfg.logging.output_dir), None
     try:  # the same on every rank; only rank 0 touches the run directory, the others learn its verdict
-        model = build_model(cfg, dataset.latent_channels, dataset.latent_size, len(tokenizer.vocab)).to(device)
+        dataset, tokenizer = build_data(cfg)
+        model = build_model(cfg, dataset, tokenizer)
         if cfg.model.init_from:
-            init_from_diffusers(unwrap(model).transformer, cfg.model.init_from)
+            init_from_diffusers(model.transformer, cfg.model.init_from)
+        apply_lora(model, cfg.lora)
+        model.to(device)
         if world.is_main:
             prepare_run_dir(cfg, world.world_size)
-    except ConfigError as e:
+    except (ConfigError, ValueError) as e:
         error = str(e)
     error = first_error(error)
     if error:
@@ -264,7 +270,11 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
                                 cfg.checkpoint.fail_on_error) if world.is_main else NullCheckpointer()
     resume_from = broadcast_from_main(checkpointer.last_complete)  # every rank loads rank 0's choice
     sizer = build_batch_sizer(cfg, t.train_batch_size, device, world.rank, model)
-    start_step = resume(resume_from, model, ema, optimizer, scaler, sizer)
+    try:
+        start_step = resume(resume_from, model, ema, optimizer, scaler, sizer)
+    except ConfigError as e:
+        log.error("config error: %s", e)
+        return 2
     if start_step > t.max_steps:
         log.error("config error: training.max_steps=%d is below the step of %s; raise it to continue",
                   t.max_steps, resume_from)
@@ -274,24 +284,24 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
     apply_activation_checkpointing(model, t.activation_checkpointing)
     apply_compile(model, t.compile_model, t.compile_mode, t.compile_scope)
     model = wrap_ddp(model, world, device, t.ddp_bucket_cap_mb)  # after compile, as DDP's graph splitting wants
-    log.info("MMDiT %.2fM params, text encoder %.2fM; global batch %d over %d process(es); steps %d -> %d; "
+    log.info("MMDiT %.2fM params, %.2fM trained; %d items; global batch %d over %d process(es); steps %d -> %d; "
              "run dir %s", sum(p.numel() for p in unwrap(model).transformer.parameters()) / 1e6,
-             sum(p.numel() for p in unwrap(model).text_encoder.parameters()) / 1e6,
+             sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6, len(dataset),
              batch_size, world.world_size, start_step, t.max_steps, run_dir)
     d = cfg.data
     batches = step_batches(dataset, tokenizer, batch_size, t.seed, world.rank, world.world_size, start_step,
                            t.max_steps, device, d.num_workers, d.pin_memory, d.prefetch_factor)
-    shape = (dataset.latent_channels, dataset.latent_size, dataset.latent_size)
+    shape = (dataset.latent_channels, *dataset.latent_sizes[-1])  # the largest size, for FLOPs and samples
 
     done, preempted = start_step, False
     model.train()  # for the whole run: sampling works on a deep copy
     guard = NonFiniteGuard(t.max_nonfinite_steps)
     preemption = PreemptionHandler()
-    text_tokens = tokenizer([""]).shape[1]
+    text_tokens = next(iter(example_text(dataset, tokenizer).values())).shape[1]
     tokens_per_sample = (shape[1] // cfg.model.patch_size) * (shape[2] // cfg.model.patch_size) + text_tokens
     flops_per_sample = train_flops_per_sample(
-        lambda: build_model(cfg, *shape[:2], len(tokenizer.vocab)),
-        lambda: (torch.zeros(1, *shape), torch.full((1,), 0.5), {"input_ids": tokenizer([""])}))
+        lambda: apply_lora(build_model(cfg, dataset, tokenizer), cfg.lora),
+        lambda: (torch.zeros(1, *shape), torch.full((1,), 0.5), example_text(dataset, tokenizer)))
     peak = peak_flops(device, t.dtype, t.allow_tf32, cfg.logging.peak_tflops)
     timer, sigma_losses, window = StepTimer(device), SigmaBuckets(device), Throughput(start_step)
     profiler = build_profiler(t.enable_profiling, t.profile_steps, cfg.profiler, run_dir / "tensorboard",
@@ -331,7 +341,7 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
                     log.info("%s loss %.4f lr %.2e grad %.3f %.0f img/s%s", progress(done, start_step, t.max_steps,
                              window), record["loss"], lr, record["grad_norm"], samples_per_s,
                              f" MFU {record['mfu']:.1%}" if peak else "")
-                if due(done, cfg.sampling.every, t.max_steps) and world.is_main:
+                if due(done, cfg.sampling.every, t.max_steps) and world.is_main and tokenizer is not None:
                     sample_and_score(model, ema, tokenizer, cfg, run_dir, done, shape, logger)
                 if due(done, cfg.logging.save_freq, t.max_steps):
                     save(checkpointer, done, model, ema, optimizer, scaler, sizer, cfg)
@@ -351,8 +361,9 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
             return 0
         if not world.is_main:
             return 0
-        fidelity = sample_and_score(model, ema, tokenizer, cfg, run_dir, t.max_steps, shape, logger)
-    (run_dir / "fidelity.json").write_text(json.dumps(fidelity, indent=1))
+        if tokenizer is not None:  # latent datasets are sampled through diffusers after export (README)
+            fidelity = sample_and_score(model, ema, tokenizer, cfg, run_dir, t.max_steps, shape, logger)
+            (run_dir / "fidelity.json").write_text(json.dumps(fidelity, indent=1))
     save_loss_curve(run_dir / "metrics.jsonl", run_dir / "loss_curve.png")
     log.info("done: run directory %s", run_dir)
     return 0
@@ -379,10 +390,21 @@ def progress(done: int, start: int, total: int, window: Throughput, width: int =
     return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {elapsed:.0f}s <{left:.0f}s"
 
 
+def trained_state(model) -> dict[str, torch.Tensor]:
+    """The weights a checkpoint holds: all of them, or under LoRA only the adapters (the frozen base is
+    rebuilt from the config and model.init_from)."""
+    model = unwrap(model)
+    if all(p.requires_grad for p in model.parameters()):
+        return model.state_dict()
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
 def save(checkpointer: Checkpointer, step: int, model, ema: EMA, optimizer, scaler, sizer, cfg: DictConfig) -> None:
     optim_tensors, optim_meta = optimizer_to_tensors(optimizer)
-    tensors = {"model": unwrap(model).state_dict(), "ema": ema.state_dict(), "optimizer": optim_tensors}
-    meta = {"step": step, "optimizer": optim_meta, "scaler": scaler.state_dict(), "batch_sizer": sizer.state_dict()}
+    tensors = {"model": trained_state(model), "ema": ema.state_dict(), "optimizer": optim_tensors}
+    meta = {"step": step, "optimizer": optim_meta, "scaler": scaler.state_dict(), "batch_sizer": sizer.state_dict(),
+            "mmdit": dataclasses.asdict(unwrap(model).transformer.cfg),  # what export needs, without the data
+            "lora": adapter_settings(cfg.lora) if cfg.lora.enabled else None}
     checkpointer.save(step, tensors, meta, {"config.yaml": OmegaConf.to_yaml(cfg)})
 
 
@@ -391,7 +413,12 @@ def resume(path: Path | None, model, ema: EMA, optimizer, scaler, sizer) -> int:
     if path is None:
         return 0
     tensors, meta = read_checkpoint(path)
-    model.load_state_dict(tensors["model"])
+    expected = trained_state(model).keys()
+    if tensors["model"].keys() != expected:
+        raise ConfigError(f"{path} holds other weights than this model trains: missing "
+                         f"{sorted(expected - tensors['model'].keys())[:5]}, unexpected "
+                         f"{sorted(tensors['model'].keys() - expected)[:5]}")
+    model.load_state_dict(tensors["model"], strict=False)
     ema.load_state_dict(tensors["ema"])
     configured = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     optimizer.load_state_dict(optimizer_from_tensors(tensors["optimizer"], meta["optimizer"]))

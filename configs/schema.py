@@ -8,6 +8,8 @@ from typing import List, Literal, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from models.lora import DIFFUSERS_SD3_TARGETS
+
 DEFAULT_CONFIG = Path(__file__).parent / "shapes.yaml"
 
 
@@ -33,12 +35,23 @@ class TextEncoderConfig:
 
 @dataclass
 class DataConfig:
-    name: Literal["shapes"] = "shapes"  # the built-in captioned-shapes dataset
-    num_items: int = 100_000  # distinct procedural items before the order repeats
+    name: Literal["shapes", "latents"] = "shapes"  # built-in captioned shapes, or precomputed latent shards
+    path: Optional[str] = None  # latents: the directory `python -m data.precompute` wrote
+    aspect_buckets: bool = False  # latents: train on several latent sizes, each global batch from one size
+    num_items: int = 100_000  # shapes: distinct procedural items before the order repeats
     caption_dropout: float = 0.1  # share of samples trained unconditionally: enables CFG, costs conditional fit
     num_workers: int = -1  # loader processes; -1: 0 on CPU (both cores compute), 4 on CUDA (hide loading)
     pin_memory: bool = True  # CUDA only: page-locked batches so host-to-device copies overlap compute
     prefetch_factor: int = 2  # batches each worker prepares ahead (workers > 0): memory against stalls
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = False  # train low-rank adapters on a frozen model: far less optimizer memory, tiny files
+    rank: int = 16  # adapter rank: capacity against parameters and memory
+    alpha: float = 16.0  # adapter output is scaled by alpha / rank; higher moves further from the base per step
+    dropout: float = 0.0  # dropout on the adapter input: regularises small datasets, adds noise to the step
+    target_modules: List[str] = field(default_factory=lambda: list(DIFFUSERS_SD3_TARGETS))  # diffusers' SD3 set
 
 
 @dataclass
@@ -153,6 +166,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     text_encoder: TextEncoderConfig = field(default_factory=TextEncoderConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     flow: FlowConfig = field(default_factory=FlowConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
@@ -198,7 +212,7 @@ def validate(cfg: DictConfig) -> None:
                 "training.train_batch_size", "training.gradient_accumulation_steps", "training.max_steps",
                 "training.profile_steps", "training.dist_timeout_s", "training.ddp_bucket_cap_mb", "optimizer.lr",
                 "optimizer.eps", "logging.log_every", "checkpoint.keep_last", "loss.loss_scale",
-                "profiler.repeat"]
+                "profiler.repeat", "lora.rank", "lora.alpha"]
     for key in positive:
         if not OmegaConf.select(cfg, key) > 0:
             raise ConfigError(f"{key} must be > 0, got {OmegaConf.select(cfg, key)}")
@@ -210,7 +224,7 @@ def validate(cfg: DictConfig) -> None:
     for key in non_negative:
         if OmegaConf.select(cfg, key) < 0:
             raise ConfigError(f"{key} must be >= 0, got {OmegaConf.select(cfg, key)}")
-    for key in ["data.caption_dropout", "optimizer.beta1", "optimizer.beta2", "optimizer.ema_decay"]:
+    for key in ["data.caption_dropout", "lora.dropout", "optimizer.beta1", "optimizer.beta2", "optimizer.ema_decay"]:
         if not 0 <= OmegaConf.select(cfg, key) < 1:
             raise ConfigError(f"{key} must be in [0, 1), got {OmegaConf.select(cfg, key)}")
     if not 0 <= cfg.optimizer.min_lr_ratio <= 1:
@@ -231,6 +245,11 @@ def validate(cfg: DictConfig) -> None:
     if cfg.text_encoder.dim % cfg.text_encoder.num_heads:
         raise ConfigError(f"text_encoder.dim={cfg.text_encoder.dim} must be divisible by "
                           f"text_encoder.num_heads={cfg.text_encoder.num_heads}")
+    if cfg.lora.enabled and not cfg.lora.target_modules:
+        raise ConfigError("lora.target_modules is empty; name the modules to adapt, e.g. attn.to_q")
+    if cfg.lora.enabled and not cfg.model.init_from:
+        raise ConfigError("lora.enabled=true needs model.init_from (a diffusers transformer directory): on a fresh "
+                          "MMDiT the adaLN-Zero gates are zero and frozen, so the adapters would get no gradient")
     bad_layers = [i for i in cfg.model.dual_attention_layers if not 0 <= i < cfg.model.num_layers]
     if bad_layers:
         raise ConfigError(f"model.dual_attention_layers {bad_layers} outside 0..{cfg.model.num_layers - 1}")

@@ -3,7 +3,9 @@
 The global batch of step s is the slice [s*G, (s+1)*G) of an endless stream of epochs, each epoch a
 permutation of the dataset keyed by (seed, epoch). Rank r of W takes the contiguous positions
 [r*G/W, (r+1)*G/W) of that batch, so the union over ranks is the same global batch for any world size, and
-resuming at step s needs nothing but s.
+resuming at step s needs nothing but s. With aspect buckets (items of several latent sizes) every global
+batch comes from one bucket: each epoch shuffles every bucket, cuts it into whole batches and shuffles the
+batches, all keyed by (seed, epoch) as well.
 """
 
 import logging
@@ -20,10 +22,13 @@ class StepBatchSampler:
     """Yields, for each step from `start_step` to `end_step`, this rank's (step, position, index) triples."""
 
     def __init__(self, num_items: int, global_batch: int, seed: int, rank: int, world_size: int,
-                 start_step: int, end_step: int):
+                 start_step: int, end_step: int, buckets: list[list[int]] | None = None):
         if global_batch % world_size:
             raise ValueError(f"global batch {global_batch} is not divisible by world size {world_size}")
-        self.num_items, self.global_batch, self.seed = num_items, global_batch, seed
+        self.num_items, self.global_batch, self.seed, self.buckets = num_items, global_batch, seed, buckets
+        if buckets and not sum(len(b) // global_batch for b in buckets):
+            raise ValueError(f"no latent size has enough items for one global batch of {global_batch} "
+                             f"(items per size: {[len(b) for b in buckets]})")
         self.rank_batch = global_batch // world_size
         self.first_position = rank * self.rank_batch
         self.start_step, self.end_step = start_step, end_step
@@ -33,7 +38,22 @@ class StepBatchSampler:
         gen = torch.Generator().manual_seed(sample_key(self.seed, ORDER_STREAM, epoch))
         return torch.randperm(self.num_items, generator=gen)
 
+    @lru_cache(maxsize=2)
+    def bucket_batches(self, epoch: int) -> list[torch.Tensor]:
+        """The epoch's global batches, each from one bucket; a bucket's remainder waits for another shuffle."""
+        batches = []
+        for b, items in enumerate(self.buckets):
+            gen = torch.Generator().manual_seed(sample_key(self.seed, ORDER_STREAM, f"{epoch}/bucket{b}"))
+            shuffled = torch.tensor(items)[torch.randperm(len(items), generator=gen)]
+            whole = len(items) // self.global_batch * self.global_batch
+            batches += list(shuffled[:whole].split(self.global_batch))
+        gen = torch.Generator().manual_seed(sample_key(self.seed, ORDER_STREAM, f"{epoch}/batches"))
+        return [batches[i] for i in torch.randperm(len(batches), generator=gen)]
+
     def global_indices(self, step: int) -> torch.Tensor:
+        if self.buckets:
+            per_epoch = sum(len(b) // self.global_batch for b in self.buckets)
+            return self.bucket_batches(step // per_epoch)[step % per_epoch]
         flat = step * self.global_batch + torch.arange(self.global_batch)
         return torch.stack([self.permutation(int(f) // self.num_items)[int(f) % self.num_items] for f in flat])
 
@@ -62,10 +82,12 @@ class StepDataset(torch.utils.data.Dataset):
 
 
 class Collate:
-    """Stacks tensors; tokenizes captions when a tokenizer is given."""
+    """Stacks tensors; tokenizes captions when a tokenizer is given; adds the empty caption's embeddings
+    (`empty_<key>`, one row) when the dataset has them, for caption dropout."""
 
-    def __init__(self, tokenizer=None):
+    def __init__(self, tokenizer=None, empty_prompt: dict | None = None):
         self.tokenizer = tokenizer
+        self.empty_prompt = empty_prompt or {}
 
     def __call__(self, items: list[dict]) -> dict:
         batch = {}
@@ -76,6 +98,7 @@ class Collate:
         batch["position"] = torch.tensor(batch["position"])
         if self.tokenizer is not None:
             batch["input_ids"] = self.tokenizer(batch["caption"])
+        batch.update({f"empty_{k}": v for k, v in self.empty_prompt.items()})
         return batch
 
 
@@ -84,12 +107,14 @@ def step_batches(dataset, tokenizer, global_batch: int, seed: int, rank: int, wo
                  pin_memory: bool = True, prefetch_factor: int = 2) -> torch.utils.data.DataLoader:
     """One loader for the whole run (iterated once, so workers live as long as the run). Workers change
     where items are made, never which: the batches are the same for any worker count."""
-    sampler = StepBatchSampler(len(dataset), global_batch, seed, rank, world_size, start_step, end_step)
+    buckets = dataset.buckets() if len(getattr(dataset, "latent_sizes", ())) > 1 else None
+    sampler = StepBatchSampler(len(dataset), global_batch, seed, rank, world_size, start_step, end_step, buckets)
     if num_workers < 0:
         num_workers = 4 if device.type == "cuda" else 0
     if num_workers:
         log.info("data loading: %d workers, prefetch %d, pinned memory %s", num_workers, prefetch_factor,
                  pin_memory and device.type == "cuda")
-    return torch.utils.data.DataLoader(StepDataset(dataset), batch_sampler=sampler, collate_fn=Collate(tokenizer),
+    collate = Collate(tokenizer, getattr(dataset, "empty_prompt", None))
+    return torch.utils.data.DataLoader(StepDataset(dataset), batch_sampler=sampler, collate_fn=collate,
                                        num_workers=num_workers, pin_memory=pin_memory and device.type == "cuda",
                                        prefetch_factor=prefetch_factor if num_workers else None)

@@ -50,7 +50,7 @@ class ShapesDataset(torch.utils.data.Dataset):
     and `caption`. Datasets of real latents provide the same `latents` key."""
 
     latent_channels = 3
-    latent_size = IMAGE_SIZE
+    latent_sizes = [(IMAGE_SIZE, IMAGE_SIZE)]
 
     def __init__(self, num_items: int, seed: int):
         self.num_items = num_items

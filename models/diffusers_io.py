@@ -11,11 +11,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from models.lora import ADAPTER
 from models.mmdit import MMDiT, MMDiTConfig
 
 CLASS_NAME = "SD3Transformer2DModel"
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 INDEX = "diffusion_pytorch_model.safetensors.index.json"
+LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
+LORA_METADATA_KEY = "lora_adapter_metadata"
+LORA_PREFIX = "transformer"  # diffusers' name of the pipeline component the adapter belongs to
 # config.json keys diffusers writes that do not change the architecture this MMDiT implements
 IGNORED_KEYS = {"_class_name", "_diffusers_version", "_name_or_path", "qk_norm_eps"}
 # architecture features of newer diffusers configs; accepted only at the value that means "absent"
@@ -82,9 +86,9 @@ def load_diffusers_weights(model: MMDiT, directory: Path, dtype: torch.dtype = t
     model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=True)
 
 
-def export_diffusers_transformer(model: MMDiT, directory: Path, dtype: torch.dtype = torch.float32) -> Path:
-    """Write a directory that `SD3Transformer2DModel.from_pretrained` loads. An existing directory is never
-    overwritten; the files are written to a temporary sibling and renamed into place when complete."""
+def write_new_directory(directory: Path, write) -> Path:
+    """Call `write(tmp)` on a temporary sibling, then rename it to `directory`: an existing directory is
+    never overwritten, and a half-written export never appears under the final name."""
     directory = Path(directory)
     if directory.exists():
         raise FileExistsError(f"{directory} exists; export into a new directory (nothing was overwritten)")
@@ -92,13 +96,38 @@ def export_diffusers_transformer(model: MMDiT, directory: Path, dtype: torch.dty
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        config = {"_class_name": CLASS_NAME, "_diffusers_version": "0.30.0", **dataclasses.asdict(model.cfg)}
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        # persistent buffers are recomputed by diffusers too, but it stores them; keep the state dict whole
-        state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in model.state_dict().items()}
-        save_file(state, tmp / WEIGHTS, metadata={"format": "pt"})
+        write(tmp)
         tmp.rename(directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return directory
+
+
+def cpu_tensors(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to(dtype).contiguous().cpu() for k, v in state.items()}
+
+
+def export_diffusers_transformer(model: MMDiT, directory: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """Write a directory that `SD3Transformer2DModel.from_pretrained` loads."""
+    def write(tmp: Path) -> None:
+        config = {"_class_name": CLASS_NAME, "_diffusers_version": "0.30.0", **dataclasses.asdict(model.cfg)}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        # persistent buffers are recomputed by diffusers too, but it stores them; keep the state dict whole
+        save_file(cpu_tensors(model.state_dict(), dtype), tmp / WEIGHTS, metadata={"format": "pt"})
+    return write_new_directory(directory, write)
+
+
+def diffusers_lora_state(adapter_weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """peft parameter names relative to the MMDiT (`…to_q.lora_A.default.weight`) -> diffusers' SD3 names."""
+    return {f"{LORA_PREFIX}.{name.replace(f'.{ADAPTER}.', '.')}": w for name, w in adapter_weights.items()}
+
+
+def export_diffusers_lora(adapter_weights: dict[str, torch.Tensor], settings: dict, directory: Path,
+                          dtype: torch.dtype = torch.float32) -> Path:
+    """Write `pytorch_lora_weights.safetensors` as `StableDiffusion3Pipeline.save_lora_weights` does, for
+    `pipe.load_lora_weights(directory)` or `transformer.load_lora_adapter(directory, prefix="transformer")`.
+    Rank and alpha travel in the header, so an alpha other than the rank survives the trip."""
+    metadata = {"format": "pt", LORA_METADATA_KEY: json.dumps({f"{LORA_PREFIX}.{k}": v for k, v in settings.items()})}
+    return write_new_directory(directory, lambda tmp: save_file(
+        cpu_tensors(diffusers_lora_state(adapter_weights), dtype), tmp / LORA_WEIGHTS, metadata=metadata))

@@ -4,7 +4,8 @@ import torch
 from omegaconf import DictConfig
 
 from configs.schema import ConfigError
-from data.shapes import MAX_CAPTION_WORDS, VOCABULARY
+from data.latents import DataFormatError, LatentDataset
+from data.shapes import MAX_CAPTION_WORDS, VOCABULARY, ShapesDataset
 from models.mmdit import MMDiT, MMDiTConfig
 from models.rectified_flow import SAMPLING_STREAM, euler_sample, sample_key
 from models.text_encoder import TextToImage, TinyTextEncoder, WordTokenizer
@@ -14,26 +15,53 @@ def build_tokenizer() -> WordTokenizer:
     return WordTokenizer(VOCABULARY, MAX_CAPTION_WORDS)
 
 
-def mmdit_config(cfg: DictConfig, latent_channels: int, latent_size: int, text_dim: int) -> MMDiTConfig:
+def mmdit_config(cfg: DictConfig, latent_channels: int, latent_sizes: list[tuple[int, int]], joint_dim: int,
+                 pooled_dim: int) -> MMDiTConfig:
     m = cfg.model
-    if latent_size % m.patch_size:
-        raise ConfigError(f"model.patch_size={m.patch_size} does not divide the {latent_size}-pixel input")
-    if latent_size // m.patch_size > m.pos_embed_max_size:
-        raise ConfigError(f"model.pos_embed_max_size={m.pos_embed_max_size} is smaller than the "
-                          f"{latent_size // m.patch_size}-patch grid")
+    for size in latent_sizes:
+        if size[0] % m.patch_size or size[1] % m.patch_size:
+            raise ConfigError(f"model.patch_size={m.patch_size} does not divide the {size[0]}x{size[1]} latents")
+        if max(size) // m.patch_size > m.pos_embed_max_size:
+            raise ConfigError(f"model.pos_embed_max_size={m.pos_embed_max_size} is smaller than the "
+                              f"{size[0] // m.patch_size}x{size[1] // m.patch_size} patch grid")
     dim = m.num_attention_heads * m.attention_head_dim
     return MMDiTConfig(sample_size=m.sample_size, patch_size=m.patch_size, in_channels=latent_channels,
                        out_channels=latent_channels, num_layers=m.num_layers,
                        attention_head_dim=m.attention_head_dim, num_attention_heads=m.num_attention_heads,
-                       joint_attention_dim=text_dim, caption_projection_dim=dim, pooled_projection_dim=text_dim,
+                       joint_attention_dim=joint_dim, caption_projection_dim=dim, pooled_projection_dim=pooled_dim,
                        pos_embed_max_size=m.pos_embed_max_size, qk_norm=m.qk_norm,
                        dual_attention_layers=list(m.dual_attention_layers))
 
 
-def build_model(cfg: DictConfig, latent_channels: int, latent_size: int, vocab_size: int) -> TextToImage:
+def build_data(cfg: DictConfig) -> tuple[torch.utils.data.Dataset, WordTokenizer | None]:
+    """The dataset, and the tokenizer of the jointly trained text encoder (None for precomputed embeddings)."""
+    if cfg.data.name == "shapes":
+        return ShapesDataset(cfg.data.num_items, cfg.training.seed), build_tokenizer()
+    if not cfg.data.path:
+        raise ConfigError("data.name=latents needs data.path, a directory written by python -m data.precompute")
+    try:
+        return LatentDataset(cfg.data.path, cfg.data.aspect_buckets), None
+    except DataFormatError as e:
+        raise ConfigError(str(e)) from None
+
+
+def build_model(cfg: DictConfig, dataset, tokenizer: WordTokenizer | None = None) -> TextToImage:
+    """The MMDiT sized for the dataset; with a tokenizer, also the text encoder trained jointly with it.
+    Datasets of precomputed embeddings bring their own text widths (`text_dims`)."""
+    channels, sizes = dataset.latent_channels, dataset.latent_sizes
+    if tokenizer is None:
+        return TextToImage(MMDiT(mmdit_config(cfg, channels, sizes, *dataset.text_dims)))
     t = cfg.text_encoder
-    text_encoder = TinyTextEncoder(vocab_size, MAX_CAPTION_WORDS, t.dim, t.num_layers, t.num_heads)
-    return TextToImage(MMDiT(mmdit_config(cfg, latent_channels, latent_size, t.dim)), text_encoder)
+    text_encoder = TinyTextEncoder(len(tokenizer.vocab), tokenizer.max_length, t.dim, t.num_layers, t.num_heads)
+    return TextToImage(MMDiT(mmdit_config(cfg, channels, sizes, t.dim, t.dim)), text_encoder)
+
+
+def example_text(dataset, tokenizer: WordTokenizer | None) -> dict[str, torch.Tensor]:
+    """One sample's text input of the model (the empty caption), to count its tokens and FLOPs."""
+    if tokenizer is not None:
+        return {"input_ids": tokenizer([""])}
+    joint, pooled = dataset.text_dims
+    return {"prompt_embeds": torch.zeros(1, dataset.text_tokens, joint), "pooled_prompt_embeds": torch.zeros(1, pooled)}
 
 
 def initial_noise(seed: int, count: int, shape: tuple) -> torch.Tensor:

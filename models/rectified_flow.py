@@ -28,7 +28,7 @@ class SampleNoise:
 DATA_STREAM, ORDER_STREAM, SAMPLING_STREAM = -1, -2, -3
 
 
-def sample_key(seed: int, step: int, position: int) -> int:
+def sample_key(seed: int, step: int, position: int | str) -> int:
     digest = hashlib.blake2b(f"{seed}/{step}/{position}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
 

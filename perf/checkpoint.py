@@ -110,6 +110,20 @@ def latest_valid_checkpoint(run_dir: Path) -> Path | None:
     return None
 
 
+def find_checkpoint(path: Path) -> Path:
+    """A checkpoint directory as given, or a run directory's newest complete checkpoint."""
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        problem = verify(path)
+        if problem:
+            raise ValueError(f"checkpoint {path} is not usable: {problem}")
+        return path
+    found = latest_valid_checkpoint(path)
+    if found is None:
+        raise ValueError(f"{path} is neither a checkpoint directory nor a run directory with a complete checkpoint")
+    return found
+
+
 def read_checkpoint(path: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
     path = Path(path)
     tensors = {p.name.removesuffix(".safetensors"): load_file(p) for p in path.glob("*.safetensors")}

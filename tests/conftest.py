@@ -22,6 +22,15 @@ def losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in metric_rows(run_dir) if "loss" in r]
 
 
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """Non-zero everywhere (adaLN-Zero initialises gates to zero, which would hide mapping errors)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+
+
+
 @pytest.fixture
 def tiny(tmp_path):
     """Overrides for a seconds-long run in a fresh run directory; extend with more key=value strings."""
@@ -36,3 +45,62 @@ def default_attention_kernel():
     from models.attention import sdpa_attention, set_attention_kernel
     yield
     set_attention_kernel(sdpa_attention)
+
+
+LATENT_DIMS = {"channels": 4, "tokens": 6, "joint": 24, "pooled": 16}
+
+
+def write_latent_shards(directory: Path, sizes=((8, 8),), per_shard: int = 12, seed: int = 0,
+                        empty_prompt: bool = True) -> Path:
+    """A small latent dataset as `python -m data.precompute` lays it out: one shard per latent size, random
+    tensors (fp16 latents, as precompute writes them in half precision), captions in the header."""
+    from safetensors.torch import save_file
+    gen = torch.Generator().manual_seed(seed)
+    d = LATENT_DIMS
+    directory.mkdir(parents=True, exist_ok=True)
+    shards = []
+    for i, (h, w) in enumerate(sizes):
+        name = f"shard-{i:05d}-{h}x{w}.safetensors"
+        tensors = {"latents": torch.randn(per_shard, d["channels"], h, w, generator=gen).half(),
+                   "prompt_embeds": torch.randn(per_shard, d["tokens"], d["joint"], generator=gen),
+                   "pooled_prompt_embeds": torch.randn(per_shard, d["pooled"], generator=gen)}
+        captions = [f"item {i}/{j}" for j in range(per_shard)]
+        save_file(tensors, directory / name, metadata={"captions": json.dumps(captions)})
+        shards.append({"file": name, "count": per_shard, "latent_size": [h, w]})
+    if empty_prompt:
+        save_file({"prompt_embeds": torch.randn(1, d["tokens"], d["joint"], generator=gen),
+                   "pooled_prompt_embeds": torch.randn(1, d["pooled"], generator=gen)},
+                  directory / "empty_prompt.safetensors")
+    (directory / "dataset.json").write_text(json.dumps({"shards": shards}))
+    return directory
+
+
+# A tiny run on latent shards: patch 2 over 8x8 latents is a 4x4 grid of image tokens.
+LATENT_RUN = ["data.name=latents", "model.patch_size=2", "model.num_layers=2", "model.num_attention_heads=2",
+              "model.attention_head_dim=8", "model.sample_size=8", "model.pos_embed_max_size=8",
+              "training.train_batch_size=4", "optimizer.warmup_steps=1", "logging.log_every=1",
+              "logging.save_freq=0"]
+
+
+@pytest.fixture
+def latent_run(tmp_path):
+    """Overrides for a seconds-long run on a fresh latent dataset (made on first use)."""
+    def make(*extra: str, run: str = "run", data: Path | None = None) -> list[str]:
+        if data is None:
+            data = tmp_path / "latents"
+            if not data.exists():
+                write_latent_shards(data)
+        return [*LATENT_RUN, f"data.path={data}", f"logging.output_dir={tmp_path / run}", *extra]
+    return make
+
+
+def export_random_base(overrides: list[str], directory: Path, seed: int = 3) -> Path:
+    """A "released" checkpoint for the run `overrides` describe: the same architecture, random non-zero weights,
+    as a diffusers SD3Transformer2DModel directory."""
+    from configs.schema import load_config
+    from models.diffusers_io import export_diffusers_transformer
+    from models.pipeline import build_data, build_model
+    cfg = load_config(overrides=overrides)
+    transformer = build_model(cfg, build_data(cfg)[0]).transformer
+    randomize(transformer, seed)
+    return export_diffusers_transformer(transformer, directory)

@@ -7,6 +7,7 @@ import torch
 
 from models.diffusers_io import (CheckpointFormatError, export_diffusers_transformer, load_diffusers_transformer)
 from models.mmdit import MMDiT, MMDiTConfig
+from tests.conftest import randomize
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -34,14 +35,6 @@ def inputs(config: dict, seed: int = 0):
     return (torch.randn(2, config["in_channels"], side, side, generator=gen),
             torch.randn(2, 7, config["joint_attention_dim"], generator=gen),
             torch.randn(2, config["pooled_projection_dim"], generator=gen), torch.tensor([250.0, 900.0]))
-
-
-def randomize(model: torch.nn.Module, seed: int) -> None:
-    """Non-zero everywhere (adaLN-Zero initialises gates to zero, which would hide mapping errors)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
 
 
 def diffusers_output(model, x, c, p, t):
@@ -99,11 +92,12 @@ def test_mismatches_are_named(tmp_path):
 
 def test_training_starts_from_a_diffusers_directory(tiny, tmp_path, caplog):
     from perf.checkpoint import checkpoints, read_checkpoint
+    from data.shapes import ShapesDataset
     from models.pipeline import build_model, build_tokenizer
     from configs.schema import load_config
     from train_mmdit_stable import main
     cfg = load_config(overrides=tiny())
-    source = build_model(cfg, 3, 32, len(build_tokenizer().vocab)).transformer
+    source = build_model(cfg, ShapesDataset, build_tokenizer()).transformer
     randomize(source, 3)
     export_diffusers_transformer(source, tmp_path / "init")
     # lr 1e-30: one step leaves the weights where they started, so the checkpoint shows the initialisation

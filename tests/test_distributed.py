@@ -143,7 +143,7 @@ def count_gradient_all_reduces(accumulation: int, use_no_sync: bool) -> int:
 
     import train_mmdit_stable
     from configs.schema import load_config
-    from data.shapes import all_prompts, caption
+    from data.shapes import ShapesDataset, all_prompts, caption
     from models.pipeline import build_model, build_tokenizer
     from perf.distributed import World, init_distributed, wrap_ddp, destroy_distributed
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -154,7 +154,7 @@ def count_gradient_all_reduces(accumulation: int, use_no_sync: bool) -> int:
                                  "model.attention_head_dim=64",  # 1.6 MB of gradients: several buckets
                                  f"training.gradient_accumulation_steps={accumulation}"])
     tokenizer = build_tokenizer()
-    model = wrap_ddp(build_model(cfg, 3, 32, len(tokenizer.vocab)), world, device, cfg.training.ddp_bucket_cap_mb)
+    model = wrap_ddp(build_model(cfg, ShapesDataset, tokenizer), world, device, cfg.training.ddp_bucket_cap_mb)
     calls = []
 
     def counting_hook(state, bucket):

@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 from PIL import Image
 
 from configs.schema import load_config
+from data.shapes import ShapesDataset
 from models.attention import math_attention, set_attention_kernel
 from models.pipeline import build_model, build_tokenizer
 from perf.profiler import build_profiler
@@ -98,12 +99,12 @@ def test_flop_count_on_meta_matches_a_real_count():
     matmuls differently); with the CPU SDPA kernel the real count would miss attention (~8 % of the total)."""
     from torch.utils.flop_counter import FlopCounterMode
     cfg = load_config(overrides=["model.num_layers=2", "model.dual_attention_layers=[0]"])
-    vocab = len(build_tokenizer().vocab)
+    tokenizer = build_tokenizer()
     inputs = lambda: (torch.zeros(1, 3, 32, 32), torch.full((1,), 0.5), {"input_ids": torch.ones(1, 7).long()})
-    meta = train_flops_per_sample(lambda: build_model(cfg, 3, 32, vocab), inputs)
+    meta = train_flops_per_sample(lambda: build_model(cfg, ShapesDataset, tokenizer), inputs)
     set_attention_kernel(math_attention)
     with FlopCounterMode(display=False) as counter:
-        build_model(cfg, 3, 32, vocab)(*inputs()).sum().backward()
+        build_model(cfg, ShapesDataset, tokenizer)(*inputs()).sum().backward()
     assert meta == pytest.approx(counter.get_total_flops(), rel=1e-3) and meta > 0
 
 

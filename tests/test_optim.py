@@ -3,6 +3,7 @@ import math
 import torch
 
 from configs.schema import load_config
+from data.shapes import ShapesDataset
 from models.pipeline import build_model, build_tokenizer
 from optim.adamw import build_adamw, decay_groups
 from optim.ema import EMA
@@ -11,7 +12,7 @@ from optim.schedule import warmup_cosine
 
 def test_decay_groups_of_the_mmdit():
     cfg = load_config(overrides=["model.num_layers=2", "model.dual_attention_layers=[0]"])
-    model = build_model(cfg, 3, 32, len(build_tokenizer().vocab))
+    model = build_model(cfg, ShapesDataset, build_tokenizer())
     decay, no_decay = decay_groups(model)
     assert set(decay) | set(no_decay) == {n for n, _ in model.named_parameters()}
     assert not set(decay) & set(no_decay)

@@ -1,6 +1,5 @@
 """The plugins that ship with the foundation: each trains like the plain loop, within a stated tolerance."""
 
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -8,6 +7,7 @@ from torch.utils.checkpoint import checkpoint
 
 import train_mmdit_stable
 from configs.schema import load_config
+from data.shapes import ShapesDataset
 from models.pipeline import build_model, build_tokenizer
 from perf.activation_checkpointing import apply_activation_checkpointing
 from perf.checkpoint import checkpoints, read_checkpoint
@@ -56,7 +56,7 @@ def test_activation_checkpointing_gives_the_same_gradients(every):
     grads = []
     for checkpointing in (0, every):
         torch.manual_seed(0)
-        model = build_model(cfg, 3, 32, len(tokenizer.vocab))
+        model = build_model(cfg, ShapesDataset, tokenizer)
         for p in model.parameters():  # leave the adaLN-Zero init so every block does real work
             p.data.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.02)
         apply_activation_checkpointing(model, checkpointing)

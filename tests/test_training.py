@@ -25,7 +25,7 @@ def test_loss_falls_when_overfitting_one_batch():
                                  "model.attention_head_dim=16", "text_encoder.dim=32", "text_encoder.num_heads=2"])
     tokenizer = build_tokenizer()
     torch.manual_seed(0)
-    model = build_model(cfg, 3, 32, len(tokenizer.vocab))
+    model = build_model(cfg, ShapesDataset, tokenizer)
     ds = ShapesDataset(100, seed=0)
     items = [ds[i] for i in range(8)]
     x0 = torch.stack([it["latents"] for it in items])

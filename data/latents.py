@@ -1,0 +1,151 @@
+"""Precomputed latents and text embeddings in safetensors shards, read through memory maps.
+
+A dataset directory (written by `python -m data.precompute`) holds shards, each a safetensors file with
+    latents               [N, C, h, w]  VAE latents, already shifted and scaled for the MMDiT
+    prompt_embeds         [N, L, J]     text-token embeddings (SD3: CLIP-L ++ CLIP-G, padded, then T5)
+    pooled_prompt_embeds  [N, P]        pooled text embeddings
+and the captions as a JSON list under the header key "captions" (optional). `dataset.json` lists the shards
+in order; without it every `*.safetensors` file is a shard, in name order. `empty_prompt.safetensors` (one
+row of each text tensor) is the encoding of "", used for caption dropout as SD3 pipelines use it for the
+unconditional branch. Every header is checked when the dataset opens, before any compute.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+FIELDS = {"latents": 4, "prompt_embeds": 3, "pooled_prompt_embeds": 2}  # name -> number of dimensions
+# sizes every shard must share, and the field each is read from
+SHARED_DIMS = {"channels": "latents channels", "text_tokens": "prompt_embeds length",
+               "joint_dim": "prompt_embeds width", "pooled_dim": "pooled_prompt_embeds width"}
+EMPTY_PROMPT = "empty_prompt.safetensors"
+INDEX = "dataset.json"
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+
+
+class DataFormatError(ValueError):
+    pass
+
+
+def read_header(path: Path) -> tuple[dict[str, tuple[str, list[int]]], dict[str, str]]:
+    """{field: (dtype, shape)} and the string metadata of one safetensors file, without reading tensors."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 2 <= size <= 100_000_000:
+                raise ValueError(f"header length {size}")
+            header = json.loads(f.read(size))
+    except (OSError, ValueError) as e:
+        raise DataFormatError(f"{path}: not a readable safetensors file ({e})") from None
+    metadata = header.pop("__metadata__", None) or {}
+    return {k: (v["dtype"], v["shape"]) for k, v in header.items()}, metadata
+
+
+def shard_paths(directory: Path) -> list[Path]:
+    if not directory.is_dir():
+        raise DataFormatError(f"data.path={directory} is not a directory of latent shards")
+    if (directory / INDEX).is_file():
+        try:
+            names = [s["file"] for s in json.loads((directory / INDEX).read_text())["shards"]]
+        except (ValueError, KeyError, TypeError) as e:
+            raise DataFormatError(f"{directory / INDEX}: expected {{'shards': [{{'file': ...}}, ...]}} ({e})") from None
+        paths = [directory / n for n in names]
+        absent = [str(p) for p in paths if not p.is_file()]
+        if absent:
+            raise DataFormatError(f"{directory / INDEX} lists shards that do not exist: {absent[:5]}")
+        return paths
+    paths = sorted(p for p in directory.glob("*.safetensors") if p.name != EMPTY_PROMPT)
+    if not paths:
+        raise DataFormatError(f"data.path={directory} holds no *.safetensors shards (run python -m data.precompute)")
+    return paths
+
+
+class LatentDataset(torch.utils.data.Dataset):
+    """Items: `latents`, `prompt_embeds`, `pooled_prompt_embeds` (float32) and `caption`."""
+
+    def __init__(self, directory: str | Path, aspect_buckets: bool = False):
+        self.directory = Path(directory)
+        self.paths = shard_paths(self.directory)
+        self.rows, self.sizes, self.captions, first = [], [], [], None
+        for shard, path in enumerate(self.paths):
+            fields, metadata = read_header(path)
+            dims = self.check_shard(path, fields)
+            first = first or (path, dims)
+            for name, field in SHARED_DIMS.items():
+                if dims[name] != first[1][name]:
+                    raise DataFormatError(f"{path}: {field} is {dims[name]} but {first[0]} has {first[1][name]}; "
+                                          f"all shards must come from the same VAE and text encoders")
+            if dims["size"] != first[1]["size"] and not aspect_buckets:
+                raise DataFormatError(f"{path}: latents are {dims['size'][0]}x{dims['size'][1]} but {first[0]} has "
+                                      f"{first[1]['size'][0]}x{first[1]['size'][1]}; set data.aspect_buckets=true "
+                                      f"to train on several sizes")
+            captions = json.loads(metadata.get("captions", "null")) or [""] * dims["count"]
+            if len(captions) != dims["count"]:
+                raise DataFormatError(f"{path}: {len(captions)} captions for {dims['count']} latents")
+            self.rows += [(shard, row) for row in range(dims["count"])]
+            self.sizes += [dims["size"]] * dims["count"]
+            self.captions += captions
+        d = first[1]
+        self.latent_channels, self.text_tokens = d["channels"], d["text_tokens"]
+        self.text_dims = (d["joint_dim"], d["pooled_dim"])
+        self.latent_sizes = sorted(set(self.sizes))
+        self.empty_prompt = self.read_empty_prompt()
+        self.handles = {}
+
+    @staticmethod
+    def check_shard(path: Path, fields: dict) -> dict:
+        for name, ndim in FIELDS.items():
+            if name not in fields:
+                raise DataFormatError(f"{path}: field {name!r} is missing (found {sorted(fields)}); "
+                                      f"expected {sorted(FIELDS)}")
+            dtype, shape = fields[name]
+            if len(shape) != ndim:
+                raise DataFormatError(f"{path}: field {name!r} has shape {shape}, expected {ndim} dimensions")
+            if dtype not in FLOAT_DTYPES:
+                raise DataFormatError(f"{path}: field {name!r} has dtype {dtype}, expected one of {FLOAT_DTYPES}")
+        counts = {name: fields[name][1][0] for name in FIELDS}
+        if len(set(counts.values())) != 1:
+            raise DataFormatError(f"{path}: fields have different numbers of rows {counts}")
+        (count, channels, h, w), (_, tokens, joint), (_, pooled) = (fields[n][1] for n in FIELDS)
+        if count == 0:
+            raise DataFormatError(f"{path}: the shard is empty")
+        return {"count": count, "channels": channels, "size": (h, w), "text_tokens": tokens,
+                "joint_dim": joint, "pooled_dim": pooled}
+
+    def read_empty_prompt(self) -> dict[str, torch.Tensor] | None:
+        path = self.directory / EMPTY_PROMPT
+        if not path.is_file():
+            return None
+        fields, _ = read_header(path)
+        expected = {"prompt_embeds": [1, self.text_tokens, self.text_dims[0]],
+                    "pooled_prompt_embeds": [1, self.text_dims[1]]}
+        for name, shape in expected.items():
+            if name not in fields or fields[name][1] != shape:
+                raise DataFormatError(f"{path}: field {name!r} should have shape {shape}, found "
+                                      f"{fields.get(name, (None, 'nothing'))[1]}")
+        with safe_open(path, "pt") as f:
+            return {name: f.get_tensor(name).float() for name in expected}
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def buckets(self) -> list[list[int]]:
+        """Item indices grouped by latent size, smallest size first."""
+        return [[i for i, s in enumerate(self.sizes) if s == size] for size in self.latent_sizes]
+
+    def handle(self, shard: int):
+        """A memory-mapped view of a shard, opened once per process (loader workers open their own)."""
+        if shard not in self.handles:
+            self.handles[shard] = safe_open(self.paths[shard], "pt")
+        return self.handles[shard]
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "handles": {}}
+
+    def __getitem__(self, index: int) -> dict:
+        shard, row = self.rows[index]
+        f = self.handle(shard)
+        item = {name: f.get_slice(name)[row : row + 1][0].float() for name in FIELDS}
+        return {**item, "caption": self.captions[index]}

@@ -1,0 +1,62 @@
+"""Export a trained MMDiT in the format diffusers loads.
+
+    python export_mmdit.py --checkpoint PATH --out DIR [--weights ema|trained] [--dtype fp32|bf16|fp16]
+
+PATH is a run directory (its newest complete checkpoint is used) or one checkpoint directory. A full
+fine-tune becomes an `SD3Transformer2DModel` directory (`SD3Transformer2DModel.from_pretrained(DIR)`, or a
+pipeline's `transformer=`); a LoRA run becomes `DIR/pytorch_lora_weights.safetensors`
+(`StableDiffusion3Pipeline.load_lora_weights(DIR)`). DIR must not exist: nothing is ever overwritten.
+"""
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from models.diffusers_io import CheckpointFormatError, check_state_dict, export_diffusers_lora, export_diffusers_transformer
+from models.mmdit import MMDiT, MMDiTConfig
+from perf.checkpoint import find_checkpoint, read_checkpoint
+
+log = logging.getLogger("mmdit")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PREFIX = "transformer."  # the MMDiT's place in the trained TextToImage module
+
+
+def export(checkpoint: Path, out: Path, use_ema: bool = True, dtype: torch.dtype = torch.float32) -> Path:
+    tensors, meta = read_checkpoint(checkpoint)
+    if "mmdit" not in meta:
+        raise CheckpointFormatError(f"{checkpoint} predates export support (no 'mmdit' in state.json); "
+                                    f"resume it for one step to write a new checkpoint")
+    weights = {**tensors["model"], **(tensors["ema"] if use_ema else {})}  # the EMA covers trained parameters
+    transformer = {k.removeprefix(PREFIX): v for k, v in weights.items() if k.startswith(PREFIX)}
+    if meta["lora"]:
+        return export_diffusers_lora(transformer, meta["lora"], out, dtype)
+    model = MMDiT(MMDiTConfig(**meta["mmdit"]))
+    check_state_dict(model.state_dict(), transformer, checkpoint)
+    model.load_state_dict(transformer)
+    return export_diffusers_transformer(model, out, dtype)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True, type=Path, help="run directory or checkpoint directory")
+    parser.add_argument("--out", required=True, type=Path, help="new directory to write")
+    parser.add_argument("--weights", choices=["ema", "trained"], default="ema",
+                        help="the EMA of the weights (smoother) or the last trained weights")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="dtype of the written weights")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    try:
+        checkpoint = find_checkpoint(args.checkpoint)
+        out = export(checkpoint, args.out, args.weights == "ema", DTYPES[args.dtype])
+    except (ValueError, FileExistsError) as e:
+        log.error("export failed: %s", e)
+        return 2
+    log.info("exported %s weights of %s to %s", args.weights, checkpoint, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""Latent shards: reading, checks that name the file and field, bucketed deterministic order, training."""
+
+import re
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from data.latents import DataFormatError, LatentDataset
+from data.loader import StepBatchSampler, step_batches
+from perf.checkpoint import checkpoints
+from tests.conftest import LATENT_DIMS, losses, write_latent_shards
+from train_mmdit_stable import main
+
+
+def test_items_are_the_written_rows(tmp_path):
+    write_latent_shards(tmp_path / "d", sizes=[(8, 8), (8, 12)], per_shard=5)
+    ds = LatentDataset(tmp_path / "d", aspect_buckets=True)
+    shard = load_file(tmp_path / "d" / "shard-00001-8x12.safetensors")
+    item = ds[7]  # row 2 of the second shard
+    assert torch.equal(item["latents"], shard["latents"][2].float()) and item["latents"].dtype == torch.float32
+    assert torch.equal(item["prompt_embeds"], shard["prompt_embeds"][2])
+    assert item["caption"] == "item 1/2"
+    assert len(ds) == 10 and ds.latent_sizes == [(8, 8), (8, 12)] and ds.buckets() == [list(range(5)), list(range(5, 10))]
+    assert ds.text_dims == (LATENT_DIMS["joint"], LATENT_DIMS["pooled"]) and ds.empty_prompt["prompt_embeds"].shape[0] == 1
+
+
+def corrupt(directory, name, tensors=None, raw=None):
+    path = directory / "shard-00000-8x8.safetensors"
+    if raw is not None:
+        path.write_bytes(raw)
+        return path
+    good = load_file(path)
+    good.update(tensors)
+    save_file({k: v for k, v in good.items() if v is not None}, path)
+    return path
+
+
+@pytest.mark.parametrize("case, change, message", [
+    ("missing field", {"pooled_prompt_embeds": None}, "field 'pooled_prompt_embeds' is missing"),
+    ("wrong rank", {"latents": torch.zeros(12, 4, 8)}, "field 'latents' has shape [12, 4, 8], expected 4 dimensions"),
+    ("integer dtype", {"prompt_embeds": torch.zeros(12, 6, 24, dtype=torch.int32)}, "field 'prompt_embeds' has dtype I32"),
+    ("row counts", {"latents": torch.zeros(11, 4, 8, 8)}, "different numbers of rows"),
+    ("channels", {"latents": torch.zeros(12, 3, 8, 8)}, "latents channels is 4 but"),
+    ("size", {"latents": torch.zeros(12, 4, 16, 16)}, "set data.aspect_buckets=true"),
+    ("not safetensors", None, "not a readable safetensors file"),
+])
+def test_a_bad_shard_is_named_with_its_field(tmp_path, case, change, message):
+    directory = write_latent_shards(tmp_path / "d", sizes=[(8, 8), (8, 8)])
+    path = corrupt(directory, case, change, raw=b"\x00" * 64 if change is None else None)
+    with pytest.raises(DataFormatError, match=re.escape(message)) as error:
+        LatentDataset(directory)
+    assert str(path) in str(error.value) or "shard-00001" in str(error.value)
+
+
+def test_a_bad_dataset_stops_training_before_compute(latent_run, tmp_path, caplog):
+    data = write_latent_shards(tmp_path / "d")
+    corrupt(data, "missing", {"prompt_embeds": None})
+    assert main(latent_run("training.max_steps=2", data=data)) == 2
+    assert "shard-00000-8x8.safetensors: field 'prompt_embeds' is missing" in caplog.text
+    assert not (tmp_path / "run").exists()
+    assert main(latent_run("training.max_steps=2", data=tmp_path / "nowhere")) == 2
+    assert "nowhere is not a directory of latent shards" in caplog.text
+
+
+def test_bucketed_batches_are_one_size_deterministic_and_rank_independent():
+    buckets = [list(range(0, 13)), list(range(13, 20)), list(range(20, 40))]
+    size_of = {i: b for b, items in enumerate(buckets) for i in items}
+    one = list(StepBatchSampler(40, 4, seed=0, rank=0, world_size=1, start_step=0, end_step=24, buckets=buckets))
+    for batch in one:
+        assert len({size_of[i] for _, _, i in batch}) == 1
+    per_epoch = 13 // 4 + 7 // 4 + 20 // 4
+    first_epoch = [i for batch in one[:per_epoch] for _, _, i in batch]
+    assert len(set(first_epoch)) == len(first_epoch) == per_epoch * 4  # no item twice within an epoch
+    assert one[:per_epoch] != one[per_epoch : 2 * per_epoch]  # each epoch reshuffles
+    two = [list(StepBatchSampler(40, 4, seed=0, rank=r, world_size=2, start_step=0, end_step=24, buckets=buckets))
+           for r in range(2)]
+    assert [a + b for a, b in zip(*two)] == one
+    resumed = list(StepBatchSampler(40, 4, seed=0, rank=0, world_size=1, start_step=17, end_step=24, buckets=buckets))
+    assert resumed == one[17:]
+    with pytest.raises(ValueError, match="no latent size has enough items for one global batch of 16"):
+        StepBatchSampler(40, 16, seed=0, rank=0, world_size=1, start_step=0, end_step=1, buckets=[[0, 1], [2]])
+
+
+def test_loader_workers_read_the_same_batches(tmp_path):
+    ds = LatentDataset(write_latent_shards(tmp_path / "d", sizes=[(8, 8), (8, 12)], per_shard=8), aspect_buckets=True)
+    runs = [list(step_batches(ds, None, 4, 0, 0, 1, 0, 6, torch.device("cpu"), num_workers=w)) for w in (0, 2)]
+    for a, b in zip(*runs):
+        assert torch.equal(a["latents"], b["latents"]) and torch.equal(a["empty_prompt_embeds"], ds.empty_prompt["prompt_embeds"])
+        assert a["caption"] == b["caption"]
+
+
+def test_training_on_latents_resumes_bit_for_bit(latent_run, tmp_path):
+    """Interrupted after step 3 of 6 (the last checkpoint removed) and resumed: the uninterrupted weights."""
+    run = latent_run("training.max_steps=6", "logging.save_freq=3", "data.caption_dropout=0.5")
+    assert main(run) == 0
+    whole = load_file(checkpoints(tmp_path / "run")[-1] / "model.safetensors")
+    shutil.rmtree(checkpoints(tmp_path / "run")[-1])
+    assert main(run) == 0
+    resumed = load_file(checkpoints(tmp_path / "run")[-1] / "model.safetensors")
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    assert not (tmp_path / "run" / "fidelity.json").exists()  # latents are sampled through diffusers
+
+
+def test_aspect_buckets_train(latent_run, tmp_path):
+    data = write_latent_shards(tmp_path / "d", sizes=[(8, 8), (4, 12)], per_shard=8)
+    assert main(latent_run("training.max_steps=4", "data.aspect_buckets=true", data=data)) == 0
+    assert len(losses(tmp_path / "run")) == 4
+
+
+def test_caption_dropout_uses_the_empty_prompt_encoding():
+    from train_mmdit_stable import drop_captions
+    text = {"prompt_embeds": torch.ones(3, 2, 4), "pooled_prompt_embeds": torch.ones(3, 5)}
+    empty = {"prompt_embeds": torch.full((1, 2, 4), 7.0), "pooled_prompt_embeds": torch.full((1, 5), 7.0)}
+    out = drop_captions(text, torch.tensor([False, True, False]), empty)
+    assert out["prompt_embeds"][1].eq(7).all() and out["prompt_embeds"][[0, 2]].eq(1).all()
+    assert out["pooled_prompt_embeds"][1].eq(7).all()
+    assert drop_captions(text, torch.tensor([True, False, False]), None)["prompt_embeds"][0].eq(0).all()
