@@ -126,7 +126,8 @@ def diffusers_lora_state(adapter_weights: dict[str, torch.Tensor]) -> dict[str, 
 def export_diffusers_lora(adapter_weights: dict[str, torch.Tensor], settings: dict, directory: Path,
                           dtype: torch.dtype = torch.float32) -> Path:
     """Write `pytorch_lora_weights.safetensors` as `StableDiffusion3Pipeline.save_lora_weights` does, for
-    `pipe.load_lora_weights(directory)` or `transformer.load_lora_adapter(directory, prefix="transformer")`.
+    `pipe.load_lora_weights(directory)` or `transformer.load_lora_adapter(directory, prefix="transformer",
+    weight_name="pytorch_lora_weights.safetensors")`.
     Rank and alpha travel in the header, so an alpha other than the rank survives the trip."""
     metadata = {"format": "pt", LORA_METADATA_KEY: json.dumps({f"{LORA_PREFIX}.{k}": v for k, v in settings.items()})}
     return write_new_directory(directory, lambda tmp: save_file(

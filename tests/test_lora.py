@@ -1,0 +1,140 @@
+"""LoRA through peft: only adapters train and are checkpointed, resume is exact, the plugins compose, and the
+exported adapter loads into diffusers' SD3 transformer with the same outputs."""
+
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import export_mmdit
+from configs.schema import load_config
+from models.diffusers_io import LORA_WEIGHTS, load_diffusers_transformer
+from models.lora import apply_lora
+from models.pipeline import build_data, build_model
+from perf.checkpoint import checkpoints, read_checkpoint
+from tests.conftest import LATENT_DIMS, export_random_base, losses, randomize
+from train_mmdit_stable import main
+
+diffusers = pytest.importorskip("diffusers")
+LORA = ["lora.enabled=true", "lora.rank=4", "lora.alpha=8"]  # alpha != rank: the scale must survive export
+
+
+@pytest.fixture
+def lora_run(latent_run, tmp_path):
+    """A LoRA fine-tune of a random "released" base on the latent test data."""
+    base = export_random_base(latent_run(), tmp_path / "base")
+
+    def make(*extra: str, run: str = "run") -> list[str]:
+        return latent_run(*LORA, f"model.init_from={base}", *extra, run=run)
+    return make
+
+
+def inputs(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    d = LATENT_DIMS
+    return (torch.randn(2, d["channels"], 8, 8, generator=gen), torch.randn(2, d["tokens"], d["joint"], generator=gen),
+            torch.randn(2, d["pooled"], generator=gen), torch.tensor([250.0, 900.0]))
+
+
+def test_adapters_alone_train_and_start_as_the_base(latent_run):
+    cfg = load_config(overrides=latent_run(*LORA, "model.init_from=unused"))
+    model = build_model(cfg, build_data(cfg)[0])
+    randomize(model, 1)
+    with torch.no_grad():
+        before = model.transformer(*inputs())
+    apply_lora(model, cfg.lora)
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    # 8 projections in each joint block; the last block (context_pre_only) has no to_add_out
+    assert len(trained) == 2 * (8 + 7) and all(".lora_" in n for n in trained)
+    with torch.no_grad():
+        assert torch.equal(model.transformer(*inputs()), before)  # B starts at zero
+
+
+@pytest.mark.slow
+def test_lora_run_keeps_the_base_checkpoints_adapters_and_resumes_exactly(lora_run, tmp_path):
+    run = lora_run("training.max_steps=6", "logging.save_freq=3")
+    assert main(run) == 0
+    tensors, meta = read_checkpoint(checkpoints(tmp_path / "run")[-1])
+    assert tensors["model"] and all(".lora_" in k for k in tensors["model"])
+    assert tensors["model"].keys() == tensors["ema"].keys()
+    assert meta["lora"]["r"] == 4 and meta["lora"]["lora_alpha"] == 8
+    assert any(v.abs().sum() > 0 for k, v in tensors["model"].items() if "lora_B" in k)  # the adapters moved
+    whole = tensors["model"]
+    shutil.rmtree(checkpoints(tmp_path / "run")[-1])
+    assert main(run) == 0
+    resumed = load_file(checkpoints(tmp_path / "run")[-1] / "model.safetensors")
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+
+
+def reference_output(run_dir, use_ema: bool):
+    """This project's adapted model, rebuilt from the run's config and checkpoint, on `inputs()`."""
+    cfg = load_config(run_dir / "config.yaml")
+    model = build_model(cfg, build_data(cfg)[0])
+    model.transformer.load_state_dict(load_diffusers_transformer(cfg.model.init_from).state_dict())
+    apply_lora(model, cfg.lora)
+    tensors, _ = read_checkpoint(checkpoints(run_dir)[-1])
+    result = model.load_state_dict(tensors["ema" if use_ema else "model"], strict=False)
+    assert not result.unexpected_keys
+    with torch.no_grad():
+        return model.transformer(*inputs())
+
+
+def test_exported_adapter_loads_into_diffusers_with_the_same_outputs(lora_run, tmp_path):
+    assert main(lora_run("training.max_steps=3", "optimizer.lr=5e-2")) == 0
+    for weights in ("ema", "trained"):
+        out = tmp_path / f"lora-{weights}"
+        assert export_mmdit.main(["--checkpoint", str(tmp_path / "run"), "--out", str(out), "--weights", weights]) == 0
+        with safe_open(out / LORA_WEIGHTS, "pt") as f:
+            assert all(k.startswith("transformer.transformer_blocks.") and ".default." not in k for k in f.keys())
+        transformer = diffusers.SD3Transformer2DModel.from_pretrained(tmp_path / "base").eval()
+        x, c, pooled, t = inputs()
+        with torch.no_grad():
+            base = transformer(hidden_states=x, encoder_hidden_states=c, pooled_projections=pooled, timestep=t,
+                               return_dict=False)[0]
+            transformer.load_lora_adapter(out, prefix="transformer", weight_name=LORA_WEIGHTS)
+            theirs = transformer(hidden_states=x, encoder_hidden_states=c, pooled_projections=pooled, timestep=t,
+                                 return_dict=False)[0]
+        ours = reference_output(tmp_path / "run", weights == "ema")
+        assert (theirs - base).abs().max() > 1e-3  # the adapter changes the output
+        torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
+    assert export_mmdit.main(["--checkpoint", str(tmp_path / "run"), "--out", str(out)]) == 2  # never overwrites
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plugin", [["training.compile_model=true"], ["training.dtype=bf16"],
+                                    ["training.activation_checkpointing=1", "checkpoint.async_save=false"]])
+def test_lora_with_a_plugin_trains_like_lora_without(lora_run, tmp_path, plugin):
+    """compile and checkpointing do the same math (fp32 reassociation only); bf16 rounds activations."""
+    assert main(lora_run("training.max_steps=4", run="plain")) == 0
+    assert main(lora_run("training.max_steps=4", *plugin, run="plugin")) == 0
+    plain, other = losses(tmp_path / "plain"), losses(tmp_path / "plugin")
+    tolerance = 3e-2 if "bf16" in plugin[0] else 1e-4
+    assert other == pytest.approx(plain, rel=tolerance)
+
+
+def test_lora_mistakes_are_named_before_compute(lora_run, latent_run, tmp_path, caplog):
+    assert main(lora_run("training.max_steps=1", "lora.target_modules=[attn.to_qq]")) == 2
+    assert "lora.target_modules ['attn.to_qq'] match no module" in caplog.text
+    assert main(latent_run(*LORA, "training.max_steps=1")) == 2
+    assert "lora.enabled=true needs model.init_from" in caplog.text
+    # the run's checkpoints hold only adapters: resuming with another rank or base is refused
+    assert main(lora_run("training.max_steps=2")) == 0
+    assert main(lora_run("training.max_steps=3", "lora.rank=8")) == 2
+    assert "holds a run with different ['lora']" in caplog.text
+    assert not (tmp_path / "run" / "checkpoints" / "step_00000003").exists()
+
+
+@pytest.mark.slow
+def test_lora_under_ddp_equals_one_process(lora_run, tmp_path):
+    """2 gloo ranks x accumulation 1 equal 1 rank x accumulation 2: only the adapters' gradients are reduced."""
+    from tests.test_distributed import spawn, train
+    common = ["training.max_steps=3", "training.train_batch_size=2"]
+    two = lora_run(*common, run="two")
+    assert [r["status"] for r in spawn(2, train, two, tmp_path=tmp_path)] == [0, 0]
+    assert main(lora_run(*common, "training.gradient_accumulation_steps=2", run="one")) == 0
+    one, ddp = (read_checkpoint(checkpoints(tmp_path / r)[-1])[0]["model"] for r in ("one", "two"))
+    assert one.keys() == ddp.keys() and all(".lora_" in k for k in one)
+    diffs = torch.cat([(ddp[k] - one[k]).abs().flatten() for k in one])
+    assert diffs.max() < 2e-4 and diffs.mean() < 1e-6, (diffs.max(), diffs.mean())
