@@ -11,36 +11,53 @@ import logging
 import sys
 from pathlib import Path
 
+from omegaconf import DictConfig
+
 from configs.schema import ConfigError, load_config
 from data.images import save_png
 from data.shapes import ShapesDataset
+from models.diffusers_io import CheckpointFormatError, load_diffusers_weights
+from models.lora import apply_lora
+from models.mmdit import MMDiT, MMDiTConfig
 from models.pipeline import build_model, build_tokenizer, generate
+from models.text_encoder import TextToImage
 from perf.checkpoint import find_checkpoint, read_checkpoint
 
 log = logging.getLogger("mmdit")
 
 
+def load_trained(checkpoint: Path, use_ema: bool = True) -> tuple[TextToImage, DictConfig]:
+    """The model a checkpoint describes: built from its config (latent runs: from the MMDiT config it
+    records, so the data need not be present), the base weights from model.init_from under LoRA, then the
+    checkpoint's trained weights, or their EMA."""
+    cfg = load_config(checkpoint / "config.yaml")
+    tensors, meta = read_checkpoint(checkpoint)
+    if cfg.data.name == "shapes":
+        model = build_model(cfg, ShapesDataset, build_tokenizer())
+    else:
+        model = TextToImage(MMDiT(MMDiTConfig(**meta["mmdit"])))
+    if cfg.lora.enabled:
+        load_diffusers_weights(model.transformer, Path(cfg.model.init_from))
+    apply_lora(model, cfg.lora)
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    for part in ("model", "ema") if use_ema else ("model",):
+        result = model.load_state_dict(tensors[part], strict=False)  # the EMA covers trained parameters only
+        if result.unexpected_keys or trained & set(result.missing_keys):
+            raise ConfigError(f"{checkpoint}: {part} weights do not match the model (missing "
+                              f"{sorted(trained & set(result.missing_keys))[:5]}, unexpected {result.unexpected_keys[:5]})")
+    return model.eval(), cfg
+
+
 def load_for_sampling(path: Path, use_ema: bool = True):
     try:
         checkpoint = find_checkpoint(path)
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
-    try:
-        cfg = load_config(checkpoint / "config.yaml")
-    except ConfigError as e:
-        raise SystemExit(f"{checkpoint}: {e}") from None
-    tokenizer = build_tokenizer()
-    model = build_model(cfg, ShapesDataset, tokenizer)
-    tensors, _ = read_checkpoint(checkpoint)
-    model.load_state_dict(tensors["model"])
-    if use_ema:
-        result = model.load_state_dict(tensors["ema"], strict=False)  # every trained parameter, no buffers
-        buffers = {name for name, _ in model.named_buffers()}
-        if result.unexpected_keys or set(result.missing_keys) - buffers:
-            raise SystemExit(f"{checkpoint}: EMA weights do not match the model "
-                             f"(missing {sorted(set(result.missing_keys) - buffers)[:5]}, "
-                             f"unexpected {result.unexpected_keys[:5]})")
-    return model.eval(), tokenizer, cfg, checkpoint
+        model, cfg = load_trained(checkpoint, use_ema)
+    except (ValueError, CheckpointFormatError) as e:
+        raise SystemExit(f"{path}: {e}") from None
+    if cfg.data.name != "shapes":
+        raise SystemExit(f"{checkpoint} was trained on precomputed latents: export it (export_mmdit.py) and "
+                         f"sample with a diffusers StableDiffusion3Pipeline")
+    return model, build_tokenizer(), cfg, checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,10 +10,11 @@ from safetensors.torch import load_file
 
 import export_mmdit
 from configs.schema import load_config
-from models.diffusers_io import LORA_WEIGHTS, load_diffusers_transformer
+from models.diffusers_io import LORA_WEIGHTS
 from models.lora import apply_lora
 from models.pipeline import build_data, build_model
 from perf.checkpoint import checkpoints, read_checkpoint
+from sample_mmdit import load_trained
 from tests.conftest import LATENT_DIMS, export_random_base, losses, randomize
 from train_mmdit_stable import main
 
@@ -70,13 +71,7 @@ def test_lora_run_keeps_the_base_checkpoints_adapters_and_resumes_exactly(lora_r
 
 def reference_output(run_dir, use_ema: bool):
     """This project's adapted model, rebuilt from the run's config and checkpoint, on `inputs()`."""
-    cfg = load_config(run_dir / "config.yaml")
-    model = build_model(cfg, build_data(cfg)[0])
-    model.transformer.load_state_dict(load_diffusers_transformer(cfg.model.init_from).state_dict())
-    apply_lora(model, cfg.lora)
-    tensors, _ = read_checkpoint(checkpoints(run_dir)[-1])
-    result = model.load_state_dict(tensors["ema" if use_ema else "model"], strict=False)
-    assert not result.unexpected_keys
+    model, _ = load_trained(checkpoints(run_dir)[-1], use_ema)
     with torch.no_grad():
         return model.transformer(*inputs())
 
