@@ -252,7 +252,7 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
         model.to(device)
         if world.is_main:
             prepare_run_dir(cfg, world.world_size)
-    except (ConfigError, ValueError) as e:
+    except ValueError as e:  # ConfigError, and the model's own checks (its sizes, LoRA targets)
         error = str(e)
     error = first_error(error)
     if error:

@@ -94,13 +94,13 @@ def latent_run(tmp_path):
     return make
 
 
-def export_random_base(overrides: list[str], directory: Path, seed: int = 3) -> Path:
-    """A "released" checkpoint for the run `overrides` describe: the same architecture, random non-zero weights,
-    as a diffusers SD3Transformer2DModel directory."""
-    from configs.schema import load_config
+def export_random_base(overrides: list[str], directory: Path, seed: int = 3, config: Path | None = None) -> Path:
+    """A "released" checkpoint for the run `config` + `overrides` describe: the same architecture, random
+    non-zero weights, as a diffusers SD3Transformer2DModel directory."""
+    from configs.schema import DEFAULT_CONFIG, load_config
     from models.diffusers_io import export_diffusers_transformer
     from models.pipeline import build_data, build_model
-    cfg = load_config(overrides=overrides)
+    cfg = load_config(config or DEFAULT_CONFIG, overrides)
     transformer = build_model(cfg, build_data(cfg)[0]).transformer
     randomize(transformer, seed)
     return export_diffusers_transformer(transformer, directory)
