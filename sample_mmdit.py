@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from configs.schema import ConfigError, load_config
 from data.images import save_png
 from data.shapes import ShapesDataset
-from models.diffusers_io import CheckpointFormatError, load_diffusers_weights
+from models.diffusers_io import load_diffusers_weights
 from models.lora import apply_lora
 from models.mmdit import MMDiT, MMDiTConfig
 from models.pipeline import build_model, build_tokenizer, generate
@@ -51,12 +51,12 @@ def load_trained(checkpoint: Path, use_ema: bool = True) -> tuple[TextToImage, D
 def load_for_sampling(path: Path, use_ema: bool = True):
     try:
         checkpoint = find_checkpoint(path)
+        if load_config(checkpoint / "config.yaml").data.name != "shapes":
+            raise SystemExit(f"{checkpoint} was trained on precomputed latents: export it (export_mmdit.py) and "
+                             f"sample with a diffusers StableDiffusion3Pipeline")
         model, cfg = load_trained(checkpoint, use_ema)
-    except (ValueError, CheckpointFormatError) as e:
+    except ValueError as e:  # ConfigError, CheckpointFormatError, an unusable checkpoint
         raise SystemExit(f"{path}: {e}") from None
-    if cfg.data.name != "shapes":
-        raise SystemExit(f"{checkpoint} was trained on precomputed latents: export it (export_mmdit.py) and "
-                         f"sample with a diffusers StableDiffusion3Pipeline")
     return model, build_tokenizer(), cfg, checkpoint
 
 

@@ -17,12 +17,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from configs.schema import DEFAULT_CONFIG, ConfigError, load_config
 from data.images import save_grid
-from data.loader import step_batches
+from data.loader import batches_per_epoch, dataset_buckets, step_batches
 from data.shapes import all_prompts, caption, prompt_fidelity
 from models.diffusers_io import CheckpointFormatError, load_diffusers_weights, read_config
 from models.lora import adapter_settings, apply_lora
 from models.pipeline import build_data, build_model, example_text, generate
-from models.rectified_flow import draw_sample_noise, interpolate, per_sample_loss, training_sigmas
+from models.rectified_flow import draw_sample_noise, interpolate, per_sample_loss, sample_key, training_sigmas
 from optim.adamw import build_adamw
 from optim.ema import EMA
 from optim.schedule import warmup_cosine
@@ -150,6 +150,8 @@ def forward_backward(model, batch: dict, cfg: DictConfig, device: torch.device, 
     rank's samples whatever the micro-batch split. Under DDP the last micro-step all-reduces the gradients,
     unless `ddp_sync` is off (the batch sizer then reduces them itself)."""
     step, positions = int(batch["step"]), batch["position"]
+    # ops that draw from the global RNG (LoRA dropout) then replay the same after a resume or an OOM retry
+    torch.manual_seed(sample_key(cfg.training.seed, step, f"global-rng/{int(positions[0])}"))
     x0_all = batch["latents"].to(device, non_blocking=True)
     text_all = {k: batch[k].to(device) for k in TEXT_KEYS if k in batch}
     empty_text = {k: batch[f"empty_{k}"].to(device) for k in TEXT_KEYS if f"empty_{k}" in batch} or None
@@ -245,6 +247,9 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
     run_dir, error = Path(cfg.logging.output_dir), None
     try:  # the same on every rank; only rank 0 touches the run directory, the others learn its verdict
         dataset, tokenizer = build_data(cfg)
+        buckets = dataset_buckets(dataset)
+        if buckets:  # every global batch comes from one latent size: check that some size fills one
+            batches_per_epoch(tuple(map(len, buckets)), global_batch(cfg, world.world_size))
         model = build_model(cfg, dataset, tokenizer)
         if cfg.model.init_from:
             init_from_diffusers(model.transformer, cfg.model.init_from)

@@ -11,6 +11,7 @@ unconditional branch. Every header is checked when the dataset opens, before any
 """
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -22,6 +23,8 @@ SHARED_DIMS = {"channels": "latents channels", "text_tokens": "prompt_embeds len
                "joint_dim": "prompt_embeds width", "pooled_dim": "pooled_prompt_embeds width"}
 EMPTY_PROMPT = "empty_prompt.safetensors"
 INDEX = "dataset.json"
+PRECOMPUTE_SETTINGS = "precompute.json"  # written first by data.precompute; dataset.json is written last
+log = logging.getLogger("mmdit")
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
@@ -46,6 +49,9 @@ def read_header(path: Path) -> tuple[dict[str, tuple[str, list[int]]], dict[str,
 def shard_paths(directory: Path) -> list[Path]:
     if not directory.is_dir():
         raise DataFormatError(f"data.path={directory} is not a directory of latent shards")
+    if (directory / PRECOMPUTE_SETTINGS).is_file() and not (directory / INDEX).is_file():
+        raise DataFormatError(f"data.path={directory}: its precompute has not finished (no {INDEX}); rerun the "
+                              f"same python -m data.precompute command to complete it")
     if (directory / INDEX).is_file():
         try:
             names = [s["file"] for s in json.loads((directory / INDEX).read_text())["shards"]]
@@ -117,6 +123,8 @@ class LatentDataset(torch.utils.data.Dataset):
     def read_empty_prompt(self) -> dict[str, torch.Tensor] | None:
         path = self.directory / EMPTY_PROMPT
         if not path.is_file():
+            log.warning("%s has no %s: caption dropout feeds zeros instead of the encoding of \"\"",
+                        self.directory, EMPTY_PROMPT)
             return None
         fields, _ = read_header(path)
         expected = {"prompt_embeds": [1, self.text_tokens, self.text_dims[0]],

@@ -18,6 +18,27 @@ from models.rectified_flow import ORDER_STREAM, sample_key
 log = logging.getLogger("mmdit")
 
 
+def dataset_buckets(dataset) -> list[list[int]] | None:
+    """Item indices by latent size, for datasets of several sizes; None when all items share one."""
+    return dataset.buckets() if len(getattr(dataset, "latent_sizes", ())) > 1 else None
+
+
+@lru_cache
+def batches_per_epoch(sizes: tuple[int, ...], global_batch: int) -> int:
+    """Whole global batches per epoch when each batch comes from one bucket of the given sizes. Items of a
+    bucket smaller than the global batch are never drawn: a warning (once) counts them, and an error is
+    raised if no bucket fills a batch."""
+    count = sum(n // global_batch for n in sizes)
+    if not count:
+        raise ValueError(f"no latent size has enough items for one global batch of {global_batch} "
+                         f"(items per size: {sizes}); lower the batch or precompute without --aspect-buckets")
+    never = [n for n in sizes if n < global_batch]
+    if never:
+        log.warning("%d items in %d latent sizes with fewer than %d items (one global batch) are never drawn",
+                    sum(never), len(never), global_batch)
+    return count
+
+
 class StepBatchSampler:
     """Yields, for each step from `start_step` to `end_step`, this rank's (step, position, index) triples."""
 
@@ -26,9 +47,7 @@ class StepBatchSampler:
         if global_batch % world_size:
             raise ValueError(f"global batch {global_batch} is not divisible by world size {world_size}")
         self.num_items, self.global_batch, self.seed, self.buckets = num_items, global_batch, seed, buckets
-        if buckets and not sum(len(b) // global_batch for b in buckets):
-            raise ValueError(f"no latent size has enough items for one global batch of {global_batch} "
-                             f"(items per size: {[len(b) for b in buckets]})")
+        self.batches_per_epoch = batches_per_epoch(tuple(map(len, buckets)), global_batch) if buckets else None
         self.rank_batch = global_batch // world_size
         self.first_position = rank * self.rank_batch
         self.start_step, self.end_step = start_step, end_step
@@ -46,13 +65,14 @@ class StepBatchSampler:
             gen = torch.Generator().manual_seed(sample_key(self.seed, ORDER_STREAM, f"{epoch}/bucket{b}"))
             shuffled = torch.tensor(items)[torch.randperm(len(items), generator=gen)]
             whole = len(items) // self.global_batch * self.global_batch
-            batches += list(shuffled[:whole].split(self.global_batch))
+            if whole:  # split() of an empty tensor would still give one (empty) batch
+                batches += list(shuffled[:whole].split(self.global_batch))
         gen = torch.Generator().manual_seed(sample_key(self.seed, ORDER_STREAM, f"{epoch}/batches"))
         return [batches[i] for i in torch.randperm(len(batches), generator=gen)]
 
     def global_indices(self, step: int) -> torch.Tensor:
         if self.buckets:
-            per_epoch = sum(len(b) // self.global_batch for b in self.buckets)
+            per_epoch = self.batches_per_epoch
             return self.bucket_batches(step // per_epoch)[step % per_epoch]
         flat = step * self.global_batch + torch.arange(self.global_batch)
         return torch.stack([self.permutation(int(f) // self.num_items)[int(f) % self.num_items] for f in flat])
@@ -107,7 +127,7 @@ def step_batches(dataset, tokenizer, global_batch: int, seed: int, rank: int, wo
                  pin_memory: bool = True, prefetch_factor: int = 2) -> torch.utils.data.DataLoader:
     """One loader for the whole run (iterated once, so workers live as long as the run). Workers change
     where items are made, never which: the batches are the same for any worker count."""
-    buckets = dataset.buckets() if len(getattr(dataset, "latent_sizes", ())) > 1 else None
+    buckets = dataset_buckets(dataset)
     sampler = StepBatchSampler(len(dataset), global_batch, seed, rank, world_size, start_step, end_step, buckets)
     if num_workers < 0:
         num_workers = 4 if device.type == "cuda" else 0

@@ -28,15 +28,16 @@ import sys
 from pathlib import Path
 
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 
-from data.latents import EMPTY_PROMPT, INDEX
+from data.latents import EMPTY_PROMPT, INDEX, PRECOMPUTE_SETTINGS as SETTINGS
 
 log = logging.getLogger("mmdit")
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
-SETTINGS = "precompute.json"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 SD3_JOINT_DIM = 4096  # T5-XXL width: the width of the zeros that stand in for T5 when it is absent
+PATCH = 2  # the MMDiT's patch side in latents (SD3 / SD3.5)
+EXIF_ORIENTATION = 0x0112
 
 
 class PrecomputeError(ValueError):
@@ -93,10 +94,11 @@ def target_size(image_size: tuple[int, int], buckets: list[tuple[int, int]]) -> 
 
 
 def image_size(path: Path) -> tuple[int, int]:
-    """(width, height) from the file header, without decoding the pixels."""
+    """(width, height) as displayed, from the file header (EXIF rotation applied), without decoding pixels."""
     try:
         with Image.open(path) as image:
-            return image.size
+            rotated = image.getexif().get(EXIF_ORIENTATION) in (5, 6, 7, 8)
+            return image.size[::-1] if rotated else image.size
     except OSError as e:
         raise PrecomputeError(f"{path}: not a readable image ({e})") from None
 
@@ -105,7 +107,7 @@ def load_image(path: Path, size: tuple[int, int]) -> torch.Tensor:
     """[3, H, W] in [-1, 1]: resized to cover (height, width), then centre-cropped."""
     try:
         with Image.open(path) as image:
-            image = image.convert("RGB")
+            image = ImageOps.exif_transpose(image).convert("RGB")  # phone photos: stored sideways
     except OSError as e:
         raise PrecomputeError(f"{path}: not a readable image ({e})") from None
     height, width = size
@@ -134,6 +136,7 @@ class SD3Encoders:
         self.device, self.dtype, self.max_sequence_length = device, dtype, max_sequence_length
         load = dict(torch_dtype=dtype)
         self.vae = AutoencoderKL.from_pretrained(model_dir / "vae", **load).to(device).eval()
+        self.vae_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)  # 8 for SD3's VAE
         self.clip = [(AutoTokenizer.from_pretrained(model_dir / tok),
                       CLIPTextModelWithProjection.from_pretrained(model_dir / enc, **load).to(device).eval())
                      for tok, enc in (("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2"))]
@@ -182,9 +185,11 @@ class SD3Encoders:
 
 
 def fingerprint(items: list[tuple[Path, str]]) -> str:
+    """Of the inputs: paths, captions, and each file's size and modification time (a replaced image counts)."""
     digest = hashlib.sha256()
     for path, caption in items:
-        digest.update(f"{path}\0{caption}\0".encode())
+        stat = path.stat()
+        digest.update(f"{path}\0{caption}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
     return digest.hexdigest()
 
 
@@ -224,10 +229,11 @@ def encode_chunk(number: int, items: list[tuple[Path, str, tuple[int, int]]], en
         latents, embeds, pooled = [], [], []
         for start in range(0, len(group), batch_size):
             batch = group[start : start + batch_size]
-            latents.append(encoders.encode_images(torch.stack([load_image(p, size) for p, _ in batch])).to(store))
+            pixels = torch.stack([load_image(p, size) for p, _ in batch])
+            latents.append(encoders.encode_images(pixels).to(store).cpu())  # a chunk's outputs wait on the host
             text, vector = encoders.encode_text([c for _, c in batch])
-            embeds.append(text.to(store))
-            pooled.append(vector.to(store))
+            embeds.append(text.to(store).cpu())
+            pooled.append(vector.to(store).cpu())
             progress.update(len(batch))
         tensors = {"latents": torch.cat(latents), "prompt_embeds": torch.cat(embeds),
                    "pooled_prompt_embeds": torch.cat(pooled)}
@@ -296,8 +302,6 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("resolution", "bucket_step", "batch_size", "shard_size", "max_sequence_length"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
-    if args.resolution % args.bucket_step:
-        raise SystemExit(f"--resolution {args.resolution} must be a multiple of --bucket-step {args.bucket_step}")
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
     try:
@@ -307,7 +311,13 @@ def main(argv: list[str] | None = None) -> int:
                     "shard_size": args.shard_size, "dtype": args.dtype,
                     "max_sequence_length": args.max_sequence_length}
         compute = DTYPES[args.dtype] if device.type == "cuda" else torch.float32
+        settings["compute_dtype"] = str(compute)  # a resume must not mix latents encoded at two precisions
         encoders = SD3Encoders(args.model, device, compute, args.max_sequence_length)
+        multiple = encoders.vae_factor * PATCH  # every latent side must divide into patches
+        name = "bucket_step" if args.aspect_buckets else "resolution"
+        if getattr(args, name) % multiple:
+            raise PrecomputeError(f"--{name.replace('_', '-')} {getattr(args, name)} must be a multiple of {multiple} "
+                                  f"(VAE downsampling {encoders.vae_factor} x patch {PATCH})")
         precompute(items, encoders, args.out, settings, args.batch_size)
     except PrecomputeError as e:
         log.error("precompute: %s", e)

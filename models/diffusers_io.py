@@ -127,8 +127,12 @@ def export_diffusers_lora(adapter_weights: dict[str, torch.Tensor], settings: di
                           dtype: torch.dtype = torch.float32) -> Path:
     """Write `pytorch_lora_weights.safetensors` as `StableDiffusion3Pipeline.save_lora_weights` does, for
     `pipe.load_lora_weights(directory)` or `transformer.load_lora_adapter(directory, prefix="transformer",
-    weight_name="pytorch_lora_weights.safetensors")`.
-    Rank and alpha travel in the header, so an alpha other than the rank survives the trip."""
-    metadata = {"format": "pt", LORA_METADATA_KEY: json.dumps({f"{LORA_PREFIX}.{k}": v for k, v in settings.items()})}
+    weight_name="pytorch_lora_weights.safetensors")`. The scale alpha / rank is folded into lora_B and alpha
+    written as the rank, so loaders that ignore the `lora_adapter_metadata` header (older diffusers, other
+    tools) apply the adapter at the strength it was trained with."""
+    scale = settings["lora_alpha"] / settings["r"]
+    folded = {k: v * scale if ".lora_B." in k else v for k, v in adapter_weights.items()}
+    header = {f"{LORA_PREFIX}.{k}": v for k, v in {**settings, "lora_alpha": settings["r"]}.items()}
+    metadata = {"format": "pt", LORA_METADATA_KEY: json.dumps(header)}
     return write_new_directory(directory, lambda tmp: save_file(
-        cpu_tensors(diffusers_lora_state(adapter_weights), dtype), tmp / LORA_WEIGHTS, metadata=metadata))
+        cpu_tensors(diffusers_lora_state(folded), dtype), tmp / LORA_WEIGHTS, metadata=metadata))

@@ -83,6 +83,15 @@ def test_bucketed_batches_are_one_size_deterministic_and_rank_independent():
         StepBatchSampler(40, 16, seed=0, rank=0, world_size=1, start_step=0, end_step=1, buckets=[[0, 1], [2]])
 
 
+def test_a_size_too_small_for_a_batch_is_skipped_with_a_warning(caplog):
+    """A rare aspect ratio with fewer items than the global batch: its items are never drawn (a warning counts
+    them); every step still gets a whole batch of one size."""
+    buckets = [list(range(38)), [38, 39]]
+    batches = list(StepBatchSampler(40, 4, seed=0, rank=0, world_size=1, start_step=0, end_step=30, buckets=buckets))
+    assert all(len(b) == 4 for b in batches) and not {38, 39} & {i for b in batches for _, _, i in b}
+    assert "2 items in 1 latent sizes with fewer than 4 items (one global batch) are never drawn" in caplog.text
+
+
 def test_loader_workers_read_the_same_batches(tmp_path):
     ds = LatentDataset(write_latent_shards(tmp_path / "d", sizes=[(8, 8), (8, 12)], per_shard=8), aspect_buckets=True)
     runs = [list(step_batches(ds, None, 4, 0, 0, 1, 0, 6, torch.device("cpu"), num_workers=w)) for w in (0, 2)]
@@ -103,10 +112,14 @@ def test_training_on_latents_resumes_bit_for_bit(latent_run, tmp_path):
     assert not (tmp_path / "run" / "fidelity.json").exists()  # latents are sampled through diffusers
 
 
-def test_aspect_buckets_train(latent_run, tmp_path):
+def test_aspect_buckets_train(latent_run, tmp_path, caplog):
     data = write_latent_shards(tmp_path / "d", sizes=[(8, 8), (4, 12)], per_shard=8)
     assert main(latent_run("training.max_steps=4", "data.aspect_buckets=true", data=data)) == 0
     assert len(losses(tmp_path / "run")) == 4
+    assert main(latent_run("training.max_steps=4", "data.aspect_buckets=true", "training.train_batch_size=16",
+                           data=data, run="too_big")) == 2
+    assert "no latent size has enough items for one global batch of 16" in caplog.text
+    assert not (tmp_path / "too_big").exists()
 
 
 def test_caption_dropout_uses_the_empty_prompt_encoding():

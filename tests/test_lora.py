@@ -55,7 +55,8 @@ def test_adapters_alone_train_and_start_as_the_base(latent_run):
 
 @pytest.mark.slow
 def test_lora_run_keeps_the_base_checkpoints_adapters_and_resumes_exactly(lora_run, tmp_path):
-    run = lora_run("training.max_steps=6", "logging.save_freq=3")
+    """With adapter dropout too: the global RNG it draws from is re-seeded from (seed, step, rank) each step."""
+    run = lora_run("training.max_steps=6", "logging.save_freq=3", "lora.dropout=0.3")
     assert main(run) == 0
     tensors, meta = read_checkpoint(checkpoints(tmp_path / "run")[-1])
     assert tensors["model"] and all(".lora_" in k for k in tensors["model"])

@@ -122,6 +122,8 @@ def test_aspect_buckets_and_resume(sd3_dir, tmp_path):
     assert run_precompute(sd3_dir, images, tmp_path / "part", *buckets) == 0
     for path in [tmp_path / "part" / "dataset.json", *(tmp_path / "part").glob("chunk-0000[12].json")]:
         path.unlink()
+    with pytest.raises(ValueError, match="its precompute has not finished"):
+        LatentDataset(tmp_path / "part", aspect_buckets=True)
     kept = sorted((tmp_path / "part").glob("shard-00000-*"))
     mtimes = [p.stat().st_mtime_ns for p in kept]
     assert run_precompute(sd3_dir, images, tmp_path / "part", *buckets) == 0
@@ -152,6 +154,20 @@ def test_bad_inputs_are_named_before_compute(sd3_dir, tmp_path, caplog):
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
     assert run_precompute(tmp_path, images, tmp_path / "new") == 2
     assert "no vae/ folder" in caplog.text
+    assert run_precompute(sd3_dir, images, tmp_path / "odd", "--aspect-buckets", "--bucket-step", "6") == 2
+    assert "--bucket-step 6 must be a multiple of 4 (VAE downsampling 2 x patch 2)" in caplog.text
+
+
+def test_exif_rotation_is_applied(tmp_path):
+    """A phone photo stored sideways with an EXIF orientation is bucketed and encoded as it is displayed."""
+    exif = Image.Exif()
+    exif[precompute.EXIF_ORIENTATION] = 6  # rotate 90 degrees to display
+    pixels = torch.zeros(20, 40, 3, dtype=torch.uint8)
+    pixels[:, :20] = 255  # the stored left half is white: displayed, the top half
+    Image.fromarray(pixels.numpy()).save(tmp_path / "phone.png", exif=exif)
+    assert precompute.image_size(tmp_path / "phone.png") == (20, 40)
+    image = precompute.load_image(tmp_path / "phone.png", (40, 20))
+    assert image[:, :20].mean() > 0.9 and image[:, 20:].mean() < -0.9
 
 
 FINETUNE = ["data.name=latents", "model.patch_size=2", "model.num_layers=2", "model.num_attention_heads=2",
