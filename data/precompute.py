@@ -59,6 +59,8 @@ def read_image_folder(directory: Path) -> list[tuple[Path, str]]:
 
 
 def read_manifest(path: Path) -> list[tuple[Path, str]]:
+    if not path.is_file():
+        raise PrecomputeError(f"--manifest {path} does not exist")
     items = []
     for number, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():

@@ -144,6 +144,8 @@ def test_bad_inputs_are_named_before_compute(sd3_dir, tmp_path, caplog):
     manifest.write_text('{"image": "images/img00.png", "caption": "a cat"}\n{"img": "x"}\n')
     assert precompute.main(["--model", str(sd3_dir), "--manifest", str(manifest), "--out", str(tmp_path / "o")]) == 2
     assert "line 2: expected" in caplog.text
+    assert precompute.main(["--model", str(sd3_dir), "--manifest", str(tmp_path / "none.jsonl"), "--out", "x"]) == 2
+    assert "none.jsonl does not exist" in caplog.text
     (images / "img01.txt").write_text("a dog")
     assert run_precompute(sd3_dir, images, tmp_path / "out") == 0
     assert run_precompute(sd3_dir, images, tmp_path / "out", "--aspect-buckets") == 2  # not the settings it began with
