@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from configs.schema import DEFAULT_CONFIG, ConfigError, load_config
 from data.images import save_grid
-from data.loader import batches_per_epoch, dataset_buckets, step_batches
+from data.loader import check_batches, step_batches
 from data.shapes import all_prompts, caption, prompt_fidelity
 from models.diffusers_io import CheckpointFormatError, load_diffusers_weights, read_config
 from models.lora import adapter_settings, apply_lora
@@ -247,9 +247,7 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
     run_dir, error = Path(cfg.logging.output_dir), None
     try:  # the same on every rank; only rank 0 touches the run directory, the others learn its verdict
         dataset, tokenizer = build_data(cfg)
-        buckets = dataset_buckets(dataset)
-        if buckets:  # every global batch comes from one latent size: check that some size fills one
-            batches_per_epoch(tuple(map(len, buckets)), global_batch(cfg, world.world_size))
+        check_batches(dataset, global_batch(cfg, world.world_size))
         model = build_model(cfg, dataset, tokenizer)
         if cfg.model.init_from:
             init_from_diffusers(model.transformer, cfg.model.init_from)

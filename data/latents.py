@@ -141,7 +141,10 @@ class LatentDataset(torch.utils.data.Dataset):
 
     def buckets(self) -> list[list[int]]:
         """Item indices grouped by latent size, smallest size first."""
-        return [[i for i, s in enumerate(self.sizes) if s == size] for size in self.latent_sizes]
+        groups = {size: [] for size in self.latent_sizes}
+        for i, size in enumerate(self.sizes):
+            groups[size].append(i)
+        return list(groups.values())
 
     def handle(self, shard: int):
         """A memory-mapped view of a shard, opened once per process (loader workers open their own)."""

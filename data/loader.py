@@ -23,6 +23,13 @@ def dataset_buckets(dataset) -> list[list[int]] | None:
     return dataset.buckets() if len(getattr(dataset, "latent_sizes", ())) > 1 else None
 
 
+def check_batches(dataset, global_batch: int) -> None:
+    """Before a run starts: with several latent sizes, some size must fill a global batch."""
+    buckets = dataset_buckets(dataset)
+    if buckets:
+        batches_per_epoch(tuple(map(len, buckets)), global_batch)
+
+
 @lru_cache
 def batches_per_epoch(sizes: tuple[int, ...], global_batch: int) -> int:
     """Whole global batches per epoch when each batch comes from one bucket of the given sizes. Items of a
@@ -47,7 +54,7 @@ class StepBatchSampler:
         if global_batch % world_size:
             raise ValueError(f"global batch {global_batch} is not divisible by world size {world_size}")
         self.num_items, self.global_batch, self.seed, self.buckets = num_items, global_batch, seed, buckets
-        self.batches_per_epoch = batches_per_epoch(tuple(map(len, buckets)), global_batch) if buckets else None
+        self.per_epoch = batches_per_epoch(tuple(map(len, buckets)), global_batch) if buckets else None
         self.rank_batch = global_batch // world_size
         self.first_position = rank * self.rank_batch
         self.start_step, self.end_step = start_step, end_step
@@ -72,8 +79,7 @@ class StepBatchSampler:
 
     def global_indices(self, step: int) -> torch.Tensor:
         if self.buckets:
-            per_epoch = self.batches_per_epoch
-            return self.bucket_batches(step // per_epoch)[step % per_epoch]
+            return self.bucket_batches(step // self.per_epoch)[step % self.per_epoch]
         flat = step * self.global_batch + torch.arange(self.global_batch)
         return torch.stack([self.permutation(int(f) // self.num_items)[int(f) % self.num_items] for f in flat])
 
