@@ -1,6 +1,12 @@
 """The typed config schema. YAML files and `key=value` overrides are merged over these dataclasses, so an
-unknown key or a value of the wrong type fails with the key's name before any compute."""
+unknown key or a value of the wrong type fails with the key's name before any compute.
 
+Paths in a config mean what they mean in the directory the command runs in; `load_config` makes them
+absolute, so the run directory's saved config works from anywhere. With `model.init_from`, the MMDiT's
+architecture comes from that folder's config.json."""
+
+import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Literal, Optional
@@ -8,7 +14,8 @@ from typing import List, Literal, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from models.lora import DIFFUSERS_SD3_TARGETS
+from mmdit_stable.models.diffusers_io import CheckpointFormatError, read_config
+from mmdit_stable.models.lora import DIFFUSERS_SD3_TARGETS
 
 DEFAULT_CONFIG = Path(__file__).parent / "shapes.yaml"
 
@@ -23,7 +30,7 @@ class ModelConfig:
     pos_embed_max_size: int = 16  # largest patch grid side the position table covers
     qk_norm: Optional[Literal["rms_norm"]] = "rms_norm"  # per-head q,k RMSNorm (SD3.5): stabler at high lr
     dual_attention_layers: List[int] = field(default_factory=list)  # SD3.5 image-only attn2 in these blocks
-    init_from: Optional[str] = None  # a diffusers SD3Transformer2DModel directory to start from (same shape)
+    init_from: Optional[str] = None  # a diffusers SD3Transformer2DModel directory to start from; sets the sizes above
 
 
 @dataclass
@@ -36,9 +43,10 @@ class TextEncoderConfig:
 @dataclass
 class DataConfig:
     name: Literal["shapes", "latents"] = "shapes"  # built-in captioned shapes, or precomputed latent shards
-    path: Optional[str] = None  # latents: the directory `python -m data.precompute` wrote
+    path: Optional[str] = None  # latents: the directory `python -m mmdit_stable.data.precompute` wrote
     aspect_buckets: bool = False  # latents: train on several latent sizes, each global batch from one size
     num_items: int = 100_000  # shapes: distinct procedural items before the order repeats
+    holdout: int = 0  # items kept out of training for the held-out loss (validation.every); fewer to learn from
     caption_dropout: float = 0.1  # share of samples trained unconditionally: enables CFG, costs conditional fit
     num_workers: int = -1  # loader processes; -1: 0 on CPU (both cores compute), 4 on CUDA (hide loading)
     pin_memory: bool = True  # CUDA only: page-locked batches so host-to-device copies overlap compute
@@ -56,9 +64,12 @@ class LoraConfig:
 
 @dataclass
 class FlowConfig:
-    sigma_sampling: Literal["logit_normal", "uniform"] = "logit_normal"  # logit-normal focuses on mid noise
+    # where training spends its noise levels (SD3 paper, sec. 3.1): logit-normal and mode focus on mid noise,
+    # cosmap is a heavier-tailed middle, uniform spreads evenly
+    sigma_sampling: Literal["logit_normal", "uniform", "mode", "cosmap"] = "logit_normal"
     logit_mean: float = 0.0  # centre of the logit-normal; > 0 trains more at high noise
     logit_std: float = 1.0  # spread of the logit-normal; larger covers the ends better
+    mode_scale: float = 1.29  # mode sampling's s: > 0 favours mid noise, < 0 the ends (SD3: 1.29)
     shift: float = 3.0  # SD3 timestep shift of training sigmas; > 1 trains more at high noise, where shapes form
 
 
@@ -67,8 +78,17 @@ class SamplingConfig:
     steps: int = 30  # Euler steps: quality against sampling time
     cfg_scale: float = 5.0  # classifier-free guidance weight; 1 disables guidance (half the cost)
     shift: float = 3.0  # timestep shift of the sampling schedule; > 1 spends more steps at high noise
-    every: int = 0  # sample all 90 prompts + a grid every N steps (~10 s each); 0: only at the end
-    grid_size: int = 16  # images in the periodic sample grid
+    # sigma range [low, high] where guidance applies: layout and identity form at high noise, while guidance at
+    # low noise over-sharpens; outside it only the conditional branch runs (cheaper)
+    guidance_interval: List[float] = field(default_factory=lambda: [0.0, 1.0])
+    grid_size: int = 16  # shapes: images shown in the sample grid (all 90 prompts are scored)
+
+
+@dataclass
+class ValidationConfig:
+    every: int = 0  # images and held-out loss every N steps and at the end; 0: off (shapes still score at the end)
+    vae_from: Optional[str] = None  # latents: pipeline (or vae/) folder that decodes images; None: the precompute's
+    loss_sigmas: int = 8  # held-out loss at this many fixed noise levels: a finer curve against more compute
 
 
 @dataclass
@@ -120,6 +140,7 @@ class BatchSizerConfig:
     debug_oom_ranks: List[int] = field(default_factory=list)  # ranks that inject; empty: all
     debug_oom_steps: List[int] = field(default_factory=list)  # steps that inject; empty: every step
     debug_oom_phase: Literal["forward", "backward"] = "forward"  # raise in the forward, or inside the backward
+    debug_oom_module: str = ""  # the submodule whose forward (or backward) fails, e.g. transformer.transformer_blocks.1
 
 
 @dataclass
@@ -133,6 +154,17 @@ class ProfilerConfig:  # the schedule and contents of training.enable_profiling'
     profile_memory: bool = True  # allocations per op (Memory view); some overhead
     with_stack: bool = False  # Python source lines per op; much bigger traces and slower
     memory_snapshot: bool = False  # CUDA only: allocator history over the profiled steps and on OOM (memory_viz)
+
+
+@dataclass
+class ParallelConfig:
+    # ddp: every rank holds all weights and optimizer state (fastest while it fits); fsdp: every rank holds 1/N
+    # of them and gathers weights block by block (fits N times larger models, more communication); hsdp: fsdp
+    # within groups of parallel.shard_size ranks, replicated across groups (less cross-node traffic)
+    strategy: Literal["ddp", "fsdp", "hsdp"] = "ddp"
+    shard_size: int = 0  # hsdp: ranks per shard group; 0: the processes of one node (LOCAL_WORLD_SIZE)
+    reshard_after_forward: bool = True  # fsdp/hsdp: free gathered weights after forward: memory against a
+    #                                     second all-gather in backward
 
 
 @dataclass
@@ -169,9 +201,11 @@ class Config:
     lora: LoraConfig = field(default_factory=LoraConfig)
     flow: FlowConfig = field(default_factory=FlowConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     batch_sizer: BatchSizerConfig = field(default_factory=BatchSizerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -182,8 +216,18 @@ class ConfigError(ValueError):
     pass
 
 
-def load_config(path: str | Path = DEFAULT_CONFIG, overrides: list[str] = ()) -> DictConfig:
-    """Schema <- YAML file <- `key=value` overrides, then range checks. Errors name the key."""
+PATH_KEYS = ("data.path", "model.init_from", "logging.output_dir", "validation.vae_from")
+# the MMDiT sizes a diffusers transformer folder fixes (the rest, like channels and text widths, come from the data)
+ARCHITECTURE_KEYS = ("patch_size", "num_layers", "num_attention_heads", "attention_head_dim", "sample_size",
+                     "pos_embed_max_size", "qk_norm", "dual_attention_layers")
+RENAMED = {"sampling.every": "validation.every"}
+
+
+def load_config(path: str | Path = DEFAULT_CONFIG, overrides: list[str] = (), resolve: bool = True) -> DictConfig:
+    """Schema <- YAML file <- `key=value` overrides, then range checks. Errors name the key.
+
+    `resolve` makes paths absolute and takes the architecture from `model.init_from`; a run directory's saved
+    config is already resolved (and its init_from folder need not exist any more), so it is read with False."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
@@ -196,13 +240,43 @@ def load_config(path: str | Path = DEFAULT_CONFIG, overrides: list[str] = ()) ->
         raise ConfigError(f"config file {path} is not valid YAML: {e}".split("\n")[0]) from None
     if not isinstance(loaded, DictConfig):
         raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(loaded).__name__}")
+    given = OmegaConf.merge(loaded, OmegaConf.from_dotlist(list(overrides)))
+    for old, new in RENAMED.items():
+        if OmegaConf.select(given, old) is not None:
+            raise ConfigError(f"{old} is now {new}; rename it in {path} or the command line")
     try:
-        cfg = OmegaConf.merge(OmegaConf.structured(Config), loaded, OmegaConf.from_dotlist(list(overrides)))
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), given)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
         raise ConfigError(f"invalid config key {key!r}: {e.msg if hasattr(e, 'msg') else e}".split("\n")[0]) from None
+    missing = sorted(OmegaConf.missing_keys(given))  # a merge would keep the schema's default instead
+    if missing:
+        raise ConfigError(f"{path} leaves {missing} to you (marked ???): set them on the command line, "
+                          f"e.g. {missing[0]}=...")
+    if resolve:
+        for key in PATH_KEYS:
+            if OmegaConf.select(cfg, key):
+                OmegaConf.update(cfg, key, str(Path(OmegaConf.select(cfg, key)).expanduser().absolute()))
+        if cfg.model.init_from:
+            architecture_from_init(cfg, set(given.get("model", {})))
     validate(cfg)
     return cfg
+
+
+def architecture_from_init(cfg: DictConfig, explicit: set[str]) -> None:
+    """Set the MMDiT sizes from model.init_from's config.json; a size set explicitly must agree with it."""
+    folder = cfg.model.init_from
+    try:
+        theirs = dataclasses.asdict(read_config(Path(folder)))
+    except CheckpointFormatError as e:
+        raise ConfigError(f"model.init_from={folder}: {e}") from None
+    for key in ARCHITECTURE_KEYS:
+        ours = OmegaConf.to_object(cfg.model[key]) if key == "dual_attention_layers" else cfg.model[key]
+        if key in explicit and ours != theirs[key]:
+            raise ConfigError(f"model.{key}={ours} contradicts {folder}/config.json ({key}: {theirs[key]}); the "
+                              f"architecture comes from model.init_from: leave model.{key} unset, or point "
+                              f"model.init_from at a transformer of that architecture")
+        cfg.model[key] = theirs[key]
 
 
 def validate(cfg: DictConfig) -> None:
@@ -212,15 +286,15 @@ def validate(cfg: DictConfig) -> None:
                 "training.train_batch_size", "training.gradient_accumulation_steps", "training.max_steps",
                 "training.profile_steps", "training.dist_timeout_s", "training.ddp_bucket_cap_mb", "optimizer.lr",
                 "optimizer.eps", "logging.log_every", "checkpoint.keep_last", "loss.loss_scale",
-                "profiler.repeat", "lora.rank", "lora.alpha"]
+                "profiler.repeat", "lora.rank", "lora.alpha", "validation.loss_sigmas"]
     for key in positive:
         if not OmegaConf.select(cfg, key) > 0:
             raise ConfigError(f"{key} must be > 0, got {OmegaConf.select(cfg, key)}")
     non_negative = ["text_encoder.num_layers", "training.activation_checkpointing", "training.max_nonfinite_steps",
-                    "sampling.every", "optimizer.weight_decay", "optimizer.grad_clip_norm", "optimizer.warmup_steps",
+                    "validation.every", "optimizer.weight_decay", "optimizer.grad_clip_norm", "optimizer.warmup_steps",
                     "logging.save_freq", "training.seed",
                     "profiler.skip_first", "profiler.wait", "profiler.warmup", "logging.peak_tflops",
-                    "batch_sizer.grow_after", "batch_sizer.retry_after"]
+                    "batch_sizer.grow_after", "batch_sizer.retry_after", "data.holdout", "parallel.shard_size"]
     for key in non_negative:
         if OmegaConf.select(cfg, key) < 0:
             raise ConfigError(f"{key} must be >= 0, got {OmegaConf.select(cfg, key)}")
@@ -240,6 +314,12 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"batch_sizer.debug_oom_above must be >= 0, or -1 for off; got {cfg.batch_sizer.debug_oom_above}")
     if cfg.data.num_workers < -1:
         raise ConfigError(f"data.num_workers must be >= 0, or -1 for the device default; got {cfg.data.num_workers}")
+    if not -1 <= cfg.flow.mode_scale <= 1 / (math.pi / 2 - 1):
+        raise ConfigError(f"flow.mode_scale must be in [-1, 1.75] (beyond, mode sampling is not monotone), "
+                          f"got {cfg.flow.mode_scale}")
+    interval = list(cfg.sampling.guidance_interval)
+    if len(interval) != 2 or not 0 <= interval[0] <= interval[1] <= 1:
+        raise ConfigError(f"sampling.guidance_interval must be [low, high] with 0 <= low <= high <= 1, got {interval}")
     if cfg.flow.shift <= 0 or cfg.sampling.shift <= 0:
         raise ConfigError("flow.shift and sampling.shift must be > 0")
     if cfg.text_encoder.dim % cfg.text_encoder.num_heads:

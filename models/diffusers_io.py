@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from models.lora import ADAPTER
-from models.mmdit import MMDiT, MMDiTConfig
+from mmdit_stable.models.lora import ADAPTER
+from mmdit_stable.models.mmdit import MMDiT, MMDiTConfig
 
 CLASS_NAME = "SD3Transformer2DModel"
 WEIGHTS = "diffusion_pytorch_model.safetensors"
@@ -92,6 +92,9 @@ def write_new_directory(directory: Path, write) -> Path:
     directory = Path(directory)
     if directory.exists():
         raise FileExistsError(f"{directory} exists; export into a new directory (nothing was overwritten)")
+    blocking = next((p for p in directory.parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise NotADirectoryError(f"cannot create {directory}: {blocking} is a file, not a directory")
     tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -7,6 +7,7 @@ micro-batch split.
 """
 
 import hashlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,7 @@ class SampleNoise:
 
 
 # Streams other than training steps use negative "step" keys, so no two uses share a generator.
-DATA_STREAM, ORDER_STREAM, SAMPLING_STREAM = -1, -2, -3
+DATA_STREAM, ORDER_STREAM, SAMPLING_STREAM, FLIP_STREAM, HOLDOUT_STREAM, VALIDATION_STREAM = -1, -2, -3, -4, -5, -6
 
 
 def sample_key(seed: int, step: int, position: int | str) -> int:
@@ -50,15 +51,21 @@ def shift_sigmas(sigma: torch.Tensor, shift: float) -> torch.Tensor:
     return shift * sigma / (1 + (shift - 1) * sigma)
 
 
-def training_sigmas(draw: SampleNoise, sampling: str, logit_mean: float, logit_std: float,
-                    shift: float) -> torch.Tensor:
+def training_sigmas(draw: SampleNoise, sampling: str, logit_mean: float, logit_std: float, shift: float,
+                    mode_scale: float = 1.29) -> torch.Tensor:
+    """The noise level of each sample, drawn by one of the SD3 paper's schemes (sec. 3.1), then shifted."""
+    u = draw.sigma_uniform
     if sampling == "logit_normal":
         sigma = torch.sigmoid(logit_mean + logit_std * draw.sigma_normal)
     elif sampling == "uniform":
-        sigma = draw.sigma_uniform
+        sigma = u
+    elif sampling == "mode":  # f(u) = 1 - u - s (cos^2(pi u / 2) - 1 + u): density peaked in the middle for s > 0
+        sigma = 1 - u - mode_scale * (torch.cos(math.pi * u / 2) ** 2 - 1 + u)
+    elif sampling == "cosmap":  # f(u) = 1 - 1 / (tan(pi u / 2) + 1): density 2 / (pi (1 - 2t + 2t^2))
+        sigma = 1 - 1 / (torch.tan(math.pi * u / 2) + 1)
     else:
-        raise ValueError(f"unknown sigma sampling {sampling!r}; expected 'logit_normal' or 'uniform'")
-    return shift_sigmas(sigma, shift)
+        raise ValueError(f"unknown sigma sampling {sampling!r}; expected logit_normal, uniform, mode or cosmap")
+    return shift_sigmas(sigma.clamp(0, 1), shift)
 
 
 def interpolate(x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
@@ -72,18 +79,20 @@ def per_sample_loss(v_pred: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor)
 
 
 @torch.no_grad()
-def euler_sample(velocity, noise: torch.Tensor, cond: tuple, uncond: tuple, steps: int, cfg_scale: float,
-                 shift: float) -> torch.Tensor:
-    """Integrate dx/dsigma = v from sigma=1 to 0; `velocity(x, sigma, context, pooled)`; cond/uncond are
-    (context, pooled) pairs. With cfg_scale == 1 the unconditional branch is skipped."""
+def euler_sample(velocity, noise: torch.Tensor, cond: dict, uncond: dict, steps: int, cfg_scale: float,
+                 shift: float, guidance_interval: tuple[float, float] = (0.0, 1.0)) -> torch.Tensor:
+    """Integrate dx/dsigma = v from sigma=1 to 0; `velocity(x, sigma, text)`; cond/uncond are text inputs
+    (dicts of tensors, a row per sample). Classifier-free guidance applies at the steps whose sigma lies in
+    `guidance_interval` (Kynkaanniemi et al. 2024: guidance helps where the image's layout is decided and
+    hurts detail at low noise); elsewhere, and with cfg_scale == 1, the unconditional branch is skipped."""
     sigmas = shift_sigmas(torch.linspace(1.0, 0.0, steps + 1, device=noise.device), shift)
-    use_cfg = cfg_scale != 1.0
-    context, pooled = (torch.cat([c, u]) for c, u in zip(cond, uncond)) if use_cfg else cond
+    both = {k: torch.cat([cond[k], uncond[k]]) for k in cond}
     x = noise
     for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:]):
-        x_in = torch.cat([x, x]) if use_cfg else x
-        v = velocity(x_in, sigma.expand(x_in.shape[0]), context, pooled).float()
-        if use_cfg:
+        guided = cfg_scale != 1.0 and guidance_interval[0] <= float(sigma) <= guidance_interval[1]
+        x_in = torch.cat([x, x]) if guided else x
+        v = velocity(x_in, sigma.expand(x_in.shape[0]), both if guided else cond).float()
+        if guided:
             v_cond, v_uncond = v.chunk(2)
             v = v_uncond + cfg_scale * (v_cond - v_uncond)
         x = x + (sigma_next - sigma) * v

@@ -55,7 +55,8 @@ class TinyTextEncoder(nn.Module):
 class TextToImage(nn.Module):
     """The trained unit: the MMDiT (`transformer`) and, for caption datasets, its text encoder.
 
-    `forward` encodes the text itself, so a DDP wrapper around this module sees every trained parameter.
+    `forward` encodes the text itself, so a DDP or FSDP wrapper around this module sees every trained parameter
+    (sampling goes through `forward` too).
     """
 
     def __init__(self, transformer: nn.Module, text_encoder: nn.Module | None = None):
@@ -68,9 +69,7 @@ class TextToImage(nn.Module):
             return self.text_encoder(text["input_ids"])
         return text["prompt_embeds"], text["pooled_prompt_embeds"]
 
-    def velocity(self, x_t: torch.Tensor, sigma: torch.Tensor, context: torch.Tensor,
-                 pooled: torch.Tensor) -> torch.Tensor:
-        return self.transformer(x_t, context, pooled, sigma * 1000)
-
     def forward(self, x_t: torch.Tensor, sigma: torch.Tensor, text: dict) -> torch.Tensor:
-        return self.velocity(x_t, sigma, *self.encode(text))
+        """The velocity at noise level sigma, from the text (token ids, or precomputed embeddings)."""
+        context, pooled = self.encode(text)
+        return self.transformer(x_t, context, pooled, sigma * 1000)

@@ -1,4 +1,9 @@
-"""Exponential moving average of the trained weights, kept in fp32, used for sampling."""
+"""Exponential moving average of the trained weights, kept in fp32, used for sampling and validation.
+
+The average lives next to the weights it follows: under FSDP each rank keeps its shard of it (the weights are
+DTensors, and so are their averages)."""
+
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -30,8 +35,17 @@ class EMA:
         for name, tensor in state.items():
             self.shadow[name].copy_(tensor)
 
-    @torch.no_grad()
-    def copy_to(self, model: nn.Module) -> None:
-        for name, param in model.named_parameters():
-            if name in self.shadow:
-                param.copy_(self.shadow[name])
+    @contextmanager
+    def applied(self):
+        """The averaged weights in place of the trained ones (for sampling and validation), restored after:
+        one extra copy of the trained weights, instead of a second model."""
+        with torch.no_grad():
+            trained = [p.detach().clone() for p in self.params]
+            for param, average in zip(self.params, self.shadow.values()):
+                param.copy_(average)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for param, weights in zip(self.params, trained):
+                    param.copy_(weights)
