@@ -1,18 +1,23 @@
 """Writing images: single PNGs and captioned sample grids."""
 
+import textwrap
 from pathlib import Path
 
 import torch
 from PIL import Image, ImageDraw
 
-CELL_SCALE = 4  # grid cells are upscaled (nearest) so 32-px samples are visible
+CELL = 256  # grid cells are about this wide: small samples are upscaled (nearest), large ones shrunk
+CHAR_WIDTH, LINE_HEIGHT = 6, 12  # PIL's default bitmap font
 
 
-def to_pil(image: torch.Tensor, scale: int = 1) -> Image.Image:
-    """[3, H, W] in [0, 1] -> RGB image, optionally upscaled by an integer factor."""
+def to_pil(image: torch.Tensor, width: int | None = None) -> Image.Image:
+    """[3, H, W] in [0, 1] -> RGB image, optionally resized to `width` (nearest when enlarging pixel art)."""
     array = (image.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
     pil = Image.fromarray(array, "RGB")
-    return pil.resize((pil.width * scale, pil.height * scale), Image.NEAREST) if scale > 1 else pil
+    if width is None or width == pil.width:
+        return pil
+    height = round(pil.height * width / pil.width)
+    return pil.resize((width, height), Image.NEAREST if width > pil.width else Image.BICUBIC)
 
 
 def save_png(image: torch.Tensor, path: Path) -> None:
@@ -21,16 +26,19 @@ def save_png(image: torch.Tensor, path: Path) -> None:
 
 
 def save_grid(images: torch.Tensor, captions: list[str], path: Path, columns: int = 4) -> None:
-    """A grid of upscaled images, each with its caption underneath; captions also go to a .txt beside it."""
-    cell = images.shape[-1] * CELL_SCALE
-    label_height, cell_width = 24, max(cell, 180)
+    """A grid of images, each with its (wrapped) caption underneath; captions also go to a .txt beside it."""
+    height, width = images.shape[-2:]
+    cell = width * max(1, CELL // width) if width < CELL else CELL  # integer upscaling keeps pixels square
+    cell_height = round(height * cell / width)
+    lines = [textwrap.wrap(text.removeprefix("a "), max(1, cell // CHAR_WIDTH))[:4] or [""] for text in captions]
+    label_height = 4 + LINE_HEIGHT * max(len(x) for x in lines)
     rows = (len(images) + columns - 1) // columns
-    grid = Image.new("RGB", (columns * cell_width, rows * (cell + label_height)), "white")
+    grid = Image.new("RGB", (columns * (cell + 8), rows * (cell_height + label_height)), "white")
     draw = ImageDraw.Draw(grid)
-    for i, (image, text) in enumerate(zip(images, captions)):
-        x, y = (i % columns) * cell_width, (i // columns) * (cell + label_height)
-        grid.paste(to_pil(image, CELL_SCALE), (x + (cell_width - cell) // 2, y))
-        draw.text((x + 4, y + cell + 4), text.removeprefix("a "), fill="black")
+    for i, (image, label) in enumerate(zip(images, lines)):
+        x, y = (i % columns) * (cell + 8), (i // columns) * (cell_height + label_height)
+        grid.paste(to_pil(image, cell), (x + 4, y))
+        draw.multiline_text((x + 4, y + cell_height + 2), "\n".join(label), fill="black", spacing=0)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     grid.save(path)
     Path(path).with_suffix(".txt").write_text("\n".join(captions) + "\n")

@@ -1,13 +1,15 @@
 """Precomputed latents and text embeddings in safetensors shards, read through memory maps.
 
-A dataset directory (written by `python -m data.precompute`) holds shards, each a safetensors file with
+A dataset directory (written by `python -m mmdit_stable.data.precompute`) holds shards, each a safetensors file with
     latents               [N, C, h, w]  VAE latents, already shifted and scaled for the MMDiT
     prompt_embeds         [N, L, J]     text-token embeddings (SD3: CLIP-L ++ CLIP-G, padded, then T5)
     pooled_prompt_embeds  [N, P]        pooled text embeddings
+    latents_flipped       [N, C, h, w]  optional (--random-flip): the latents of the image mirrored left-right
 and the captions as a JSON list under the header key "captions" (optional). `dataset.json` lists the shards
-in order; without it every `*.safetensors` file is a shard, in name order. `empty_prompt.safetensors` (one
-row of each text tensor) is the encoding of "", used for caption dropout as SD3 pipelines use it for the
-unconditional branch. Every header is checked when the dataset opens, before any compute.
+in order (and records the VAE that encoded them); without it every `*.safetensors` file is a shard, in name
+order. `empty_prompt.safetensors` (one row of each text tensor) is the encoding of "", used for caption
+dropout as SD3 pipelines use it for the unconditional branch; `validation_prompts.safetensors` holds the
+encodings of the validation prompts. Every header is checked when the dataset opens, before any compute.
 """
 
 import json
@@ -22,6 +24,7 @@ FIELDS = {"latents": 4, "prompt_embeds": 3, "pooled_prompt_embeds": 2}  # name -
 SHARED_DIMS = {"channels": "latents channels", "text_tokens": "prompt_embeds length",
                "joint_dim": "prompt_embeds width", "pooled_dim": "pooled_prompt_embeds width"}
 EMPTY_PROMPT = "empty_prompt.safetensors"
+VALIDATION_PROMPTS = "validation_prompts.safetensors"  # encodings of --validation-prompts (optional)
 INDEX = "dataset.json"
 PRECOMPUTE_SETTINGS = "precompute.json"  # written first by data.precompute; dataset.json is written last
 log = logging.getLogger("mmdit")
@@ -51,7 +54,7 @@ def shard_paths(directory: Path) -> list[Path]:
         raise DataFormatError(f"data.path={directory} is not a directory of latent shards")
     if (directory / PRECOMPUTE_SETTINGS).is_file() and not (directory / INDEX).is_file():
         raise DataFormatError(f"data.path={directory}: its precompute has not finished (no {INDEX}); rerun the "
-                              f"same python -m data.precompute command to complete it")
+                              f"same python -m mmdit_stable.data.precompute command to complete it")
     if (directory / INDEX).is_file():
         try:
             names = [s["file"] for s in json.loads((directory / INDEX).read_text())["shards"]]
@@ -64,7 +67,8 @@ def shard_paths(directory: Path) -> list[Path]:
         return paths
     paths = sorted(p for p in directory.glob("*.safetensors") if p.name != EMPTY_PROMPT)
     if not paths:
-        raise DataFormatError(f"data.path={directory} holds no *.safetensors shards (run python -m data.precompute)")
+        raise DataFormatError(f"data.path={directory} holds no *.safetensors shards "
+                              f"(run python -m mmdit_stable.data.precompute)")
     return paths
 
 
@@ -90,6 +94,9 @@ class LatentDataset(torch.utils.data.Dataset):
             captions = json.loads(metadata.get("captions", "null")) or [""] * dims["count"]
             if len(captions) != dims["count"]:
                 raise DataFormatError(f"{path}: {len(captions)} captions for {dims['count']} latents")
+            if dims["flipped"] != first[1]["flipped"]:
+                raise DataFormatError(f"{path}: {'has' if dims['flipped'] else 'lacks'} latents_flipped but {first[0]} "
+                                      f"does not; precompute the whole dataset with or without --random-flip")
             self.rows += [(shard, row) for row in range(dims["count"])]
             self.sizes += [dims["size"]] * dims["count"]
             self.captions += captions
@@ -97,7 +104,13 @@ class LatentDataset(torch.utils.data.Dataset):
         self.latent_channels, self.text_tokens = d["channels"], d["text_tokens"]
         self.text_dims = (d["joint_dim"], d["pooled_dim"])
         self.latent_sizes = sorted(set(self.sizes))
-        self.empty_prompt = self.read_empty_prompt()
+        self.fields = [*FIELDS, *(["latents_flipped"] if d["flipped"] else [])]
+        self.empty_prompt, _ = self.read_prompts(EMPTY_PROMPT, rows=1)
+        if self.empty_prompt is None:
+            log.warning("%s has no %s: caption dropout feeds zeros instead of the encoding of \"\"",
+                        self.directory, EMPTY_PROMPT)
+        self.validation_prompts, self.validation_captions = self.read_prompts(VALIDATION_PROMPTS)
+        self.index = json.loads((self.directory / INDEX).read_text()) if (self.directory / INDEX).is_file() else {}
         self.handles = {}
 
     @staticmethod
@@ -117,34 +130,33 @@ class LatentDataset(torch.utils.data.Dataset):
         (count, channels, h, w), (_, tokens, joint), (_, pooled) = (fields[n][1] for n in FIELDS)
         if count == 0:
             raise DataFormatError(f"{path}: the shard is empty")
+        flipped = "latents_flipped" in fields
+        if flipped and fields["latents_flipped"][1] != fields["latents"][1]:
+            raise DataFormatError(f"{path}: field 'latents_flipped' has shape {fields['latents_flipped'][1]}, "
+                                  f"expected that of latents {fields['latents'][1]}")
         return {"count": count, "channels": channels, "size": (h, w), "text_tokens": tokens,
-                "joint_dim": joint, "pooled_dim": pooled}
+                "joint_dim": joint, "pooled_dim": pooled, "flipped": flipped}
 
-    def read_empty_prompt(self) -> dict[str, torch.Tensor] | None:
-        path = self.directory / EMPTY_PROMPT
+    def read_prompts(self, name: str, rows: int | None = None) -> tuple[dict | None, list[str] | None]:
+        """An encoded-prompt file of the dataset (the encoding of "", or the validation prompts): its text
+        tensors (float32) and captions; (None, None) if the file is absent."""
+        path = self.directory / name
         if not path.is_file():
-            log.warning("%s has no %s: caption dropout feeds zeros instead of the encoding of \"\"",
-                        self.directory, EMPTY_PROMPT)
-            return None
-        fields, _ = read_header(path)
-        expected = {"prompt_embeds": [1, self.text_tokens, self.text_dims[0]],
-                    "pooled_prompt_embeds": [1, self.text_dims[1]]}
-        for name, shape in expected.items():
-            if name not in fields or fields[name][1] != shape:
-                raise DataFormatError(f"{path}: field {name!r} should have shape {shape}, found "
-                                      f"{fields.get(name, (None, 'nothing'))[1]}")
+            return None, None
+        fields, metadata = read_header(path)
+        count = rows or fields.get("prompt_embeds", (None, [0]))[1][0]
+        expected = {"prompt_embeds": [count, self.text_tokens, self.text_dims[0]],
+                    "pooled_prompt_embeds": [count, self.text_dims[1]]}
+        for field, shape in expected.items():
+            if field not in fields or fields[field][1] != shape or not count:
+                raise DataFormatError(f"{path}: field {field!r} should have shape {shape}, found "
+                                      f"{fields.get(field, (None, 'nothing'))[1]}")
         with safe_open(path, "pt") as f:
-            return {name: f.get_tensor(name).float() for name in expected}
+            prompts = {field: f.get_tensor(field).float() for field in expected}
+        return prompts, json.loads(metadata.get("captions", "null")) or [""] * count
 
     def __len__(self) -> int:
         return len(self.rows)
-
-    def buckets(self) -> list[list[int]]:
-        """Item indices grouped by latent size, smallest size first."""
-        groups = {size: [] for size in self.latent_sizes}
-        for i, size in enumerate(self.sizes):
-            groups[size].append(i)
-        return list(groups.values())
 
     def handle(self, shard: int):
         """A memory-mapped view of a shard, opened once per process (loader workers open their own)."""
@@ -158,5 +170,5 @@ class LatentDataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> dict:
         shard, row = self.rows[index]
         f = self.handle(shard)
-        item = {name: f.get_slice(name)[row : row + 1][0].float() for name in FIELDS}
+        item = {name: f.get_slice(name)[row : row + 1][0].float() for name in self.fields}
         return {**item, "caption": self.captions[index]}

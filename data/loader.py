@@ -1,11 +1,14 @@
 """Deterministic step batches: which items form the global batch of step s depends on (seed, s) only.
 
 The global batch of step s is the slice [s*G, (s+1)*G) of an endless stream of epochs, each epoch a
-permutation of the dataset keyed by (seed, epoch). Rank r of W takes the contiguous positions
+permutation of the training items keyed by (seed, epoch). Rank r of W takes the contiguous positions
 [r*G/W, (r+1)*G/W) of that batch, so the union over ranks is the same global batch for any world size, and
 resuming at step s needs nothing but s. With aspect buckets (items of several latent sizes) every global
 batch comes from one bucket: each epoch shuffles every bucket, cuts it into whole batches and shuffles the
 batches, all keyed by (seed, epoch) as well.
+
+The training items are the dataset less a held-out set (`split_holdout`), itself a permutation keyed by the
+seed. Datasets that store mirrored latents (`latents_flipped`) give one of the two per (seed, epoch, item).
 """
 
 import logging
@@ -13,48 +16,71 @@ from functools import lru_cache
 
 import torch
 
-from models.rectified_flow import ORDER_STREAM, sample_key
+from mmdit_stable.models.rectified_flow import FLIP_STREAM, HOLDOUT_STREAM, ORDER_STREAM, sample_key
 
 log = logging.getLogger("mmdit")
 
 
-def dataset_buckets(dataset) -> list[list[int]] | None:
-    """Item indices by latent size, for datasets of several sizes; None when all items share one."""
-    return dataset.buckets() if len(getattr(dataset, "latent_sizes", ())) > 1 else None
+def split_holdout(num_items: int, holdout: int, seed: int) -> tuple[list[int], list[int]]:
+    """(training items, held-out items): the held-out ones are the first `holdout` of a permutation keyed by
+    the seed, so they are the same for every run of that seed and never trained on."""
+    if holdout >= num_items:
+        raise ValueError(f"data.holdout={holdout} leaves nothing to train on: the dataset has {num_items} items")
+    if not holdout:
+        return list(range(num_items)), []
+    order = torch.randperm(num_items, generator=torch.Generator().manual_seed(sample_key(seed, HOLDOUT_STREAM, 0)))
+    held = sorted(order[:holdout].tolist())
+    kept = torch.ones(num_items, dtype=torch.bool)
+    kept[held] = False
+    return kept.nonzero().flatten().tolist(), held
 
 
-def check_batches(dataset, global_batch: int) -> None:
+def training_buckets(dataset, items: list[int]) -> dict[tuple[int, int], list[int]] | None:
+    """The training items by latent size, for datasets of several sizes; None when all items share one."""
+    if len(getattr(dataset, "latent_sizes", ())) <= 1:
+        return None
+    buckets = {size: [] for size in dataset.latent_sizes}
+    for i in items:
+        buckets[dataset.sizes[i]].append(i)
+    return buckets
+
+
+def check_batches(dataset, items: list[int], global_batch: int) -> None:
     """Before a run starts: with several latent sizes, some size must fill a global batch."""
-    buckets = dataset_buckets(dataset)
+    buckets = training_buckets(dataset, items)
     if buckets:
-        batches_per_epoch(tuple(map(len, buckets)), global_batch)
+        batches_per_epoch(tuple((size, len(b)) for size, b in buckets.items()), global_batch)
 
 
 @lru_cache
-def batches_per_epoch(sizes: tuple[int, ...], global_batch: int) -> int:
-    """Whole global batches per epoch when each batch comes from one bucket of the given sizes. Items of a
-    bucket smaller than the global batch are never drawn: a warning (once) counts them, and an error is
-    raised if no bucket fills a batch."""
-    count = sum(n // global_batch for n in sizes)
+def batches_per_epoch(bucket_sizes: tuple[tuple[tuple[int, int], int], ...], global_batch: int) -> int:
+    """Whole global batches per epoch when each batch comes from one bucket; `bucket_sizes` holds (latent size,
+    items) pairs. Items of a bucket smaller than the global batch are never drawn: a warning (once) names
+    those sizes, and an error is raised if no bucket fills a batch."""
+    count = sum(n // global_batch for _, n in bucket_sizes)
+    sizes = ", ".join(f"{h}x{w}: {n}" for (h, w), n in bucket_sizes)
     if not count:
-        raise ValueError(f"no latent size has enough items for one global batch of {global_batch} "
-                         f"(items per size: {sizes}); lower the batch or precompute without --aspect-buckets")
-    never = [n for n in sizes if n < global_batch]
+        raise ValueError(f"no latent size has enough items for one global batch of {global_batch} (items per "
+                         f"latent size: {sizes}); lower training.train_batch_size or "
+                         f"training.gradient_accumulation_steps, or precompute without --aspect-buckets")
+    never = [f"{h}x{w} ({n} items)" for (h, w), n in bucket_sizes if n < global_batch]
     if never:
-        log.warning("%d items in %d latent sizes with fewer than %d items (one global batch) are never drawn",
-                    sum(never), len(never), global_batch)
+        log.warning("latent sizes with fewer items than one global batch (%d) are never drawn: %s",
+                    global_batch, ", ".join(never))
     return count
 
 
 class StepBatchSampler:
-    """Yields, for each step from `start_step` to `end_step`, this rank's (step, position, index) triples."""
+    """Yields, for each step from `start_step` to `end_step`, this rank's (step, position, index, epoch)."""
 
-    def __init__(self, num_items: int, global_batch: int, seed: int, rank: int, world_size: int,
-                 start_step: int, end_step: int, buckets: list[list[int]] | None = None):
+    def __init__(self, items: list[int], global_batch: int, seed: int, rank: int, world_size: int,
+                 start_step: int, end_step: int, buckets: dict | None = None):
         if global_batch % world_size:
             raise ValueError(f"global batch {global_batch} is not divisible by world size {world_size}")
-        self.num_items, self.global_batch, self.seed, self.buckets = num_items, global_batch, seed, buckets
-        self.per_epoch = batches_per_epoch(tuple(map(len, buckets)), global_batch) if buckets else None
+        self.items, self.global_batch, self.seed = torch.tensor(items), global_batch, seed
+        self.buckets = list(buckets.values()) if buckets else None
+        self.per_epoch = (batches_per_epoch(tuple((s, len(b)) for s, b in buckets.items()), global_batch)
+                          if buckets else None)
         self.rank_batch = global_batch // world_size
         self.first_position = rank * self.rank_batch
         self.start_step, self.end_step = start_step, end_step
@@ -62,7 +88,7 @@ class StepBatchSampler:
     @lru_cache(maxsize=2)
     def permutation(self, epoch: int) -> torch.Tensor:
         gen = torch.Generator().manual_seed(sample_key(self.seed, ORDER_STREAM, epoch))
-        return torch.randperm(self.num_items, generator=gen)
+        return self.items[torch.randperm(len(self.items), generator=gen)]
 
     @lru_cache(maxsize=2)
     def bucket_batches(self, epoch: int) -> list[torch.Tensor]:
@@ -77,11 +103,15 @@ class StepBatchSampler:
         gen = torch.Generator().manual_seed(sample_key(self.seed, ORDER_STREAM, f"{epoch}/batches"))
         return [batches[i] for i in torch.randperm(len(batches), generator=gen)]
 
-    def global_indices(self, step: int) -> torch.Tensor:
+    def global_batch_of(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The dataset indices of step `step`'s global batch, and the epoch each one is drawn in."""
         if self.buckets:
-            return self.bucket_batches(step // self.per_epoch)[step % self.per_epoch]
+            epoch = step // self.per_epoch
+            indices = self.bucket_batches(epoch)[step % self.per_epoch]
+            return indices, torch.full_like(indices, epoch)
         flat = step * self.global_batch + torch.arange(self.global_batch)
-        return torch.stack([self.permutation(int(f) // self.num_items)[int(f) % self.num_items] for f in flat])
+        epochs = flat // len(self.items)
+        return torch.stack([self.permutation(int(e))[int(f) % len(self.items)] for f, e in zip(flat, epochs)]), epochs
 
     def __len__(self) -> int:
         return self.end_step - self.start_step
@@ -89,22 +119,27 @@ class StepBatchSampler:
     def __iter__(self):
         for step in range(self.start_step, self.end_step):
             positions = range(self.first_position, self.first_position + self.rank_batch)
-            indices = self.global_indices(step)
-            yield [(step, p, int(indices[p])) for p in positions]
+            indices, epochs = self.global_batch_of(step)
+            yield [(step, p, int(indices[p]), int(epochs[p])) for p in positions]
 
 
 class StepDataset(torch.utils.data.Dataset):
-    """Wraps a dataset so each item also carries the step and its position in the global batch."""
+    """Wraps a dataset so each item also carries the step and its position in the global batch, and picks
+    plain or mirrored latents (where stored) by (seed, epoch, item)."""
 
-    def __init__(self, dataset: torch.utils.data.Dataset):
-        self.dataset = dataset
+    def __init__(self, dataset: torch.utils.data.Dataset, seed: int):
+        self.dataset, self.seed = dataset, seed
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, key: tuple[int, int, int]) -> dict:
-        step, position, index = key
-        return {**self.dataset[index], "step": step, "position": position}
+    def __getitem__(self, key: tuple[int, int, int, int]) -> dict:
+        step, position, index, epoch = key
+        item = dict(self.dataset[index])
+        flipped = item.pop("latents_flipped", None)
+        if flipped is not None and sample_key(self.seed, FLIP_STREAM, f"{epoch}/{index}") % 2:
+            item["latents"] = flipped
+        return {**item, "step": step, "position": position}
 
 
 class Collate:
@@ -128,19 +163,19 @@ class Collate:
         return batch
 
 
-def step_batches(dataset, tokenizer, global_batch: int, seed: int, rank: int, world_size: int,
+def step_batches(dataset, tokenizer, items: list[int], global_batch: int, seed: int, rank: int, world_size: int,
                  start_step: int, end_step: int, device: torch.device, num_workers: int = 0,
                  pin_memory: bool = True, prefetch_factor: int = 2) -> torch.utils.data.DataLoader:
     """One loader for the whole run (iterated once, so workers live as long as the run). Workers change
     where items are made, never which: the batches are the same for any worker count."""
-    buckets = dataset_buckets(dataset)
-    sampler = StepBatchSampler(len(dataset), global_batch, seed, rank, world_size, start_step, end_step, buckets)
+    buckets = training_buckets(dataset, items)
+    sampler = StepBatchSampler(items, global_batch, seed, rank, world_size, start_step, end_step, buckets)
     if num_workers < 0:
         num_workers = 4 if device.type == "cuda" else 0
     if num_workers:
         log.info("data loading: %d workers, prefetch %d, pinned memory %s", num_workers, prefetch_factor,
                  pin_memory and device.type == "cuda")
     collate = Collate(tokenizer, getattr(dataset, "empty_prompt", None))
-    return torch.utils.data.DataLoader(StepDataset(dataset), batch_sampler=sampler, collate_fn=collate,
+    return torch.utils.data.DataLoader(StepDataset(dataset, seed), batch_sampler=sampler, collate_fn=collate,
                                        num_workers=num_workers, pin_memory=pin_memory and device.type == "cuda",
                                        prefetch_factor=prefetch_factor if num_workers else None)
