@@ -15,9 +15,10 @@ from pathlib import Path
 
 import torch
 
-from models.diffusers_io import CheckpointFormatError, check_state_dict, export_diffusers_lora, export_diffusers_transformer
-from models.mmdit import MMDiT, MMDiTConfig
-from perf.checkpoint import find_checkpoint, read_checkpoint
+from mmdit_stable.models.diffusers_io import (CheckpointFormatError, check_state_dict, export_diffusers_lora,
+                                              export_diffusers_transformer)
+from mmdit_stable.models.mmdit import MMDiT, MMDiTConfig
+from mmdit_stable.perf.checkpoint import find_checkpoint, read_checkpoint
 
 log = logging.getLogger("mmdit")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         checkpoint = find_checkpoint(args.checkpoint)
         out = export(checkpoint, args.out, args.weights == "ema", DTYPES[args.dtype])
-    except (ValueError, FileExistsError) as e:
+    except (ValueError, OSError) as e:  # also: an existing output, a file where a folder must be, a full disk
         log.error("export failed: %s", e)
         return 2
     log.info("exported %s weights of %s to %s", args.weights, checkpoint, out)

@@ -13,15 +13,16 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from configs.schema import ConfigError, load_config
-from data.images import save_png
-from data.shapes import ShapesDataset
-from models.diffusers_io import load_diffusers_weights
-from models.lora import apply_lora
-from models.mmdit import MMDiT, MMDiTConfig
-from models.pipeline import build_model, build_tokenizer, generate
-from models.text_encoder import TextToImage
-from perf.checkpoint import find_checkpoint, read_checkpoint
+from mmdit_stable.configs.build import build_model, build_tokenizer
+from mmdit_stable.configs.schema import ConfigError, load_config
+from mmdit_stable.data.images import save_png
+from mmdit_stable.data.shapes import ShapesDataset
+from mmdit_stable.models.diffusers_io import load_diffusers_weights
+from mmdit_stable.models.lora import apply_lora
+from mmdit_stable.models.mmdit import MMDiT, MMDiTConfig
+from mmdit_stable.models.pipeline import generate, initial_noise
+from mmdit_stable.models.text_encoder import TextToImage
+from mmdit_stable.perf.checkpoint import find_checkpoint, read_checkpoint
 
 log = logging.getLogger("mmdit")
 
@@ -30,7 +31,7 @@ def load_trained(checkpoint: Path, use_ema: bool = True) -> tuple[TextToImage, D
     """The model a checkpoint describes: built from its config (latent runs: from the MMDiT config it
     records, so the data need not be present), the base weights from model.init_from under LoRA, then the
     checkpoint's trained weights, or their EMA."""
-    cfg = load_config(checkpoint / "config.yaml")
+    cfg = load_config(checkpoint / "config.yaml", resolve=False)  # as the run resolved it
     tensors, meta = read_checkpoint(checkpoint)
     if cfg.data.name == "shapes":
         model = build_model(cfg, ShapesDataset, build_tokenizer())
@@ -51,7 +52,7 @@ def load_trained(checkpoint: Path, use_ema: bool = True) -> tuple[TextToImage, D
 def load_for_sampling(path: Path, use_ema: bool = True):
     try:
         checkpoint = find_checkpoint(path)
-        if load_config(checkpoint / "config.yaml").data.name != "shapes":
+        if load_config(checkpoint / "config.yaml", resolve=False).data.name != "shapes":
             raise SystemExit(f"{checkpoint} was trained on precomputed latents: export it (export_mmdit.py) and "
                              f"sample with a diffusers StableDiffusion3Pipeline")
         model, cfg = load_trained(checkpoint, use_ema)
@@ -87,7 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     steps = cfg.sampling.steps if args.steps is None else args.steps
     cfg_scale = cfg.sampling.cfg_scale if args.cfg is None else args.cfg
     shape = (ShapesDataset.latent_channels, *ShapesDataset.latent_sizes[0])
-    images = generate(model, tokenizer, prompts, args.seed, steps, cfg_scale, cfg.sampling.shift, shape)
+    noise = initial_noise(args.seed, list(range(len(prompts))), shape)
+    x = generate(model, {"input_ids": tokenizer(prompts)}, {"input_ids": tokenizer([""])}, noise, steps, cfg_scale,
+                 cfg.sampling.shift, tuple(cfg.sampling.guidance_interval))
+    images = (x.clamp(-1, 1) + 1) / 2
     for i, image in enumerate(images):
         save_png(image, args.out / f"{i:04d}.png")
     log.info("wrote %d images to %s from %s (%d steps, cfg %.1f, %s weights)", len(images), args.out,

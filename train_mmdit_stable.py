@@ -4,7 +4,6 @@
 """
 
 import argparse
-import copy
 import dataclasses
 import json
 import logging
@@ -14,39 +13,39 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.tensor import DTensor
 
-from configs.schema import DEFAULT_CONFIG, ConfigError, load_config
-from data.images import save_grid
-from data.loader import check_batches, step_batches
-from data.shapes import all_prompts, caption, prompt_fidelity
-from models.diffusers_io import CheckpointFormatError, load_diffusers_weights, read_config
-from models.lora import adapter_settings, apply_lora
-from models.pipeline import build_data, build_model, example_text, generate
-from models.rectified_flow import draw_sample_noise, interpolate, per_sample_loss, sample_key, training_sigmas
-from optim.adamw import build_adamw
-from optim.ema import EMA
-from optim.schedule import warmup_cosine
-from perf.checkpoint import (Checkpointer, NullCheckpointer, optimizer_from_tensors, optimizer_to_tensors,
-                             read_checkpoint)
-from perf.activation_checkpointing import apply_activation_checkpointing
-from perf.attention import apply_attention_backend
-from perf.batch_sizer import build_batch_sizer
-from perf.compile import apply_compile
-from perf.distributed import (World, broadcast_from_main, check_all_parameters_used, destroy_distributed,
-                              first_error, init_distributed, mean_over_ranks, sync_gradients, unwrap, world_from_env, wrap_ddp)
-from perf.nonfinite import NonFiniteGuard
-from perf.metrics import RunLogger, save_loss_curve
-from perf.precision import autocast, configure_cuda_math, grad_scaler
-from perf.preemption import PreemptionHandler
-from perf.profiler import build_profiler
-from perf.step_stats import (SigmaBuckets, StepTimer, memory_stats, peak_flops, throughput_metrics,
-                             train_flops_per_sample)
+from mmdit_stable.configs.build import build_data, build_model, build_trained_model, example_text, holdout_split
+from mmdit_stable.configs.schema import DEFAULT_CONFIG, ConfigError, load_config
+from mmdit_stable.data.loader import check_batches, step_batches
+from mmdit_stable.models.lora import adapter_settings, apply_lora
+from mmdit_stable.models.rectified_flow import (draw_sample_noise, interpolate, per_sample_loss, sample_key,
+                                                training_sigmas)
+from mmdit_stable.optim.adamw import build_adamw
+from mmdit_stable.optim.ema import EMA
+from mmdit_stable.optim.schedule import warmup_cosine
+from mmdit_stable.perf.attention import apply_attention_backend
+from mmdit_stable.perf.batch_sizer import build_batch_sizer
+from mmdit_stable.perf.checkpoint import Checkpointer, NullCheckpointer, load_checkpoint, read_meta, stored_names
+from mmdit_stable.perf.distributed import (World, broadcast_from_main, destroy_distributed, first_error,
+                                           init_distributed, mean_over_ranks, world_from_env)
+from mmdit_stable.perf.metrics import RunLogger, save_loss_curve
+from mmdit_stable.perf.nonfinite import NonFiniteGuard
+from mmdit_stable.perf.parallel import (apply_parallelism, check_all_parameters_used, check_parallel, is_sharded,
+                                        sync_gradients, unwrap)
+from mmdit_stable.perf.precision import autocast, configure_cuda_math, grad_scaler
+from mmdit_stable.perf.preemption import PreemptionHandler, mark_preempted
+from mmdit_stable.perf.profiler import build_profiler
+from mmdit_stable.perf.step_stats import (SigmaBuckets, StepTimer, memory_stats, peak_flops, throughput_metrics,
+                                          train_flops_per_sample, train_state_gib)
+from mmdit_stable.perf.validation import build_validation
 
 log = logging.getLogger("mmdit")
 TEXT_KEYS = ("input_ids", "prompt_embeds", "pooled_prompt_embeds")  # a batch's text, tokenized or encoded
 # What an existing run directory's checkpoints and data position mean; a resume must not change them.
 RUN_IDENTITY_KEYS = ("model", "text_encoder", "lora", "data.name", "data.path", "data.aspect_buckets",
-                     "data.num_items", "training.seed")
+                     "data.num_items", "data.holdout", "training.seed")
 
 
 def setup_logging(rank: int) -> None:
@@ -65,6 +64,8 @@ def prepare_run_dir(cfg: DictConfig, world_size: int) -> Path:
     """Create the run directory, or check that an existing one belongs to this config before reusing it.
     The resolved config is written only once the resume is known to be possible (`save_config`)."""
     run_dir = Path(cfg.logging.output_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"logging.output_dir={run_dir} is a file, not a directory")
     saved = run_dir / "config.yaml"
     if saved.is_file():
         try:
@@ -74,17 +75,21 @@ def prepare_run_dir(cfg: DictConfig, world_size: int) -> Path:
         except Exception as e:
             raise ConfigError(f"{saved} or world.json is unreadable ({e}); fix it or choose another "
                               f"logging.output_dir") from None
-        changed = [k for k in RUN_IDENTITY_KEYS if identity(old, k) != identity(cfg, k)]
+        changed = identity_changes(old, cfg)
         if global_batch(old, old_world) != global_batch(cfg, world_size):
             changed.append(f"global batch (training.train_batch_size * training.gradient_accumulation_steps * "
-                           f"world size: {global_batch(old, old_world)} before, {global_batch(cfg, world_size)} now)")
+                           f"world size): {global_batch(old, old_world)} -> {global_batch(cfg, world_size)}")
         if changed:
-            raise ConfigError(f"{run_dir} holds a run with different {changed}; choose another "
-                              f"logging.output_dir or restore those settings (nothing was changed on disk)")
+            raise ConfigError(f"{run_dir} holds a run with other settings that its checkpoints depend on "
+                              f"({'; '.join(changed)}); restore them, or choose another logging.output_dir "
+                              f"(nothing was changed on disk)")
         old_flat, new_flat = flatten(OmegaConf.to_container(old)), flatten(OmegaConf.to_container(cfg))
         for key in sorted(k for k in new_flat if old_flat.get(k) != new_flat[k]):
             log.info("config change since the run's last start: %s %s -> %s", key, old_flat.get(key), new_flat[key])
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as e:
+        raise ConfigError(f"logging.output_dir={run_dir} cannot be created: {e}") from None
     return run_dir
 
 
@@ -92,28 +97,28 @@ def identity(cfg: DictConfig, key: str):
     """The part of the config under `key` that a resume must keep. Where full training's weights started does
     not count (checkpoints hold all weights); under LoRA it does (they hold only the adapters)."""
     value = OmegaConf.select(cfg, key)
-    if isinstance(value, DictConfig) and not cfg.lora.enabled:
-        value = {k: v for k, v in OmegaConf.to_container(value).items() if k != "init_from"}
+    if isinstance(value, DictConfig):
+        value = OmegaConf.to_container(value)
+        if not OmegaConf.select(cfg, "lora.enabled"):
+            value.pop("init_from", None)
     return value
+
+
+def identity_changes(old: DictConfig, new: DictConfig) -> list[str]:
+    """Each setting of the run's identity that differs, as 'key: old -> new'."""
+    changes = []
+    for key in RUN_IDENTITY_KEYS:
+        before, now = identity(old, key), identity(new, key)
+        before = flatten(before, f"{key}.") if isinstance(before, dict) else {key: before}
+        now = flatten(now, f"{key}.") if isinstance(now, dict) else {key: now}
+        changes += [f"{k}: {before.get(k)} -> {now.get(k)}" for k in sorted(before.keys() | now.keys())
+                    if before.get(k) != now.get(k)]
+    return changes
 
 
 def save_config(run_dir: Path, cfg: DictConfig, world_size: int) -> None:
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
-    (run_dir / "world.json").write_text(json.dumps({"world_size": world_size}))
-
-
-def init_from_diffusers(transformer, directory: str) -> None:
-    """Start from a diffusers transformer directory whose architecture is the configured one."""
-    try:
-        theirs = dataclasses.asdict(read_config(Path(directory)))
-        ours = dataclasses.asdict(transformer.cfg)
-        different = {k: (theirs[k], ours[k]) for k in ours if theirs[k] != ours[k]}
-        if different:
-            raise CheckpointFormatError(f"its config differs from the configured model (theirs, ours): {different}")
-        load_diffusers_weights(transformer, Path(directory))
-    except CheckpointFormatError as e:
-        raise ConfigError(f"model.init_from={directory}: {e}") from None
-    log.info("transformer weights from %s", directory)
+    (run_dir / "world.json").write_text(json.dumps({"world_size": world_size, "strategy": cfg.parallel.strategy}))
 
 
 def global_batch(cfg: DictConfig, world_size: int = 1) -> int:
@@ -143,12 +148,12 @@ def drop_captions(text: dict, drop: torch.Tensor, empty: dict | None) -> dict:
 
 
 def forward_backward(model, batch: dict, cfg: DictConfig, device: torch.device, scaler, sigma_losses: SigmaBuckets,
-                     micro_batch: int, ddp_sync: bool = True) -> torch.Tensor:
+                     micro_batch: int, reduce: bool = True) -> torch.Tensor:
     """Loss and gradients of this rank's share of one optimizer step, in micro-batches.
 
     Each sample's loss is divided by the rank's sample count, so gradients are a plain mean over the
-    rank's samples whatever the micro-batch split. Under DDP the last micro-step all-reduces the gradients,
-    unless `ddp_sync` is off (the batch sizer then reduces them itself)."""
+    rank's samples whatever the micro-batch split. The last micro-step reduces the gradients over ranks as
+    the strategy does (perf/parallel.py), unless `reduce` is off (the batch sizer then reduces them itself)."""
     step, positions = int(batch["step"]), batch["position"]
     # ops that draw from the global RNG (LoRA dropout) then replay the same after a resume or an OOM retry
     torch.manual_seed(sample_key(cfg.training.seed, step, f"global-rng/{int(positions[0])}"))
@@ -157,7 +162,7 @@ def forward_backward(model, batch: dict, cfg: DictConfig, device: torch.device, 
     empty_text = {k: batch[f"empty_{k}"].to(device) for k in TEXT_KEYS if f"empty_{k}" in batch} or None
     draws = draw_sample_noise(cfg.training.seed, step, positions, tuple(x0_all.shape[1:])).to(device)
     f = cfg.flow
-    sigma_all = training_sigmas(draws, f.sigma_sampling, f.logit_mean, f.logit_std, f.shift)
+    sigma_all = training_sigmas(draws, f.sigma_sampling, f.logit_mean, f.logit_std, f.shift, f.mode_scale)
     drop_all = draws.dropout_uniform < cfg.data.caption_dropout
     total = torch.zeros((), device=device)
     sigmas, sample_losses = [], []
@@ -166,7 +171,7 @@ def forward_backward(model, batch: dict, cfg: DictConfig, device: torch.device, 
         part = slice(start, start + micro_batch)
         x0, noise, sigma = x0_all[part], draws.noise[part], sigma_all[part]
         text = drop_captions({k: v[part] for k, v in text_all.items()}, drop_all[part], empty_text)
-        with sync_gradients(model, last_micro_step=ddp_sync and start == starts[-1]):
+        with sync_gradients(model, last_micro_step=reduce and start == starts[-1]):
             with autocast(device, cfg.training.dtype):
                 v_pred = model(interpolate(x0, noise, sigma), sigma, text)
             losses = per_sample_loss(v_pred, x0, noise)
@@ -179,26 +184,6 @@ def forward_backward(model, batch: dict, cfg: DictConfig, device: torch.device, 
     return total
 
 
-def sample_and_score(model, ema: EMA, tokenizer, cfg: DictConfig, run_dir: Path, step: int, shape: tuple,
-                     logger: RunLogger) -> dict[str, float]:
-    """EMA-weight samples for all 90 prompts: prompt fidelity, and a captioned grid PNG."""
-    sampler_model = copy.deepcopy(unwrap(model)).eval()
-    ema.copy_to(sampler_model)
-    prompts = all_prompts()
-    captions = [caption(*p) for p in prompts]
-    s = cfg.sampling
-    images = generate(sampler_model, tokenizer, captions, cfg.training.seed, s.steps, s.cfg_scale, s.shift, shape)
-    fidelity = prompt_fidelity(images, prompts)
-    shown = torch.linspace(0, len(prompts) - 1, s.grid_size).long().tolist()
-    grid = run_dir / "samples" / f"step_{step:08d}.png"
-    save_grid(images[shown], [captions[i] for i in shown], grid)
-    logger.image(step, "samples", grid, [captions[i] for i in shown])
-    logger.scalars(step, {f"fidelity/{k}": v for k, v in fidelity.items()})
-    log.info("prompt fidelity at step %d (90 prompts): color %.2f  shape %.2f  position %.2f", step,
-             fidelity["color"], fidelity["shape"], fidelity["position"])
-    return fidelity
-
-
 def optimizer_step(model, optimizer, scaler, ema: EMA, step: int, clip_norm: float,
                    guard: bool) -> tuple[torch.Tensor, bool]:
     """Unscale, clip, step, then update the EMA; returns the gradient norm before clipping and whether the
@@ -206,6 +191,8 @@ def optimizer_step(model, optimizer, scaler, ema: EMA, step: int, clip_norm: flo
     weights, optimizer state and EMA stay as they were; in fp16 the scaler still lowers its scale."""
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm or float("inf"))
+    if isinstance(grad_norm, DTensor):  # sharded gradients: the norm over all shards
+        grad_norm = grad_norm.full_tensor()
     applied = bool(torch.isfinite(grad_norm)) if guard else True  # the guard's one host sync per step
     if applied:
         scaler.step(optimizer)
@@ -246,13 +233,12 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
     torch.manual_seed(t.seed)
     run_dir, error = Path(cfg.logging.output_dir), None
     try:  # the same on every rank; only rank 0 touches the run directory, the others learn its verdict
+        check_parallel(cfg, world)
         dataset, tokenizer = build_data(cfg)
-        check_batches(dataset, global_batch(cfg, world.world_size))
-        model = build_model(cfg, dataset, tokenizer)
-        if cfg.model.init_from:
-            init_from_diffusers(model.transformer, cfg.model.init_from)
-        apply_lora(model, cfg.lora)
-        model.to(device)
+        items, holdout = holdout_split(cfg, dataset)
+        check_batches(dataset, items, global_batch(cfg, world.world_size))
+        model = build_trained_model(cfg, dataset, tokenizer)
+        validation = build_validation(cfg, dataset, tokenizer, holdout, world, device)
         if world.is_main:
             prepare_run_dir(cfg, world.world_size)
     except ValueError as e:  # ConfigError, and the model's own checks (its sizes, LoRA targets)
@@ -263,20 +249,24 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
         return 2
 
     batch_size = global_batch(cfg, world.world_size)
-    optimizer = build_adamw(model, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay, device, o.fused)
-    ema = EMA(model, o.ema_decay)
+    model = apply_parallelism(model, cfg, world, device)  # on the device; checkpointing, compile, the wrap
+    optimizer = build_adamw(unwrap(model), o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay, device, o.fused)
+    ema = EMA(unwrap(model), o.ema_decay)
     scaler = grad_scaler(device, t.dtype)
     configure_cuda_math(device, t.allow_tf32)
     log.info("device %s, precision %s%s", device, t.dtype, " with a GradScaler" if scaler.is_enabled() else "")
     apply_attention_backend(t.attention_backend, device, t.dtype, cfg.model.attention_head_dim)
-    checkpointer = Checkpointer(run_dir, cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
-                                cfg.checkpoint.fail_on_error) if world.is_main else NullCheckpointer()
+    checkpointer = build_checkpointer(cfg, world, run_dir, model)
     resume_from = broadcast_from_main(checkpointer.last_complete)  # every rank loads rank 0's choice
     sizer = build_batch_sizer(cfg, t.train_batch_size, device, world.rank, model)
+    error = None
     try:
-        start_step = resume(resume_from, model, ema, optimizer, scaler, sizer)
+        start_step = resume(resume_from, model, ema, optimizer, scaler, sizer, checkpointer)
     except ConfigError as e:
-        log.error("config error: %s", e)
+        error = str(e)
+    error = first_error(error)
+    if error:
+        log.error("config error: %s", error)
         return 2
     if start_step > t.max_steps:
         log.error("config error: training.max_steps=%d is below the step of %s; raise it to continue",
@@ -284,20 +274,18 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
         return 2
     if world.is_main:
         save_config(run_dir, cfg, world.world_size)
-    apply_activation_checkpointing(model, t.activation_checkpointing)
-    apply_compile(model, t.compile_model, t.compile_mode, t.compile_scope)
-    model = wrap_ddp(model, world, device, t.ddp_bucket_cap_mb)  # after compile, as DDP's graph splitting wants
-    log.info("MMDiT %.2fM params, %.2fM trained; %d items; global batch %d over %d process(es); steps %d -> %d; "
-             "run dir %s", sum(p.numel() for p in unwrap(model).transformer.parameters()) / 1e6,
-             sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6, len(dataset),
-             batch_size, world.world_size, start_step, t.max_steps, run_dir)
+    log.info("MMDiT %.2fM params, %.2fM trained; %d items (%d held out); global batch %d over %d process(es) "
+             "(%s); steps %d -> %d; run dir %s", sum(p.numel() for p in unwrap(model).transformer.parameters()) / 1e6,
+             sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6, len(items), len(holdout),
+             batch_size, world.world_size, cfg.parallel.strategy if world.distributed else "one process", start_step,
+             t.max_steps, run_dir)
     d = cfg.data
-    batches = step_batches(dataset, tokenizer, batch_size, t.seed, world.rank, world.world_size, start_step,
+    batches = step_batches(dataset, tokenizer, items, batch_size, t.seed, world.rank, world.world_size, start_step,
                            t.max_steps, device, d.num_workers, d.pin_memory, d.prefetch_factor)
-    shape = (dataset.latent_channels, *dataset.latent_sizes[-1])  # the largest size, for FLOPs and samples
+    shape = (dataset.latent_channels, *dataset.latent_sizes[-1])  # the largest size, for FLOPs
 
     done, preempted = start_step, False
-    model.train()  # for the whole run: sampling works on a deep copy
+    model.train()  # for the whole run: validation switches to eval and back
     guard = NonFiniteGuard(t.max_nonfinite_steps)
     preemption = PreemptionHandler()
     text_tokens = next(iter(example_text(dataset, tokenizer).values())).shape[1]
@@ -318,8 +306,8 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
                 lr = lr_at(step, cfg)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
-                loss = sizer.run(step, lambda micro_batch, ddp_sync: forward_backward(
-                    model, batch, cfg, device, scaler, sigma_losses, micro_batch, ddp_sync), model, sigma_losses)
+                loss = sizer.run(step, lambda micro_batch, reduce: forward_backward(
+                    model, batch, cfg, device, scaler, sigma_losses, micro_batch, reduce), model, sigma_losses)
                 if step == start_step:
                     check_all_parameters_used(model)
                 timer.lap("forward_backward")
@@ -339,13 +327,14 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
                               **throughput_metrics(samples_per_s, world.world_size, tokens_per_sample,
                                                    flops_per_sample, peak),
                               **timer.read(), **memory_stats(device), **sizer.metrics(),
+                              "memory/train_state_gib": train_state_gib(model, optimizer, ema),
                               "checkpoint_stall_s": checkpointer.last_stall_s}
                     logger.scalars(done, record)
                     log.info("%s loss %.4f lr %.2e grad %.3f %.0f img/s%s", progress(done, start_step, t.max_steps,
                              window), record["loss"], lr, record["grad_norm"], samples_per_s,
                              f" MFU {record['mfu']:.1%}" if peak else "")
-                if due(done, cfg.sampling.every, t.max_steps) and world.is_main and tokenizer is not None:
-                    sample_and_score(model, ema, tokenizer, cfg, run_dir, done, shape, logger)
+                if validation.due(done, t.max_steps):
+                    validation(model, ema, done, run_dir, logger)
                 if due(done, cfg.logging.save_freq, t.max_steps):
                     save(checkpointer, done, model, ema, optimizer, scaler, sizer, cfg)
                 if preemption.should_stop(device):
@@ -356,19 +345,21 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
             checkpointer.close()
         finally:
             preemption.close()
-        if checkpointer.last_error:
+        if first_error(checkpointer.last_error):
             log.error("the final checkpoint was not written; exiting with an error")
             return 1
         if preempted:
             log.info("pre-empted: checkpoint of step %d written, exiting cleanly", done)
+            mark_preempted(world.rank)
             return 0
-        if not world.is_main:
-            return 0
-        if tokenizer is not None:  # latent datasets are sampled through diffusers after export (README)
-            fidelity = sample_and_score(model, ema, tokenizer, cfg, run_dir, t.max_steps, shape, logger)
-            (run_dir / "fidelity.json").write_text(json.dumps(fidelity, indent=1))
-    save_loss_curve(run_dir / "metrics.jsonl", run_dir / "loss_curve.png")
-    log.info("done: run directory %s", run_dir)
+        if validation.at_end():
+            metrics = validation(model, ema, t.max_steps, run_dir, logger)
+            if "fidelity/color" in metrics:
+                fidelity = {k.removeprefix("fidelity/"): v for k, v in metrics.items() if k.startswith("fidelity/")}
+                (run_dir / "fidelity.json").write_text(json.dumps(fidelity, indent=1))
+    if world.is_main:
+        save_loss_curve(run_dir / "metrics.jsonl", run_dir / "loss_curve.png")
+        log.info("done: run directory %s", run_dir)
     return 0
 
 
@@ -393,38 +384,55 @@ def progress(done: int, start: int, total: int, window: Throughput, width: int =
     return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {elapsed:.0f}s <{left:.0f}s"
 
 
+def build_checkpointer(cfg: DictConfig, world: World, run_dir: Path, model):
+    """Sharded models: every rank writes its own shards (over a gloo group of the checkpointer's own, so the
+    background writer's collectives never meet the training thread's). Otherwise rank 0 writes it all."""
+    c = cfg.checkpoint
+    if is_sharded(model):
+        group = torch.distributed.new_group(backend="gloo")
+        return Checkpointer(run_dir, c.keep_last, c.async_save, c.fail_on_error, group)
+    return Checkpointer(run_dir, c.keep_last, c.async_save, c.fail_on_error) if world.is_main else NullCheckpointer()
+
+
 def trained_state(model) -> dict[str, torch.Tensor]:
     """The weights a checkpoint holds: all of them, or under LoRA only the adapters (the frozen base is
-    rebuilt from the config and model.init_from)."""
+    rebuilt from the config and model.init_from). Sharded weights are DTensors: each rank holds its part."""
     model = unwrap(model)
     if all(p.requires_grad for p in model.parameters()):
         return model.state_dict()
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 
+def checkpoint_state(model, ema: EMA, optimizer) -> dict:
+    """The live tensors a checkpoint holds (loading fills them in place); AdamW state keyed by parameter name,
+    so that it maps onto any sharding."""
+    return {"model": trained_state(model), "ema": ema.state_dict(),
+            "optimizer": get_optimizer_state_dict(unwrap(model), optimizer)}
+
+
 def save(checkpointer: Checkpointer, step: int, model, ema: EMA, optimizer, scaler, sizer, cfg: DictConfig) -> None:
-    optim_tensors, optim_meta = optimizer_to_tensors(optimizer)
-    tensors = {"model": trained_state(model), "ema": ema.state_dict(), "optimizer": optim_tensors}
-    meta = {"step": step, "optimizer": optim_meta, "scaler": scaler.state_dict(), "batch_sizer": sizer.state_dict(),
+    meta = {"step": step, "scaler": scaler.state_dict(), "batch_sizer": sizer.state_dict(),
             "mmdit": dataclasses.asdict(unwrap(model).transformer.cfg),  # what export needs, without the data
-            "lora": adapter_settings(cfg.lora) if cfg.lora.enabled else None}
-    checkpointer.save(step, tensors, meta, {"config.yaml": OmegaConf.to_yaml(cfg)})
+            "lora": adapter_settings(cfg.lora) if cfg.lora.enabled else None,
+            "world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
+            "strategy": cfg.parallel.strategy}
+    checkpointer.save(step, checkpoint_state(model, ema, optimizer), meta, {"config.yaml": OmegaConf.to_yaml(cfg)})
 
 
-def resume(path: Path | None, model, ema: EMA, optimizer, scaler, sizer) -> int:
-    """Restore everything exact resumption needs; the data position and noise follow from the step."""
+def resume(path: Path | None, model, ema: EMA, optimizer, scaler, sizer, checkpointer) -> int:
+    """Restore everything exact resumption needs, whatever world size and strategy wrote the checkpoint; the
+    data position and noise follow from the step."""
     if path is None:
         return 0
-    tensors, meta = read_checkpoint(path)
-    expected = trained_state(model).keys()
-    if tensors["model"].keys() != expected:
-        raise ConfigError(f"{path} holds other weights than this model trains: missing "
-                         f"{sorted(expected - tensors['model'].keys())[:5]}, unexpected "
-                         f"{sorted(tensors['model'].keys() - expected)[:5]}")
-    model.load_state_dict(tensors["model"], strict=False)
-    ema.load_state_dict(tensors["ema"])
+    meta, state = read_meta(path), checkpoint_state(model, ema, optimizer)
+    expected, stored = set(state["model"]), stored_names(path, "model")
+    if stored != expected:
+        raise ConfigError(f"{path} holds other weights than this model trains: missing {sorted(expected - stored)[:5]}, "
+                          f"unexpected {sorted(stored - expected)[:5]}")
     configured = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-    optimizer.load_state_dict(optimizer_from_tensors(tensors["optimizer"], meta["optimizer"]))
+    sharded = is_sharded(model)
+    load_checkpoint(path, state, group=checkpointer.group if sharded else None, no_dist=not sharded)
+    set_optimizer_state_dict(unwrap(model), optimizer, state["optimizer"])
     for group, settings in zip(optimizer.param_groups, configured):
         group.update(settings)  # betas, eps, weight decay come from today's config, not the checkpoint's
     if scaler.is_enabled() and not meta["scaler"]:
@@ -432,7 +440,8 @@ def resume(path: Path | None, model, ema: EMA, optimizer, scaler, sizer) -> int:
     else:
         scaler.load_state_dict(meta["scaler"])
     sizer.load_state_dict(meta.get("batch_sizer", {}))
-    log.info("resumed from %s", path)
+    log.info("resumed from %s (written by %s over %d process(es))", path, meta.get("strategy", "ddp"),
+             meta.get("world_size", 1))
     return meta["step"]
 
 

@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
 # Launcher: ./train_mmdit_stable.sh [--config FILE] [key=value ...]
-# Arguments pass through to train_mmdit_stable.py as config overrides.
+# Arguments pass through to train_mmdit_stable.py as config overrides. It runs in the directory you call it
+# from, so relative paths (--config, data.path, model.init_from, logging.output_dir) mean what they mean there.
 #
 # One process when there is at most one GPU and no distributed variable is set; otherwise torchrun:
 #   NPROC_PER_NODE  processes on this node (default: the GPUs in CUDA_VISIBLE_DEVICES, else all; at least 1)
 #   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT   static multi-node rendezvous (default 1, 0, -, 29500)
 #   RDZV_ENDPOINT (host:port), RDZV_ID            elastic c10d rendezvous instead of MASTER_ADDR
+#   MAX_RESTARTS=N  torchrun restarts all workers up to N times after one fails (resuming from the last checkpoint)
 #   ENABLE_PROFILING=true  turn on the scheduled profiler (PROFILE_STEPS=N: active steps to record)
+# SIGTERM / SIGINT / SIGHUP are passed to the training processes, which checkpoint at the next step and exit;
+# the launcher then exits 0, as schedulers expect of a job that was pre-empted cleanly.
 set -euo pipefail
-cd "$(dirname "$0")"
+here="$(cd "$(dirname "$0")" && pwd)"
 if [[ -z "${PYTHON:-}" ]]; then
-  if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+  if [[ -x "$here/.venv/bin/python" ]]; then PYTHON="$here/.venv/bin/python"; else PYTHON=python3; fi
 fi
 extra=()
 if [[ "${ENABLE_PROFILING:-false}" == "true" ]]; then
@@ -27,16 +31,18 @@ nproc=${NPROC_PER_NODE:-$(( gpus > 0 ? gpus : 1 ))}
 nnodes=${NNODES:-1}
 
 # Usual settings, only where the user has not chosen: less fragmentation on CUDA, NCCL errors that fail
-# the job instead of hanging it.
+# the job instead of hanging it, and a fresh rendezvous store for each torchrun restart (workers of a restart
+# sharing the store of the attempt before read its stale addresses and fail to connect: pytorch issue 135712).
 export PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}}
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 
-if [[ "$nproc" == 1 && "$nnodes" == 1 && -z "${MASTER_ADDR:-}${RDZV_ENDPOINT:-}" ]]; then
-  exec "$PYTHON" train_mmdit_stable.py "$@" "${extra[@]}"
+if [[ "$nproc" == 1 && "$nnodes" == 1 && -z "${MASTER_ADDR:-}${RDZV_ENDPOINT:-}${MAX_RESTARTS:-}" ]]; then
+  exec "$PYTHON" "$here/train_mmdit_stable.py" "$@" "${extra[@]}"
 fi
 
-launch=(--nnodes "$nnodes" --nproc-per-node "$nproc")
+launch=(--nnodes "$nnodes" --nproc-per-node "$nproc" --max-restarts "${MAX_RESTARTS:-0}")
 if [[ -n "${RDZV_ENDPOINT:-}" ]]; then
   launch+=(--rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "${RDZV_ID:-mmdit}")
 elif [[ "$nnodes" == 1 && -z "${MASTER_ADDR:-}" ]]; then
@@ -46,5 +52,30 @@ else
   launch+=(--node-rank "${NODE_RANK:-0}" --master-addr "${MASTER_ADDR:?MASTER_ADDR is required with NNODES>1}"
            --master-port "${MASTER_PORT:-29500}")
 fi
+
+# Pre-emption: torchrun itself answers a signal by raising an error (exit 1) and killing the workers 30 s
+# later, so the signal goes to the workers directly; each one that checkpoints and exits because of it
+# leaves a mark in MMDIT_PREEMPTED_DIR, and a run whose local workers all did so ends with status 0.
+export MMDIT_PREEMPTED_DIR
+MMDIT_PREEMPTED_DIR="$(mktemp -d)"
+signalled=0
+forward() {
+  signalled=1
+  pkill -TERM -P "$torchrun_pid" 2>/dev/null || true
+}
 echo "torchrun ${launch[*]}" >&2
-exec "$PYTHON" -m torch.distributed.run "${launch[@]}" train_mmdit_stable.py "$@" "${extra[@]}"
+"$PYTHON" -m torch.distributed.run "${launch[@]}" "$here/train_mmdit_stable.py" "$@" "${extra[@]}" &
+torchrun_pid=$!
+trap forward TERM INT HUP
+status=0
+while true; do  # `wait` returns early when a trapped signal arrives; wait again until torchrun has ended
+  wait "$torchrun_pid" && status=0 || status=$?
+  kill -0 "$torchrun_pid" 2>/dev/null || break
+done
+preempted=$(find "$MMDIT_PREEMPTED_DIR" -type f | wc -l)
+rm -rf "$MMDIT_PREEMPTED_DIR"
+if (( signalled && preempted == nproc )); then
+  echo "pre-empted: all $nproc local worker(s) checkpointed and exited cleanly" >&2
+  exit 0
+fi
+exit "$status"

@@ -5,10 +5,20 @@ on out-of-memory the sizer halves the micro-batch and re-runs the same step's da
 the result equals the unsplit step up to fp32 summation order. After `grow_after` clean steps it tries
 twice the size again (up to the configured one); a size that failed waits `retry_after` steps.
 
-Under DDP every rank must take the same decision: a step runs all its micro-steps under `no_sync` (no
-collective at all), then the ranks agree on "did anyone run out of memory?" with one all-reduce, and only
-then all-reduce the gradients. A rank that fails in forward or backward therefore never leaves another rank
-waiting in a collective. The price: gradient communication no longer overlaps the backward pass.
+Every rank must take the same decision without ever waiting in a collective that a failed rank will not
+join. The ranks agree on "did anyone run out of memory?" at agreement points (a small all-reduce on a gloo
+group of its own, so it never syncs the GPU): one at the end of each step, and one in the handler of a rank
+that failed, which stands in for the next agreement point that rank would have reached.
+
+- DDP: a step runs all its micro-steps under `no_sync` (no collective at all), the ranks agree, and only
+  then are the gradients all-reduced. The price: gradient communication no longer overlaps the backward.
+- FSDP/HSDP: the forward and backward are full of collectives (an all-gather before each block, a
+  reduce-scatter after each block's backward), so every one of them gets an agreement point right before
+  it: FSDP's custom-communication hook allocates each collective's buffer, then agrees, then lets the
+  collective run. A rank that fails anywhere in between (compute, or the buffer itself) reaches no further
+  collective; the others stop at their next agreement point. Every rank then resets FSDP's iteration state
+  (`reset_iter_state`), drops the step's gradients and retries with half the micro-batch. The price: one
+  small all-reduce per FSDP collective while the sizer is on.
 """
 
 import gc
@@ -18,9 +28,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
-from perf.distributed import is_distributed, unwrap
-from perf.step_stats import memory_stats
+from mmdit_stable.perf.distributed import is_distributed
+from mmdit_stable.perf.parallel import is_sharded, unwrap
+from mmdit_stable.perf.step_stats import memory_stats
 
 log = logging.getLogger("mmdit")
 
@@ -29,10 +42,15 @@ class OutOfMemoryAtMicroBatchOne(RuntimeError):
     pass
 
 
+class AgreedOutOfMemory(torch.OutOfMemoryError):
+    """Raised at an agreement point on every rank once any rank ran out of memory: all ranks know."""
+
+
 @dataclass
 class OOMInjector:
     """Debug fault injection: a real torch.OutOfMemoryError when a micro-batch is larger than `above`, on
-    `ranks` (all if empty) at `steps` (all if empty), in the forward or inside the backward pass."""
+    `ranks` (all if empty) at `steps` (all if empty), in the forward or inside the backward pass of the
+    module it hooks."""
     above: int = -1  # -1: off; 0 fails every size
     ranks: list[int] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
@@ -48,11 +66,12 @@ class OOMInjector:
         return torch.OutOfMemoryError(f"injected out-of-memory (batch_sizer.debug_oom_*): micro-batch {size} "
                                       f"> {self.above} at step {step} on rank {self.rank}, {self.phase}")
 
-    def __call__(self, module, args, output: torch.Tensor) -> None:
-        """A forward hook on the model: raises now (forward) or from autograd once the backward reaches the
+    def __call__(self, module, args, output) -> None:
+        """A forward hook: raises now (forward) or from autograd once the backward reaches this module's
         output (backward), after the forward's activations were allocated."""
+        output = output[0] if isinstance(output, tuple) else output
         size = output.shape[0]
-        if not self.armed(self.step, size):
+        if not module.training or not self.armed(self.step, size):  # training steps only, not sampling
             return
         error = self.error(self.step, size)
         if self.phase == "forward":
@@ -82,9 +101,58 @@ class FixedMicroBatch:
         return {}
 
 
+class Agreement:
+    """The ranks' shared answer to "did anyone run out of memory?", over a gloo group of its own (host
+    tensors: no GPU sync, no interference with the training collectives)."""
+
+    def __init__(self):
+        self.group = dist.new_group(backend="gloo") if is_distributed() else None
+        self.rank = dist.get_rank() if self.group is not None else 0
+        self.world_size = dist.get_world_size() if self.group is not None else 1
+
+    def failed_ranks(self, failed: bool) -> list[int]:
+        if self.group is None:
+            return [0] if failed else []
+        flags = torch.zeros(self.world_size)
+        flags[self.rank] = float(failed)
+        dist.all_reduce(flags, group=self.group)
+        return flags.nonzero().flatten().tolist()
+
+    def allocate(self, allocate, *args, **kwargs) -> torch.Tensor:
+        """An FSDP collective's buffer, then agreement: the collective runs only if no rank has failed."""
+        error = None
+        try:
+            buffer = allocate(*args, **kwargs)
+        except torch.OutOfMemoryError as e:
+            error = e
+        failed = self.failed_ranks(error is not None)
+        if failed:
+            raise AgreedOutOfMemory(f"{str(error).splitlines()[0]}" if error else f"rank(s) {failed} ran out of "
+                                    f"memory") from error
+        return buffer
+
+
+class AgreeingAllGather(DefaultAllGather):
+    def __init__(self, agreement: Agreement):
+        self.agreement = agreement
+
+    def allocate(self, size, *, dtype, device) -> torch.Tensor:
+        return self.agreement.allocate(super().allocate, size, dtype=dtype, device=device)
+
+
+class AgreeingReduceScatter(DefaultReduceScatter):
+    def __init__(self, agreement: Agreement):
+        self.agreement = agreement
+
+    def allocate(self, size, *, dtype, device) -> torch.Tensor:
+        return self.agreement.allocate(super().allocate, size, dtype=dtype, device=device)
+
+
 class BatchSizer:
-    def __init__(self, cfg: DictConfig, max_micro_batch: int, device: torch.device, injector: OOMInjector):
-        self.max, self.device, self.injector = max_micro_batch, device, injector
+    def __init__(self, cfg: DictConfig, max_micro_batch: int, device: torch.device, injector: OOMInjector,
+                 agreement: Agreement, sharded: bool):
+        self.max, self.device, self.injector, self.agreement, self.sharded = (max_micro_batch, device, injector,
+                                                                              agreement, sharded)
         self.grow_after, self.retry_after = cfg.grow_after, cfg.retry_after
         self.micro_batch = max_micro_batch
         self.clean_steps = 0
@@ -94,35 +162,35 @@ class BatchSizer:
                  max_micro_batch, self.grow_after, f"; {injector}" if injector.above >= 0 else "")
 
     def run(self, step: int, step_fn, model, sigma_losses) -> torch.Tensor:
-        """Loss of the step, with gradients in place (all-reduced under DDP). `step_fn(micro_batch, sync)`.
+        """Loss of the step, with gradients in place (reduced over ranks). `step_fn(micro_batch, sync)`.
         A failed attempt's contribution to `sigma_losses` is rolled back on every rank."""
         self.maybe_grow(step)
         self.injector.step = step
         while True:
-            error, before = None, sigma_losses.state()
-            try:
-                loss = step_fn(self.micro_batch, False)
+            error, agreed, before = None, False, sigma_losses.state()
+            try:  # FSDP reduces as it goes; DDP's reduction waits for the agreement below
+                loss = step_fn(self.micro_batch, self.sharded)
             except torch.OutOfMemoryError as e:  # only OOM: any other error stops the run
-                error = f"{e}".split("\n")[0]
-            failed = self.any_rank(error is not None)
+                error, agreed = f"{e}".split("\n")[0], isinstance(e, AgreedOutOfMemory)
+            failed = agreed or bool(self.agreement.failed_ranks(error is not None))
             if not failed:
-                all_reduce_gradients(model)
+                if not self.sharded:
+                    all_reduce_gradients(model)
                 self.clean_steps += 1
                 return loss
             sigma_losses.restore(before)
             self.release(model)  # outside the except block, so the failed attempt's frames are gone
             self.shrink(step, error)
 
-    def any_rank(self, failed: bool) -> bool:
-        if not is_distributed():
-            return failed
-        flag = torch.tensor([float(failed)], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
     def release(self, model) -> None:
+        """Forget the failed attempt: FSDP's iteration state, and its half-accumulated gradients."""
+        if self.sharded:
+            model.reset_iter_state()
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    clear_unsharded_gradients(module)
         for p in unwrap(model).parameters():
-            p.grad = None  # half-accumulated gradients of the failed attempt
+            p.grad = None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -164,6 +232,17 @@ class BatchSizer:
         return {"micro_batch": self.micro_batch, "oom_events": self.oom_events}
 
 
+def clear_unsharded_gradients(module: FSDPModule) -> None:
+    """Gradients autograd left on a block's gathered weights when the backward stopped before FSDP took them
+    (its post-backward never ran): `reset_iter_state` frees the gathered weights but not these, and the next
+    backward would add to them."""
+    for group in module._get_fsdp_state()._fsdp_param_groups:
+        for fsdp_param in group.fsdp_params:
+            if hasattr(fsdp_param, "_unsharded_param"):
+                fsdp_param._unsharded_param.grad = None
+            fsdp_param.unsharded_accumulated_grad = None
+
+
 def all_reduce_gradients(model) -> None:
     """The mean gradient over ranks, as DDP's own reduction would give it."""
     if not is_distributed():
@@ -189,11 +268,19 @@ def memory_figures(device: torch.device) -> str:
 
 
 def build_batch_sizer(cfg: DictConfig, micro_batch: int, device: torch.device, rank: int, model):
+    """The sizer, after the model is wrapped or sharded (it hooks FSDP's collectives); a fixed micro-batch
+    when off, with nothing installed."""
     s = cfg.batch_sizer
     if not s.enabled:
         return FixedMicroBatch(micro_batch)
+    agreement, sharded = Agreement(), is_sharded(model)
+    if sharded:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_all_gather(AgreeingAllGather(agreement))
+                module.set_custom_reduce_scatter(AgreeingReduceScatter(agreement))
     injector = OOMInjector(s.debug_oom_above, list(s.debug_oom_ranks), list(s.debug_oom_steps), s.debug_oom_phase,
                            rank)
     if injector.above >= 0:
-        unwrap(model).register_forward_hook(injector)
-    return BatchSizer(s, micro_batch, device, injector)
+        unwrap(model).get_submodule(s.debug_oom_module).register_forward_hook(injector)
+    return BatchSizer(s, micro_batch, device, injector, agreement, sharded)

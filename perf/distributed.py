@@ -1,19 +1,17 @@
-"""DDP: process group from the torchrun environment, the model wrap, and `no_sync` gradient accumulation.
+"""The process group from the torchrun environment, and the few collectives the loop itself needs (the
+strategies that use it are in perf/parallel.py).
 
 One process per device. Without torchrun's variables (or with WORLD_SIZE=1) everything here is a no-op:
-the rank is 0 of 1, the model is not wrapped and `sync_gradients` is a `nullcontext`.
+the rank is 0 of 1 and every collective returns its input.
 """
 
 import datetime
 import logging
 import os
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel
 
 log = logging.getLogger("mmdit")
 
@@ -88,36 +86,3 @@ def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
     value = value.detach().clone()
     dist.all_reduce(value)  # a sum: gloo has no AVG
     return value / dist.get_world_size()
-
-
-def wrap_ddp(model: nn.Module, world: World, device: torch.device, bucket_cap_mb: float) -> nn.Module:
-    """DDP after compile (dynamo's DDP optimiser then splits compiled graphs at bucket boundaries).
-    find_unused_parameters stays off: the MMDiT has none, and `check_all_parameters_used` says so loudly."""
-    if not world.distributed:
-        return model
-    # No buffer broadcast: the only buffer is the constant position table, and a broadcast in every forward
-    # would be a collective that a rank failing mid-step (out of memory) never reaches.
-    return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
-                                   bucket_cap_mb=bucket_cap_mb, find_unused_parameters=False,
-                                   broadcast_buffers=False)
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, DistributedDataParallel) else model
-
-
-def sync_gradients(model: nn.Module, last_micro_step: bool):
-    """Wraps forward and backward of a micro-step: only the last one of an optimizer step all-reduces.
-    The forward must be inside too, or DDP prepares a reduction anyway."""
-    if last_micro_step or not isinstance(model, DistributedDataParallel):
-        return nullcontext()
-    return model.no_sync()
-
-
-def check_all_parameters_used(model: nn.Module) -> None:
-    """After the first backward: a trainable parameter without a gradient would break DDP's reduction (and
-    means dead weights); name them instead of letting DDP fail later with a generic message."""
-    unused = [name for name, p in unwrap(model).named_parameters() if p.requires_grad and p.grad is None]
-    if unused:
-        raise RuntimeError(f"parameters received no gradient in the first step: {unused}; DDP runs with "
-                           f"find_unused_parameters=False, so every trainable parameter must be used")

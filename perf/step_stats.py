@@ -10,9 +10,10 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import FlopCounterMode
 
-from perf.distributed import is_distributed
+from mmdit_stable.perf.distributed import is_distributed
 
 # Dense peak TFLOP/s of known GPUs (bf16/fp16 tensor cores; TF32 for fp32 when TF32 is allowed; else fp32).
 PEAK_TFLOPS = {  # name fragment: (bf16/fp16, tf32, fp32)
@@ -143,3 +144,22 @@ def peak_flops(device: torch.device, dtype: str, allow_tf32: bool, configured_tf
         if fragment in name:
             return 1e12 * (half if dtype != "fp32" else tf32 if allow_tf32 else fp32)
     return None
+
+
+def train_state_gib(model, optimizer: torch.optim.Optimizer, ema) -> float:
+    """GiB of training state this rank holds: its (shards of the) parameters, their gradients (fp32, as many
+    as the trained parameters; held during every step), the optimizer state and the EMA."""
+    params = list(model.parameters())
+    state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    total = (local_bytes(params) + local_bytes(p for p in params if p.requires_grad) + local_bytes(state)
+             + local_bytes(ema.state_dict().values()))
+    return total / 2**30
+
+
+def local_bytes(tensors) -> int:
+    """Bytes this rank holds of the given tensors (a DTensor's local shard)."""
+    total = 0
+    for t in tensors:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        total += local.numel() * local.element_size()
+    return total
