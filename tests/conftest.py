@@ -10,12 +10,18 @@ torch.set_num_threads(2)
 
 TINY = ["model.patch_size=4", "model.num_layers=2", "model.num_attention_heads=2", "model.attention_head_dim=16",
         "text_encoder.dim=32", "text_encoder.num_heads=2", "training.train_batch_size=8", "optimizer.warmup_steps=2",
-        "sampling.steps=2", "sampling.grid_size=4", "sampling.every=0", "logging.log_every=1", "logging.save_freq=0"]
+        "sampling.steps=2", "sampling.grid_size=4", "logging.log_every=1", "logging.save_freq=0"]
 
 
 def metric_rows(run_dir: Path) -> list[dict]:
     """The rows of a run's metrics.jsonl."""
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_weights(run_dir: Path, part: str = "model") -> dict[str, torch.Tensor]:
+    """The trained weights (or their EMA) of a run's newest checkpoint, whole, however it was sharded."""
+    from mmdit_stable.perf.checkpoint import checkpoints, read_checkpoint
+    return read_checkpoint(checkpoints(run_dir)[-1], (part,))[0][part]
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -42,7 +48,7 @@ def tiny(tmp_path):
 @pytest.fixture(autouse=True)
 def default_attention_kernel():
     """A run may select another attention kernel for the process; tests start from the default."""
-    from models.attention import sdpa_attention, set_attention_kernel
+    from mmdit_stable.models.attention import sdpa_attention, set_attention_kernel
     yield
     set_attention_kernel(sdpa_attention)
 
@@ -51,9 +57,10 @@ LATENT_DIMS = {"channels": 4, "tokens": 6, "joint": 24, "pooled": 16}
 
 
 def write_latent_shards(directory: Path, sizes=((8, 8),), per_shard: int = 12, seed: int = 0,
-                        empty_prompt: bool = True) -> Path:
-    """A small latent dataset as `python -m data.precompute` lays it out: one shard per latent size, random
-    tensors (fp16 latents, as precompute writes them in half precision), captions in the header."""
+                        empty_prompt: bool = True, flipped: bool = False, validation_prompts: int = 0) -> Path:
+    """A small latent dataset as `python -m mmdit_stable.data.precompute` lays it out: one shard per latent size,
+    random tensors (fp16 latents, as precompute writes them in half precision), captions in the header; with
+    `flipped`, mirrored latents too, and `validation_prompts` encoded prompts."""
     from safetensors.torch import save_file
     gen = torch.Generator().manual_seed(seed)
     d = LATENT_DIMS
@@ -64,6 +71,8 @@ def write_latent_shards(directory: Path, sizes=((8, 8),), per_shard: int = 12, s
         tensors = {"latents": torch.randn(per_shard, d["channels"], h, w, generator=gen).half(),
                    "prompt_embeds": torch.randn(per_shard, d["tokens"], d["joint"], generator=gen),
                    "pooled_prompt_embeds": torch.randn(per_shard, d["pooled"], generator=gen)}
+        if flipped:
+            tensors["latents_flipped"] = tensors["latents"].flip(-1)
         captions = [f"item {i}/{j}" for j in range(per_shard)]
         save_file(tensors, directory / name, metadata={"captions": json.dumps(captions)})
         shards.append({"file": name, "count": per_shard, "latent_size": [h, w]})
@@ -71,6 +80,11 @@ def write_latent_shards(directory: Path, sizes=((8, 8),), per_shard: int = 12, s
         save_file({"prompt_embeds": torch.randn(1, d["tokens"], d["joint"], generator=gen),
                    "pooled_prompt_embeds": torch.randn(1, d["pooled"], generator=gen)},
                   directory / "empty_prompt.safetensors")
+    if validation_prompts:
+        save_file({"prompt_embeds": torch.randn(validation_prompts, d["tokens"], d["joint"], generator=gen),
+                   "pooled_prompt_embeds": torch.randn(validation_prompts, d["pooled"], generator=gen)},
+                  directory / "validation_prompts.safetensors",
+                  metadata={"captions": json.dumps([f"prompt {i}" for i in range(validation_prompts)])})
     (directory / "dataset.json").write_text(json.dumps({"shards": shards}))
     return directory
 
@@ -97,10 +111,23 @@ def latent_run(tmp_path):
 def export_random_base(overrides: list[str], directory: Path, seed: int = 3, config: Path | None = None) -> Path:
     """A "released" checkpoint for the run `config` + `overrides` describe: the same architecture, random
     non-zero weights, as a diffusers SD3Transformer2DModel directory."""
-    from configs.schema import DEFAULT_CONFIG, load_config
-    from models.diffusers_io import export_diffusers_transformer
-    from models.pipeline import build_data, build_model
-    cfg = load_config(config or DEFAULT_CONFIG, overrides)
+    from mmdit_stable.configs.build import build_data, build_model
+    from mmdit_stable.configs.schema import DEFAULT_CONFIG, load_config
+    from mmdit_stable.models.diffusers_io import export_diffusers_transformer
+    cfg = load_config(config or DEFAULT_CONFIG, [*overrides, "model.init_from=null"])
     transformer = build_model(cfg, build_data(cfg)[0]).transformer
     randomize(transformer, seed)
     return export_diffusers_transformer(transformer, directory)
+
+
+LORA = ["lora.enabled=true", "lora.rank=4", "lora.alpha=8"]  # alpha != rank: the scale must survive export
+
+
+@pytest.fixture
+def lora_run(latent_run, tmp_path):
+    """A LoRA fine-tune of a random "released" base on the latent test data."""
+    base = export_random_base(latent_run(), tmp_path / "base")
+
+    def make(*extra: str, run: str = "run") -> list[str]:
+        return latent_run(*LORA, f"model.init_from={base}", *extra, run=run)
+    return make

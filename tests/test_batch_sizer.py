@@ -6,11 +6,10 @@ import pytest
 import torch
 
 import train_mmdit_stable
-from perf.batch_sizer import OutOfMemoryAtMicroBatchOne
-from perf.checkpoint import checkpoints, read_checkpoint
-from tests.conftest import TINY, metric_rows
+from mmdit_stable.perf.batch_sizer import OutOfMemoryAtMicroBatchOne
+from mmdit_stable.perf.checkpoint import checkpoints, read_checkpoint
+from tests.conftest import TINY, final_weights, metric_rows
 from tests.test_distributed import spawn
-from tests.test_training import final_weights
 from train_mmdit_stable import main
 
 SIZER = ["batch_sizer.enabled=true", "training.max_steps=3"]
@@ -82,7 +81,7 @@ def test_other_errors_are_not_swallowed(tiny, monkeypatch):
 
 def train_and_fingerprint(overrides: list[str]) -> dict:
     """main() on this rank, with a hash of the model weights this rank holds at every checkpoint."""
-    from perf.distributed import unwrap
+    from mmdit_stable.perf.parallel import unwrap
     fingerprints, real_save = {}, train_mmdit_stable.save
 
     def save(checkpointer, step, model, *rest):

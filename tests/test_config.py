@@ -1,7 +1,9 @@
+from pathlib import Path
+
 import pytest
 from omegaconf import OmegaConf
 
-from configs.schema import DEFAULT_CONFIG, ConfigError, load_config
+from mmdit_stable.configs.schema import DEFAULT_CONFIG, ConfigError, load_config
 from train_mmdit_stable import main
 
 
@@ -35,6 +37,9 @@ def test_overrides_apply():
     ("sampling.grid_size=-1", "sampling.grid_size"),
     ("optimizer.min_lr_ratio=1.5", "optimizer.min_lr_ratio"),
     ("model.sample_size=2", "model.sample_size"),
+    ("flow.mode_scale=2", "flow.mode_scale"),
+    ("data.holdout=-1", "data.holdout"),
+    ("flow.sigma_sampling=beta", "flow.sigma_sampling"),
 ])
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("[", r"\[")):
@@ -68,3 +73,42 @@ def test_broken_config_files_name_the_file(tmp_path, text, message):
 def test_hidden_size_must_split_four_ways():
     with pytest.raises(ConfigError, match="model.num_attention_heads"):
         load_config(DEFAULT_CONFIG, ["model.num_attention_heads=3", "model.attention_head_dim=30"])
+
+
+def test_paths_mean_the_working_directory_and_are_saved_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(DEFAULT_CONFIG, ["logging.output_dir=runs/a", "data.path=data", "validation.vae_from=~/vae"])
+    assert cfg.logging.output_dir == str(tmp_path / "runs" / "a") and cfg.data.path == str(tmp_path / "data")
+    assert cfg.validation.vae_from == str(Path("~/vae").expanduser())
+    assert load_config(DEFAULT_CONFIG, ["logging.output_dir=runs/a"], resolve=False).logging.output_dir == "runs/a"
+
+
+def test_the_architecture_comes_from_init_from_and_a_contradiction_names_the_key(tmp_path, monkeypatch):
+    from mmdit_stable.configs.build import build_model, build_tokenizer
+    from mmdit_stable.data.shapes import ShapesDataset
+    from mmdit_stable.models.diffusers_io import export_diffusers_transformer
+    released = load_config(DEFAULT_CONFIG, ["model.num_layers=3", "model.patch_size=2", "model.qk_norm=null",
+                                            "model.dual_attention_layers=[1]"])
+    export_diffusers_transformer(build_model(released, ShapesDataset, build_tokenizer()).transformer,
+                                 tmp_path / "base")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "finetune.yaml").write_text("training:\n  max_steps: 10\n")  # no model sizes of its own
+    cfg = load_config("finetune.yaml", ["model.init_from=base"])
+    assert (cfg.model.num_layers, cfg.model.patch_size, cfg.model.qk_norm) == (3, 2, None)
+    assert list(cfg.model.dual_attention_layers) == [1] and cfg.model.init_from == str(tmp_path / "base")
+    with pytest.raises(ConfigError, match=r"model\.num_layers=4 contradicts .*base/config\.json \(num_layers: 3\)"):
+        load_config("finetune.yaml", ["model.init_from=base", "model.num_layers=4"])
+    assert load_config("finetune.yaml", ["model.init_from=base", "model.num_layers=3"]).model.num_layers == 3
+    with pytest.raises(ConfigError, match=r"model\.patch_size=4 contradicts"):  # shapes.yaml sets its sizes
+        load_config(DEFAULT_CONFIG, ["model.init_from=base"])
+    with pytest.raises(ConfigError, match=r"model\.init_from=.*nowhere.*does not exist"):
+        load_config("finetune.yaml", ["model.init_from=nowhere"])
+
+
+def test_keys_left_to_the_user_and_renamed_keys_are_named(tmp_path):
+    config = tmp_path / "finetune.yaml"
+    config.write_text("data:\n  name: latents\n  path: ???\n")
+    with pytest.raises(ConfigError, match=r"leaves \['data.path'\] to you"):
+        load_config(config)
+    with pytest.raises(ConfigError, match="sampling.every is now validation.every"):
+        load_config(DEFAULT_CONFIG, ["sampling.every=5"])

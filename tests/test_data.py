@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from data.loader import StepBatchSampler, step_batches
-from data.shapes import (COLORS, POSITIONS, SHAPES, ShapesDataset, all_prompts, analyze, caption,
-                         prompt_fidelity, render)
-from models.pipeline import build_tokenizer
+from mmdit_stable.data.loader import StepBatchSampler, step_batches
+from mmdit_stable.data.shapes import (COLORS, POSITIONS, SHAPES, ShapesDataset, all_prompts, analyze, caption,
+                                      prompt_fidelity, render)
+from mmdit_stable.configs.build import build_tokenizer
 
 
 def test_items_are_a_function_of_seed_and_index():
@@ -69,7 +69,8 @@ def test_tokenizer_rejects_unknown_words():
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ranks_split_the_same_global_batch(world_size):
     def batches(rank, world):
-        return list(StepBatchSampler(50, 8, seed=0, rank=rank, world_size=world, start_step=0, end_step=12))
+        return list(StepBatchSampler(list(range(50)), 8, seed=0, rank=rank, world_size=world, start_step=0,
+                                     end_step=12))
 
     single = batches(0, 1)
     per_rank = [batches(r, world_size) for r in range(world_size)]
@@ -78,16 +79,17 @@ def test_ranks_split_the_same_global_batch(world_size):
 
 
 def test_epochs_are_permutations_and_resume_needs_only_the_step():
-    sampler = StepBatchSampler(40, 8, seed=0, rank=0, world_size=1, start_step=0, end_step=10)
+    sampler = StepBatchSampler(list(range(40)), 8, seed=0, rank=0, world_size=1, start_step=0, end_step=10)
     steps = list(sampler)
-    assert sorted(idx for b in steps[:5] for _, _, idx in b) == list(range(40))  # one epoch = 5 steps
-    resumed = list(StepBatchSampler(40, 8, seed=0, rank=0, world_size=1, start_step=6, end_step=10))
+    assert sorted(idx for b in steps[:5] for _, _, idx, _ in b) == list(range(40))  # one epoch = 5 steps
+    assert {epoch for b in steps[5:] for *_, epoch in b} == {1}
+    resumed = list(StepBatchSampler(list(range(40)), 8, seed=0, rank=0, world_size=1, start_step=6, end_step=10))
     assert resumed == steps[6:]
 
 
 def test_loader_batches_carry_step_positions_and_tokens():
-    loader = step_batches(ShapesDataset(100, 0), build_tokenizer(), global_batch=8, seed=0, rank=1, world_size=2,
-                          start_step=3, end_step=5, device=torch.device("cpu"))
+    loader = step_batches(ShapesDataset(100, 0), build_tokenizer(), list(range(100)), global_batch=8, seed=0, rank=1,
+                          world_size=2, start_step=3, end_step=5, device=torch.device("cpu"))
     batch = next(iter(loader))
     assert batch["step"] == 3 and batch["position"].tolist() == [4, 5, 6, 7]
     assert batch["latents"].shape == (4, 3, 32, 32) and batch["input_ids"].shape == (4, 7)
@@ -95,8 +97,9 @@ def test_loader_batches_carry_step_positions_and_tokens():
 
 def test_worker_processes_change_nothing_in_the_batches():
     def batches(workers):
-        loader = step_batches(ShapesDataset(100, 0), build_tokenizer(), global_batch=8, seed=0, rank=0, world_size=1,
-                              start_step=0, end_step=4, device=torch.device("cpu"), num_workers=workers)
+        loader = step_batches(ShapesDataset(100, 0), build_tokenizer(), list(range(100)), global_batch=8, seed=0,
+                              rank=0, world_size=1, start_step=0, end_step=4, device=torch.device("cpu"),
+                              num_workers=workers)
         return list(loader)
 
     for a, b in zip(batches(0), batches(2)):

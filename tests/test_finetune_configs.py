@@ -1,4 +1,4 @@
-"""The SD3-medium / SD3.5-medium fine-tuning configs describe the released architectures (checked against
+"""The released SD3 / SD3.5 fine-tuning configs (medium and large, full and LoRA) describe the released architectures (checked against
 diffusers' SD3Transformer2DModel on the meta device: no weights, no memory) and run as written."""
 
 import dataclasses
@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from configs.schema import load_config
-from models.lora import apply_lora
-from models.mmdit import MMDiT
-from models.pipeline import mmdit_config
-from models.text_encoder import TextToImage
+from mmdit_stable.configs.schema import load_config
+from mmdit_stable.models.lora import apply_lora
+from mmdit_stable.models.mmdit import MMDiT
+from mmdit_stable.configs.build import mmdit_config
+from mmdit_stable.models.text_encoder import TextToImage
 from tests.conftest import export_random_base, losses, write_latent_shards
 from train_mmdit_stable import main
 
@@ -21,26 +21,35 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 RELEASED = {"sd3_medium": dict(num_layers=24, num_attention_heads=24, pos_embed_max_size=192, qk_norm=None,
                                dual_attention_layers=[]),
             "sd35_medium": dict(num_layers=24, num_attention_heads=24, pos_embed_max_size=384, qk_norm="rms_norm",
-                                dual_attention_layers=list(range(13)))}
+                                dual_attention_layers=list(range(13))),
+            "sd35_large": dict(num_layers=38, num_attention_heads=38, pos_embed_max_size=192, qk_norm="rms_norm",
+                               dual_attention_layers=[])}
 SD3_INPUTS = dict(latent_channels=16, latent_sizes=[(128, 128)], joint_dim=4096, pooled_dim=2048)
 
 
-@pytest.mark.parametrize("name", ["sd3_medium", "sd3_medium_lora", "sd35_medium", "sd35_medium_lora"])
-def test_config_is_the_released_architecture(name):
-    cfg = load_config(CONFIGS / f"{name}.yaml", ["data.path=unused", "model.init_from=unused"])
-    ours = mmdit_config(cfg, **SD3_INPUTS)
+@pytest.mark.parametrize("name", ["sd3_medium", "sd3_medium_lora", "sd35_medium", "sd35_medium_lora", "sd35_large",
+                                  "sd35_large_lora"])
+def test_config_with_the_released_transformer_is_the_released_architecture(name, tmp_path):
+    """The configs take the MMDiT's sizes from model.init_from's config.json; pointed at (the config of) the
+    released transformer, they build diffusers' SD3Transformer2DModel key for key."""
     released = {**RELEASED[name.removesuffix("_lora")], "attention_head_dim": 64, "patch_size": 2, "in_channels": 16,
                 "out_channels": 16, "sample_size": 128, "joint_attention_dim": 4096, "pooled_projection_dim": 2048,
-                "caption_projection_dim": 1536}
-    assert dataclasses.asdict(ours) == released
+                "caption_projection_dim": 64 * RELEASED[name.removesuffix("_lora")]["num_attention_heads"]}
     with torch.device("meta"):
         theirs = diffusers.SD3Transformer2DModel(**released)
+    theirs.save_config(tmp_path / "transformer")  # config.json only, as in the released folder
+    cfg = load_config(CONFIGS / f"{name}.yaml", ["data.path=unused", f"model.init_from={tmp_path / 'transformer'}"])
+    ours = mmdit_config(cfg, **SD3_INPUTS)
+    assert dataclasses.asdict(ours) == released
+    with torch.device("meta"):
         model = TextToImage(MMDiT(ours))
     expected = {k: v.shape for k, v in theirs.state_dict().items()}
     assert {k: v.shape for k, v in model.transformer.state_dict().items()} == expected
     apply_lora(model, cfg.lora)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    assert trained == (sum(p.numel() for p in model.parameters()) if not cfg.lora.enabled else 9_388_032)
+    # LoRA: 8 square attention projections per block (the last block has no to_add_out), rank x (in + out) each
+    adapters = (8 * released["num_layers"] - 1) * cfg.lora.rank * 2 * released["caption_projection_dim"]
+    assert trained == (sum(p.numel() for p in model.parameters()) if not cfg.lora.enabled else adapters)
 
 
 @pytest.mark.slow

@@ -1,6 +1,9 @@
+import math
+
 import torch
 
-from models.rectified_flow import (draw_sample_noise, euler_sample, interpolate, shift_sigmas, training_sigmas)
+from mmdit_stable.models.rectified_flow import (draw_sample_noise, euler_sample, interpolate, shift_sigmas,
+                                                training_sigmas)
 
 
 def test_interpolation_endpoints_and_target():
@@ -47,19 +50,39 @@ def test_euler_with_exact_velocity_recovers_the_data():
     target = torch.randn(2, 3, 4, 4)
     noise = torch.randn(2, 3, 4, 4)
 
-    def velocity(x, sigma, context, pooled):  # exact v for a point mass at `target`
+    def velocity(x, sigma, text):  # exact v for a point mass at `target`
         return (x - target) / sigma.view(-1, 1, 1, 1)
 
-    empty = (torch.zeros(2, 1, 1), torch.zeros(2, 1))
+    empty = {"prompt_embeds": torch.zeros(2, 1, 1)}
     out = euler_sample(velocity, noise, empty, empty, steps=7, cfg_scale=1.0, shift=3.0)
     torch.testing.assert_close(out, target, rtol=1e-5, atol=1e-5)
 
 
 def test_classifier_free_guidance_combines_branches():
-    cond, uncond = (torch.ones(1, 1, 1), torch.ones(1, 1)), (torch.zeros(1, 1, 1), torch.zeros(1, 1))
+    cond, uncond = {"prompt_embeds": torch.ones(1, 1, 1)}, {"prompt_embeds": torch.zeros(1, 1, 1)}
 
-    def velocity(x, sigma, context, pooled):  # conditional branch says 1, unconditional says 0
-        return context.view(-1, 1, 1, 1).expand_as(x)
+    def velocity(x, sigma, text):  # conditional branch says 1, unconditional says 0
+        return text["prompt_embeds"].view(-1, 1, 1, 1).expand_as(x)
 
     out = euler_sample(velocity, torch.zeros(1, 1, 2, 2), cond, uncond, steps=4, cfg_scale=3.0, shift=1.0)
     torch.testing.assert_close(out, torch.full((1, 1, 2, 2), -3.0))  # x moves by -(1) * (0 + 3 * (1 - 0))
+
+
+def test_mode_and_cosmap_sampling_have_the_sd3_densities():
+    """Mode sampling with s > 0 moves mass from the ends to the middle; cosmap's density is
+    2 / (pi (1 - 2t + 2t^2)) (SD3 paper, sec. 3.1). Both are symmetric around 1/2 and stay in [0, 1]."""
+    draws = draw_sample_noise(0, 0, torch.arange(20000), (1,))
+    uniform = training_sigmas(draws, "uniform", 0.0, 1.0, 1.0)
+    mode = training_sigmas(draws, "mode", 0.0, 1.0, 1.0, mode_scale=1.29)
+    ends = lambda s: ((s < 0.1) | (s > 0.9)).float().mean()  # noqa: E731
+    assert ends(mode) < 0.6 * ends(uniform) and abs(mode.mean() - 0.5) < 0.01
+    mode_zero = training_sigmas(draws, "mode", 0.0, 1.0, 1.0, mode_scale=0.0)
+    torch.testing.assert_close(mode_zero, 1 - draws.sigma_uniform)  # s = 0: 1 - u, uniform again
+    cosmap = training_sigmas(draws, "cosmap", 0.0, 1.0, 1.0)
+    assert cosmap.min() >= 0 and cosmap.max() <= 1 and abs(cosmap.mean() - 0.5) < 0.01
+    counts = torch.histc(cosmap, bins=10, min=0, max=1) / len(cosmap)
+    centres = torch.arange(10) / 10 + 0.05
+    density = 2 / (math.pi * (1 - 2 * centres + 2 * centres**2))
+    torch.testing.assert_close(counts, density / 10, rtol=0.1, atol=0.005)
+    shifted = training_sigmas(draws, "cosmap", 0.0, 1.0, 3.0)
+    assert shifted.median() > cosmap.median()  # the shift applies to every scheme

@@ -7,10 +7,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from data.latents import DataFormatError, LatentDataset
-from data.loader import StepBatchSampler, step_batches
-from perf.checkpoint import checkpoints
-from tests.conftest import LATENT_DIMS, losses, write_latent_shards
+from mmdit_stable.data.latents import DataFormatError, LatentDataset
+from mmdit_stable.data.loader import StepBatchSampler, step_batches
+from mmdit_stable.perf.checkpoint import checkpoints
+from tests.conftest import LATENT_DIMS, final_weights, losses, write_latent_shards
 from train_mmdit_stable import main
 
 
@@ -22,7 +22,7 @@ def test_items_are_the_written_rows(tmp_path):
     assert torch.equal(item["latents"], shard["latents"][2].float()) and item["latents"].dtype == torch.float32
     assert torch.equal(item["prompt_embeds"], shard["prompt_embeds"][2])
     assert item["caption"] == "item 1/2"
-    assert len(ds) == 10 and ds.latent_sizes == [(8, 8), (8, 12)] and ds.buckets() == [list(range(5)), list(range(5, 10))]
+    assert len(ds) == 10 and ds.latent_sizes == [(8, 8), (8, 12)] and ds.sizes == [(8, 8)] * 5 + [(8, 12)] * 5
     assert ds.text_dims == (LATENT_DIMS["joint"], LATENT_DIMS["pooled"]) and ds.empty_prompt["prompt_embeds"].shape[0] == 1
 
 
@@ -65,36 +65,41 @@ def test_a_bad_dataset_stops_training_before_compute(latent_run, tmp_path, caplo
 
 
 def test_bucketed_batches_are_one_size_deterministic_and_rank_independent():
-    buckets = [list(range(0, 13)), list(range(13, 20)), list(range(20, 40))]
-    size_of = {i: b for b, items in enumerate(buckets) for i in items}
-    one = list(StepBatchSampler(40, 4, seed=0, rank=0, world_size=1, start_step=0, end_step=24, buckets=buckets))
+    buckets = {(8, 8): list(range(0, 13)), (8, 12): list(range(13, 20)), (12, 8): list(range(20, 40))}
+    size_of = {i: size for size, items in buckets.items() for i in items}
+    items = list(range(40))
+    one = list(StepBatchSampler(items, 4, seed=0, rank=0, world_size=1, start_step=0, end_step=24, buckets=buckets))
     for batch in one:
-        assert len({size_of[i] for _, _, i in batch}) == 1
+        assert len({size_of[i] for _, _, i, _ in batch}) == 1
     per_epoch = 13 // 4 + 7 // 4 + 20 // 4
-    first_epoch = [i for batch in one[:per_epoch] for _, _, i in batch]
+    first_epoch = [i for batch in one[:per_epoch] for _, _, i, _ in batch]
     assert len(set(first_epoch)) == len(first_epoch) == per_epoch * 4  # no item twice within an epoch
     assert one[:per_epoch] != one[per_epoch : 2 * per_epoch]  # each epoch reshuffles
-    two = [list(StepBatchSampler(40, 4, seed=0, rank=r, world_size=2, start_step=0, end_step=24, buckets=buckets))
+    two = [list(StepBatchSampler(items, 4, seed=0, rank=r, world_size=2, start_step=0, end_step=24, buckets=buckets))
            for r in range(2)]
     assert [a + b for a, b in zip(*two)] == one
-    resumed = list(StepBatchSampler(40, 4, seed=0, rank=0, world_size=1, start_step=17, end_step=24, buckets=buckets))
+    resumed = list(StepBatchSampler(items, 4, seed=0, rank=0, world_size=1, start_step=17, end_step=24,
+                                    buckets=buckets))
     assert resumed == one[17:]
     with pytest.raises(ValueError, match="no latent size has enough items for one global batch of 16"):
-        StepBatchSampler(40, 16, seed=0, rank=0, world_size=1, start_step=0, end_step=1, buckets=[[0, 1], [2]])
+        StepBatchSampler(items, 16, seed=0, rank=0, world_size=1, start_step=0, end_step=1,
+                         buckets={(8, 8): [0, 1], (8, 12): [2]})
 
 
 def test_a_size_too_small_for_a_batch_is_skipped_with_a_warning(caplog):
     """A rare aspect ratio with fewer items than the global batch: its items are never drawn (a warning counts
     them); every step still gets a whole batch of one size."""
-    buckets = [list(range(38)), [38, 39]]
-    batches = list(StepBatchSampler(40, 4, seed=0, rank=0, world_size=1, start_step=0, end_step=30, buckets=buckets))
-    assert all(len(b) == 4 for b in batches) and not {38, 39} & {i for b in batches for _, _, i in b}
-    assert "2 items in 1 latent sizes with fewer than 4 items (one global batch) are never drawn" in caplog.text
+    buckets = {(8, 8): list(range(38)), (4, 16): [38, 39]}
+    batches = list(StepBatchSampler(list(range(40)), 4, seed=0, rank=0, world_size=1, start_step=0, end_step=30,
+                                    buckets=buckets))
+    assert all(len(b) == 4 for b in batches) and not {38, 39} & {i for b in batches for _, _, i, _ in b}
+    assert "latent sizes with fewer items than one global batch (4) are never drawn: 4x16 (2 items)" in caplog.text
 
 
 def test_loader_workers_read_the_same_batches(tmp_path):
     ds = LatentDataset(write_latent_shards(tmp_path / "d", sizes=[(8, 8), (8, 12)], per_shard=8), aspect_buckets=True)
-    runs = [list(step_batches(ds, None, 4, 0, 0, 1, 0, 6, torch.device("cpu"), num_workers=w)) for w in (0, 2)]
+    runs = [list(step_batches(ds, None, list(range(len(ds))), 4, 0, 0, 1, 0, 6, torch.device("cpu"), num_workers=w))
+            for w in (0, 2)]
     for a, b in zip(*runs):
         assert torch.equal(a["latents"], b["latents"]) and torch.equal(a["empty_prompt_embeds"], ds.empty_prompt["prompt_embeds"])
         assert a["caption"] == b["caption"]
@@ -104,10 +109,10 @@ def test_training_on_latents_resumes_bit_for_bit(latent_run, tmp_path):
     """Interrupted after step 3 of 6 (the last checkpoint removed) and resumed: the uninterrupted weights."""
     run = latent_run("training.max_steps=6", "logging.save_freq=3", "data.caption_dropout=0.5")
     assert main(run) == 0
-    whole = load_file(checkpoints(tmp_path / "run")[-1] / "model.safetensors")
+    whole = final_weights(tmp_path / "run")
     shutil.rmtree(checkpoints(tmp_path / "run")[-1])
     assert main(run) == 0
-    resumed = load_file(checkpoints(tmp_path / "run")[-1] / "model.safetensors")
+    resumed = final_weights(tmp_path / "run")
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
     assert not (tmp_path / "run" / "fidelity.json").exists()  # latents are sampled through diffusers
 

@@ -6,30 +6,18 @@ import shutil
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
 
 import export_mmdit
-from configs.schema import load_config
-from models.diffusers_io import LORA_WEIGHTS
-from models.lora import apply_lora
-from models.pipeline import build_data, build_model
-from perf.checkpoint import checkpoints, read_checkpoint
+from mmdit_stable.configs.schema import load_config
+from mmdit_stable.models.diffusers_io import LORA_WEIGHTS
+from mmdit_stable.models.lora import apply_lora
+from mmdit_stable.configs.build import build_data, build_model
+from mmdit_stable.perf.checkpoint import checkpoints, read_checkpoint
 from sample_mmdit import load_trained
-from tests.conftest import LATENT_DIMS, export_random_base, losses, randomize
+from tests.conftest import LATENT_DIMS, LORA, final_weights, losses, randomize
 from train_mmdit_stable import main
 
 diffusers = pytest.importorskip("diffusers")
-LORA = ["lora.enabled=true", "lora.rank=4", "lora.alpha=8"]  # alpha != rank: the scale must survive export
-
-
-@pytest.fixture
-def lora_run(latent_run, tmp_path):
-    """A LoRA fine-tune of a random "released" base on the latent test data."""
-    base = export_random_base(latent_run(), tmp_path / "base")
-
-    def make(*extra: str, run: str = "run") -> list[str]:
-        return latent_run(*LORA, f"model.init_from={base}", *extra, run=run)
-    return make
 
 
 def inputs(seed: int = 0):
@@ -40,11 +28,12 @@ def inputs(seed: int = 0):
 
 
 def test_adapters_alone_train_and_start_as_the_base(latent_run):
-    cfg = load_config(overrides=latent_run(*LORA, "model.init_from=unused"))
+    cfg = load_config(overrides=latent_run(*LORA, "lora.enabled=false"))
     model = build_model(cfg, build_data(cfg)[0])
     randomize(model, 1)
     with torch.no_grad():
         before = model.transformer(*inputs())
+    cfg.lora.enabled = True
     apply_lora(model, cfg.lora)
     trained = [n for n, p in model.named_parameters() if p.requires_grad]
     # 8 projections in each joint block; the last block (context_pre_only) has no to_add_out
@@ -66,7 +55,7 @@ def test_lora_run_keeps_the_base_checkpoints_adapters_and_resumes_exactly(lora_r
     whole = tensors["model"]
     shutil.rmtree(checkpoints(tmp_path / "run")[-1])
     assert main(run) == 0
-    resumed = load_file(checkpoints(tmp_path / "run")[-1] / "model.safetensors")
+    resumed = final_weights(tmp_path / "run")
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
 
 
@@ -77,24 +66,30 @@ def reference_output(run_dir, use_ema: bool):
         return model.transformer(*inputs())
 
 
+def check_exported_adapter(run_dir, adapter_dir, use_ema: bool) -> None:
+    """diffusers' SD3 transformer (the run's base) with the exported adapter gives this project's outputs."""
+    with safe_open(adapter_dir / LORA_WEIGHTS, "pt") as f:
+        assert all(k.startswith("transformer.transformer_blocks.") and ".default." not in k for k in f.keys())
+    base_dir = load_trained(checkpoints(run_dir)[-1])[1].model.init_from
+    transformer = diffusers.SD3Transformer2DModel.from_pretrained(base_dir).eval()
+    x, c, pooled, t = inputs()
+    with torch.no_grad():
+        base = transformer(hidden_states=x, encoder_hidden_states=c, pooled_projections=pooled, timestep=t,
+                           return_dict=False)[0]
+        transformer.load_lora_adapter(adapter_dir, prefix="transformer", weight_name=LORA_WEIGHTS)
+        theirs = transformer(hidden_states=x, encoder_hidden_states=c, pooled_projections=pooled, timestep=t,
+                             return_dict=False)[0]
+    ours = reference_output(run_dir, use_ema)
+    assert (theirs - base).abs().max() > 1e-3  # the adapter changes the output
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
+
+
 def test_exported_adapter_loads_into_diffusers_with_the_same_outputs(lora_run, tmp_path):
     assert main(lora_run("training.max_steps=3", "optimizer.lr=5e-2")) == 0
     for weights in ("ema", "trained"):
         out = tmp_path / f"lora-{weights}"
         assert export_mmdit.main(["--checkpoint", str(tmp_path / "run"), "--out", str(out), "--weights", weights]) == 0
-        with safe_open(out / LORA_WEIGHTS, "pt") as f:
-            assert all(k.startswith("transformer.transformer_blocks.") and ".default." not in k for k in f.keys())
-        transformer = diffusers.SD3Transformer2DModel.from_pretrained(tmp_path / "base").eval()
-        x, c, pooled, t = inputs()
-        with torch.no_grad():
-            base = transformer(hidden_states=x, encoder_hidden_states=c, pooled_projections=pooled, timestep=t,
-                               return_dict=False)[0]
-            transformer.load_lora_adapter(out, prefix="transformer", weight_name=LORA_WEIGHTS)
-            theirs = transformer(hidden_states=x, encoder_hidden_states=c, pooled_projections=pooled, timestep=t,
-                                 return_dict=False)[0]
-        ours = reference_output(tmp_path / "run", weights == "ema")
-        assert (theirs - base).abs().max() > 1e-3  # the adapter changes the output
-        torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
+        check_exported_adapter(tmp_path / "run", out, weights == "ema")
     assert export_mmdit.main(["--checkpoint", str(tmp_path / "run"), "--out", str(out)]) == 2  # never overwrites
 
 
@@ -118,7 +113,7 @@ def test_lora_mistakes_are_named_before_compute(lora_run, latent_run, tmp_path, 
     # the run's checkpoints hold only adapters: resuming with another rank or base is refused
     assert main(lora_run("training.max_steps=2")) == 0
     assert main(lora_run("training.max_steps=3", "lora.rank=8")) == 2
-    assert "holds a run with different ['lora']" in caplog.text
+    assert "lora.rank: 4 -> 8" in caplog.text  # each changed key, with its old and new value
     assert not (tmp_path / "run" / "checkpoints" / "step_00000003").exists()
 
 

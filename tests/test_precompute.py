@@ -2,6 +2,11 @@
 the whole fine-tuning path: image folder -> precompute -> full and LoRA fine-tunes -> export -> diffusers."""
 
 import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,14 +14,15 @@ from PIL import Image
 from safetensors.torch import load_file
 
 import export_mmdit
-from data import precompute
-from data.latents import LatentDataset
-from models.diffusers_io import LORA_WEIGHTS
-from tests.conftest import export_random_base
+from mmdit_stable.data import precompute
+from mmdit_stable.data.latents import LatentDataset
+from mmdit_stable.models.diffusers_io import LORA_WEIGHTS
+from tests.conftest import export_random_base, metric_rows
 from train_mmdit_stable import main
 
 diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
+ROOT = Path(__file__).resolve().parents[1]
 WORDS = "a red blue green circle square cat dog on the grass in snow photo of".split()
 CLIP_TOKENS, T5_TOKENS = 8, 6
 
@@ -160,6 +166,62 @@ def test_bad_inputs_are_named_before_compute(sd3_dir, tmp_path, caplog):
     assert "--bucket-step 6 must be a multiple of 4 (VAE downsampling 2 x patch 2)" in caplog.text
 
 
+def test_a_corrupt_image_is_named_before_anything_is_written_and_removing_it_lets_the_same_command_run(
+        sd3_dir, tmp_path, caplog):
+    images = image_folder(tmp_path / "images", [(16, 16), (16, 16), (20, 16)])
+    (images / "img01.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 40)  # a PNG signature, then garbage
+    (images / "img02.txt").write_text("")
+    out = tmp_path / "sub" / "out"
+    assert run_precompute(sd3_dir, images, out) == 2
+    assert "1 of 3 images are not readable" in caplog.text and "img01.png" in caplog.text
+    assert not (tmp_path / "sub").exists()  # checked before the output directory or any encoder
+    (images / "img01.png").unlink()
+    (images / "img01.txt").unlink()
+    assert run_precompute(sd3_dir, images, out) == 0
+    assert "1 of 2 images have an empty caption" in caplog.text
+    assert len(LatentDataset(out)) == 2
+
+
+def test_an_interrupted_precompute_says_the_rerun_resumes(sd3_dir, tmp_path, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="mmdit")
+    images = image_folder(tmp_path / "images", [(16, 16)] * 6)
+    real = precompute.encode_chunk
+
+    def interrupt_second_chunk(number, *args):
+        if number == 1:
+            raise KeyboardInterrupt
+        return real(number, *args)
+
+    monkeypatch.setattr(precompute, "encode_chunk", interrupt_second_chunk)
+    assert run_precompute(sd3_dir, images, tmp_path / "out") == 130
+    assert "interrupted with 4 of 6 items encoded; the same command resumes from there" in caplog.text
+    monkeypatch.undo()
+    assert run_precompute(sd3_dir, images, tmp_path / "out") == 0
+    assert "resuming: 4 of 6 items already encoded" in caplog.text
+
+
+def test_flipped_copies_and_validation_prompts_are_stored(sd3_dir, tmp_path):
+    images = image_folder(tmp_path / "images", [(16, 16), (16, 16)])
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red cat\n\na dog on the grass\n")
+    assert run_precompute(sd3_dir, images, tmp_path / "data", "--random-flip", "--validation-prompts", str(prompts)) == 0
+    ds = LatentDataset(tmp_path / "data")
+    pipe = pipeline(sd3_dir, None)
+    pixels = precompute.load_image(images / "img00.png", (16, 16))
+    with torch.no_grad():
+        flipped = (pipe.vae.encode(pixels.flip(-1)[None]).latent_dist.mean - 0.0609) * 1.5305
+        embeds, _, pooled, _ = pipe.encode_prompt(["a red cat", "a dog on the grass"], None, None,
+                                                  do_classifier_free_guidance=False, max_sequence_length=T5_TOKENS)
+    torch.testing.assert_close(ds[0]["latents_flipped"], flipped[0], rtol=1e-5, atol=1e-5)
+    assert ds.validation_captions == ["a red cat", "a dog on the grass"]
+    torch.testing.assert_close(ds.validation_prompts["prompt_embeds"], embeds, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ds.validation_prompts["pooled_prompt_embeds"], pooled, rtol=0, atol=1e-6)
+    assert json.loads((tmp_path / "data" / "dataset.json").read_text())["vae"]["folder"] == str(sd3_dir / "vae")
+    prompts.write_text("a green circle\n")  # prompts can change on a finished dataset: only they are re-encoded
+    assert run_precompute(sd3_dir, images, tmp_path / "data", "--random-flip", "--validation-prompts", str(prompts)) == 0
+    assert LatentDataset(tmp_path / "data").validation_captions == ["a green circle"]
+
+
 def test_exif_rotation_is_applied(tmp_path):
     """A phone photo stored sideways with an EXIF orientation is bucketed and encoded as it is displayed."""
     exif = Image.Exif()
@@ -194,7 +256,7 @@ def test_image_folder_to_diffusers_full_and_lora(sd3_dir, tmp_path):
         assert export_mmdit.main(["--checkpoint", str(tmp_path / name), "--out", str(tmp_path / f"{name}-out")]) == 0
     assert (tmp_path / "lora-out" / LORA_WEIGHTS).is_file()
 
-    from perf.checkpoint import find_checkpoint
+    from mmdit_stable.perf.checkpoint import find_checkpoint
     from sample_mmdit import load_trained
     ds = LatentDataset(tmp_path / "data")
     x, c, p = ds[0]["latents"][None], ds[0]["prompt_embeds"][None], ds[0]["pooled_prompt_embeds"][None]
@@ -210,3 +272,43 @@ def test_image_folder_to_diffusers_full_and_lora(sd3_dir, tmp_path):
         for name, transformer in (("full", full), ("lora", lora.transformer)):
             ours = load_trained(find_checkpoint(tmp_path / name))[0].transformer
             torch.testing.assert_close(call(transformer), ours(x, c, p, t), rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_lora_walkthrough_from_another_directory_validates_and_resumes(sd3_dir, tmp_path):
+    """The README's path as a user runs it: precompute with validation prompts, then a LoRA fine-tune started
+    from another working directory with relative paths, the architecture taken from model.init_from (no model.*
+    keys), held-out items and periodic validation; then the same command again resumes."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    work = tmp_path / "work"
+    work.mkdir()
+    images = image_folder(work / "images", [(16, 16), (20, 18), (16, 16), (24, 24)] * 3)
+    (work / "prompts.txt").write_text("a red cat\na dog on the grass\na blue square\n")
+    assert precompute.main(["--model", str(sd3_dir), "--images", str(images), "--out", str(work / "data"),
+                            "--resolution", "16", "--dtype", "fp32", "--max-sequence-length", str(T5_TOKENS),
+                            "--validation-prompts", str(work / "prompts.txt")]) == 0
+    small = ["model.patch_size=2", "model.num_layers=2", "model.num_attention_heads=2", "model.attention_head_dim=8",
+             "model.sample_size=8", "model.pos_embed_max_size=8"]
+    export_random_base(["data.name=latents", f"data.path={work / 'data'}", *small], work / "base")
+    (work / "lora.yaml").write_text("data:\n  name: latents\nlora:\n  enabled: true\n  rank: 2\n")
+    command = [str(ROOT / "train_mmdit_stable.sh"), "--config", "lora.yaml", "data.path=data", "model.init_from=base",
+               "logging.output_dir=runs/lora", "data.holdout=2", "validation.every=2", "validation.loss_sigmas=4",
+               "training.max_steps=4", "training.train_batch_size=2", "optimizer.warmup_steps=1",
+               "sampling.steps=2", "logging.log_every=1", "logging.save_freq=2"]
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    first = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    run = work / "runs" / "lora"  # relative to where the command ran, not to the checkout
+    assert sorted(p.name for p in (run / "samples").glob("*.png")) == ["step_00000002.png", "step_00000004.png"]
+    assert Image.open(run / "samples" / "step_00000004.png").size[0] > 0
+    assert (run / "samples" / "step_00000004.txt").read_text().splitlines()[1] == "a dog on the grass"
+    val = [r for r in metric_rows(run) if "val/loss" in r]
+    assert [r["step"] for r in val] == [2, 4] and len([k for k in val[0] if k.startswith("val/loss_by_sigma/")]) == 4
+    events = EventAccumulator(str(run / "tensorboard"), size_guidance={"images": 0}).Reload()
+    assert [e.step for e in events.Images("samples")] == [2, 4]
+    assert [e.step for e in events.Scalars("val/loss")] == [2, 4]
+    config = (run / "config.yaml").read_text()
+    assert f"init_from: {work / 'base'}" in config and "num_layers: 2" in config  # resolved, and from the base
+    again = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "resumed from" in again.stdout + again.stderr and "step_00000004" in again.stdout + again.stderr

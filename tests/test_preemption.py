@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from conftest import TINY
-from perf.checkpoint import checkpoints, read_checkpoint, verify
+from conftest import TINY, final_weights
+from mmdit_stable.perf.checkpoint import checkpoints, read_checkpoint, read_meta, verify
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,10 +33,6 @@ def wait_for_training(proc: subprocess.Popen, timeout: float = 60) -> str:
         if not line or " loss " in line:  # a restart after the last step has no step to log
             return "".join(seen)
     raise AssertionError("training never started:\n" + "".join(seen))
-
-
-def final_model(run_dir: Path) -> dict:
-    return load_file(checkpoints(run_dir)[-1] / "model.safetensors")
 
 
 @pytest.mark.slow
@@ -64,10 +59,10 @@ def test_sigkill_at_random_moments_never_loses_the_run(tmp_path):
 
     rng = random.Random(1234)
     run_dir, kills, resumes = tmp_path / "killed", 0, 0
-    for attempt in range(12):
+    for attempt in range(8):
         proc = start(run_dir, f"training.max_steps={steps}")
         head = ""
-        if attempt < 8:
+        if attempt < 5:
             head = wait_for_training(proc)
             time.sleep(rng.uniform(0.0, 1.5))
             if proc.poll() is None:
@@ -81,5 +76,40 @@ def test_sigkill_at_random_moments_never_loses_the_run(tmp_path):
             assert verify(path) is None, path
     assert proc.returncode == 0, out
     assert kills >= 3 and resumes >= 2, f"the test must interrupt training ({kills} kills, {resumes} resumes)"
-    killed, straight = final_model(run_dir), final_model(tmp_path / "reference")
+    killed, straight = final_weights(run_dir), final_weights(tmp_path / "reference")
     assert all(torch.equal(killed[k], straight[k]) for k in straight)
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_of_two_processes_exits_zero_and_resumes_exactly(tmp_path):
+    """What a scheduler does to a torchrun job: SIGTERM to the launcher. Both workers checkpoint and exit, the
+    launcher exits 0 (not torchrun's SignalException), and the same command then finishes with the weights of
+    an uninterrupted run."""
+    import threading
+    overrides = [*TINY, "training.train_batch_size=4", "training.max_steps=60", "logging.save_freq=1000",
+                 "sampling.steps=1"]
+    env = {**os.environ, "PYTHON": sys.executable, "NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1",
+           "PYTHONUNBUFFERED": "1"}
+    launch = lambda run: [str(ROOT / "train_mmdit_stable.sh"), *overrides, f"logging.output_dir={tmp_path / run}"]  # noqa
+    straight = subprocess.run(launch("straight"), env=env, capture_output=True, text=True, timeout=300)
+    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+
+    proc = subprocess.Popen(launch("run"), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 120
+    while not any(" loss " in line for line in lines) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+    reader.join(timeout=10)
+    output = "".join(lines)
+    assert proc.returncode == 0, output[-3000:]
+    assert "pre-empted: all 2 local worker(s) checkpointed" in output and "SignalException" not in output
+    last = checkpoints(tmp_path / "run")[-1]
+    assert verify(last) is None and 0 < read_meta(last)["step"] < 60
+    again = subprocess.run(launch("run"), env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and f"resumed from {last}" in again.stdout, again.stdout[-3000:] + again.stderr[-3000:]
+    resumed, reference = final_weights(tmp_path / "run"), final_weights(tmp_path / "straight")
+    assert all(torch.equal(resumed[k], reference[k]) for k in reference)

@@ -4,20 +4,15 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 import sample_mmdit
-from configs.schema import load_config
-from data.shapes import ShapesDataset
-from models.pipeline import build_model, build_tokenizer
-from models.rectified_flow import draw_sample_noise, interpolate, per_sample_loss
-from perf.checkpoint import checkpoints
-from tests.conftest import losses
+from mmdit_stable.configs.schema import load_config
+from mmdit_stable.data.shapes import ShapesDataset
+from mmdit_stable.configs.build import build_model, build_tokenizer
+from mmdit_stable.models.rectified_flow import draw_sample_noise, interpolate, per_sample_loss
+from mmdit_stable.perf.checkpoint import checkpoints, read_checkpoint
+from tests.conftest import final_weights, losses
 from train_mmdit_stable import main
-
-
-def final_weights(run_dir):
-    return load_file(checkpoints(run_dir)[-1] / "model.safetensors")
 
 
 def test_loss_falls_when_overfitting_one_batch():
@@ -74,7 +69,7 @@ def test_micro_batch_split_does_not_change_the_math(tiny, tmp_path):
 @pytest.mark.slow
 def test_run_directory_resume_and_sampling(tiny, tmp_path):
     run_dir = tmp_path / "run"
-    assert main(tiny("training.max_steps=4", "logging.save_freq=2", "sampling.every=2")) == 0
+    assert main(tiny("training.max_steps=4", "logging.save_freq=2", "validation.every=2")) == 0
     assert [p.name for p in checkpoints(run_dir)] == ["step_00000002", "step_00000004"]
     assert (run_dir / "config.yaml").is_file() and (run_dir / "fidelity.json").is_file()
     assert (run_dir / "samples" / "step_00000002.png").is_file() and (run_dir / "samples" / "step_00000004.png").is_file()
@@ -100,8 +95,9 @@ def test_run_directory_of_another_model_is_refused_untouched(tiny, tmp_path, cap
     run_dir = tmp_path / "run"
     assert main(tiny("training.max_steps=1")) == 0
     before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()}
-    assert main(tiny("training.max_steps=1", "model.num_layers=3")) == 2
-    assert "model" in caplog.text and "output_dir" in caplog.text
+    assert main(tiny("training.max_steps=1", "model.num_layers=3", "training.seed=5")) == 2
+    assert "model.num_layers: 2 -> 3" in caplog.text and "training.seed: 0 -> 5" in caplog.text  # each, old -> new
+    assert "output_dir" in caplog.text
     assert before == {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()}
 
 
@@ -117,15 +113,15 @@ def test_sampler_rejects_unknown_words_and_missing_checkpoints(tiny, tmp_path):
 
 def fail_writes_of(step: int, monkeypatch):
     """Make writing the checkpoint of `step` fail as a full disk would."""
-    import perf.checkpoint as ckpt
-    real_save = ckpt.save_file
+    import mmdit_stable.perf.checkpoint as ckpt
+    real_save = ckpt.dcp.save
 
-    def save_file(tensors, path, *args, **kwargs):
-        if f"step_{step:08d}" in str(path):
+    def save(state, *, storage_writer, **kwargs):
+        if f"step_{step:08d}" in str(storage_writer.path):
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_save(tensors, path, *args, **kwargs)
+        return real_save(state, storage_writer=storage_writer, **kwargs)
 
-    monkeypatch.setattr(ckpt, "save_file", save_file)
+    monkeypatch.setattr(ckpt.dcp, "save", save)
 
 
 def test_failed_checkpoint_write_leaves_training_running(tiny, tmp_path, monkeypatch, caplog):
@@ -153,8 +149,8 @@ def test_resume_applies_todays_optimizer_settings_and_guards_the_run(tiny, tmp_p
     assert main(tiny("training.max_steps=3", "training.train_batch_size=4", "training.gradient_accumulation_steps=2",
                      "optimizer.weight_decay=0.05", "training.dtype=fp16")) == 0
     assert "grad scaler starts fresh" in caplog.text
-    state = json.loads((checkpoints(tmp_path / "run")[-1] / "state.json").read_text())
-    assert [g["weight_decay"] for g in state["optimizer"]["param_groups"]] == [0.05, 0.0]
+    saved, state = read_checkpoint(checkpoints(tmp_path / "run")[-1], ("optimizer",))
+    assert [g["weight_decay"] for g in saved["optimizer"]["param_groups"]] == [0.05, 0.0]
     assert state["step"] == 3 and state["scaler"]
 
 
@@ -165,3 +161,13 @@ def test_sampler_validates_steps(tiny, tmp_path):
     with pytest.raises(SystemExit, match="--steps"):
         sample_mmdit.main(["--checkpoint", str(tmp_path / "run"), "--prompts", str(prompts), "--out",
                            str(tmp_path / "o"), "--steps", "0"])
+
+
+def test_export_into_a_path_under_a_file_is_a_clear_error(tiny, tmp_path, caplog):
+    import export_mmdit
+    assert main(tiny("training.max_steps=1")) == 0
+    (tmp_path / "notes.txt").write_text("keep me")
+    assert export_mmdit.main(["--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "notes.txt" / "x")]) == 2
+    assert f"{tmp_path / 'notes.txt'} is a file, not a directory" in caplog.text
+    assert (tmp_path / "notes.txt").read_text() == "keep me"
+

@@ -1,0 +1,251 @@
+"""FSDP and HSDP on CPU with gloo, in real processes: the same weights as DDP and one process, accumulation,
+distributed checkpoints that resume under any world size and strategy, one-rank OOM, LoRA, export to diffusers,
+and torchrun restarting workers killed at random moments."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmdit_stable.perf.checkpoint import checkpoints, read_checkpoint, verify
+from tests.conftest import TINY, final_weights, losses, metric_rows
+from tests.test_distributed import spawn, train
+from train_mmdit_stable import main
+
+ROOT = Path(__file__).resolve().parents[1]
+# Adam's eps well above the smallest gradients: an fp32 summation-order difference in a near-zero gradient then
+# moves its weight by ~lr * 1e-6, not by up to lr, so strategies can be compared at 1e-5.
+EXACT = [*TINY, "optimizer.eps=1e-3", "training.max_steps=3"]
+
+
+def runs(tmp_path: Path, **specs) -> dict[str, Path]:
+    """Each spec is (ranks, overrides); every run trains the same global batch of 8. Returns the run dirs."""
+    out = {}
+    for name, (ranks, overrides) in specs.items():
+        run = [*overrides, f"logging.output_dir={tmp_path / name}"]
+        if ranks == 1:
+            assert main(run) == 0
+        else:
+            assert [r["status"] for r in spawn(ranks, train, run, tmp_path=tmp_path)] == [0] * ranks, name
+        out[name] = tmp_path / name
+    return out
+
+
+def assert_close(a: dict, b: dict, tolerance: float = 1e-5) -> None:
+    assert a.keys() == b.keys()
+    diffs = torch.cat([(a[k] - b[k]).abs().flatten() for k in a])
+    assert diffs.max() < tolerance, diffs.max()
+
+
+@pytest.fixture(scope="module")
+def strategies(tmp_path_factory):
+    """One process, 2-rank DDP, 2-rank FSDP with accumulation 2, 4-rank HSDP (2 shards x 2 replicas) with
+    accumulation 2: global batch 8 each."""
+    tmp = tmp_path_factory.mktemp("strategies")
+    return runs(tmp, one=(1, [*EXACT, "training.train_batch_size=8"]),
+                ddp=(2, [*EXACT, "training.train_batch_size=4"]),
+                fsdp=(2, [*EXACT, "training.train_batch_size=2", "training.gradient_accumulation_steps=2",
+                          "parallel.strategy=fsdp"]),
+                hsdp=(4, [*EXACT, "training.train_batch_size=1", "training.gradient_accumulation_steps=2",
+                          "parallel.strategy=hsdp", "parallel.shard_size=2"]))
+
+
+@pytest.mark.slow
+def test_fsdp_and_hsdp_train_the_weights_of_ddp_and_one_process(strategies):
+    one = final_weights(strategies["one"])
+    for name in ("ddp", "fsdp", "hsdp"):
+        assert_close(final_weights(strategies[name]), one)
+        assert_close(final_weights(strategies[name], "ema"), final_weights(strategies["one"], "ema"))
+        assert losses(strategies[name]) == pytest.approx(losses(strategies["one"]), rel=1e-5)
+    written = {name: json.loads((checkpoints(path)[-1] / "state.json").read_text())["strategy"]
+               for name, path in strategies.items()}
+    assert written == {"one": "ddp", "ddp": "ddp", "fsdp": "fsdp", "hsdp": "hsdp"}
+    assert len(list(checkpoints(strategies["fsdp"])[-1].glob("__*_*.distcp"))) == 2  # each rank wrote its shards
+
+
+@pytest.mark.slow
+def test_every_strategy_reports_its_training_state_per_rank(strategies):
+    state = {name: [r for r in metric_rows(path) if "loss" in r][-1]["memory/train_state_gib"]
+             for name, path in strategies.items()}
+    assert state["ddp"] == pytest.approx(state["one"], rel=1e-6)  # a whole replica on every rank
+    assert 0.45 < state["fsdp"] / state["one"] < 0.6  # half of it (plus a little padding and the buffers)
+    assert 0.45 < state["hsdp"] / state["one"] < 0.6  # shard groups of 2
+
+
+@pytest.mark.slow
+def test_fsdp_checkpoint_exports_to_diffusers(strategies, tmp_path):
+    import export_mmdit
+    from sample_mmdit import load_trained
+    diffusers = pytest.importorskip("diffusers")
+    assert export_mmdit.main(["--checkpoint", str(strategies["fsdp"]), "--out", str(tmp_path / "out")]) == 0
+    theirs = diffusers.SD3Transformer2DModel.from_pretrained(tmp_path / "out").eval()
+    ours = load_trained(checkpoints(strategies["fsdp"])[-1])[0].transformer  # the EMA weights, as exported
+    gen = torch.Generator().manual_seed(0)
+    x, c, p = (torch.randn(2, 3, 32, 32, generator=gen), torch.randn(2, 7, 32, generator=gen),
+               torch.randn(2, 32, generator=gen))
+    t = torch.tensor([200.0, 800.0])
+    with torch.no_grad():
+        expected = ours(x, c, p, t)
+        got = theirs(hidden_states=x, encoder_hidden_states=c, pooled_projections=p, timestep=t, return_dict=False)[0]
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def record_hsdp_reductions(overrides: list[str]) -> dict:
+    """train() on this rank, recording, for every FSDP gradient reduction, whether it also all-reduced across
+    the replica groups."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param_group
+    flags, real = [], _fsdp_collectives.foreach_reduce
+
+    def foreach_reduce(*args, **kwargs):
+        flags.append(args[11])  # all_reduce_grads
+        return real(*args, **kwargs)
+
+    _fsdp_param_group.foreach_reduce = foreach_reduce
+    return {"status": main(overrides), "flags": flags}
+
+
+@pytest.mark.slow
+def test_hsdp_all_reduces_across_replicas_once_per_optimizer_step(tmp_path):
+    run = [*EXACT, "training.max_steps=1", "training.train_batch_size=1", "training.gradient_accumulation_steps=2",
+           "parallel.strategy=hsdp", "parallel.shard_size=2", f"logging.output_dir={tmp_path / 'run'}"]
+    results = spawn(4, record_hsdp_reductions, run, tmp_path=tmp_path)
+    assert [r["status"] for r in results] == [0] * 4
+    groups = len(results[0]["flags"]) // 2  # reductions per micro-step: one per FSDP module with gradients
+    assert groups > 1 and results[0]["flags"] == [False] * groups + [True] * groups
+
+
+@pytest.mark.slow
+def test_a_checkpoint_resumes_under_other_world_sizes_and_strategies(tmp_path):
+    """One process -> 2-rank FSDP -> 4-rank HSDP -> 2-rank FSDP -> one process, two steps each, equals ten
+    steps in one process. (A constant learning rate after warmup: each leg ends at its own max_steps.)"""
+    common = [*EXACT, "training.max_steps=10", "logging.save_freq=2", "optimizer.min_lr_ratio=1"]
+    fsdp = ["training.train_batch_size=4", "parallel.strategy=fsdp"]
+    hsdp = ["training.train_batch_size=2", "parallel.strategy=hsdp", "parallel.shard_size=2"]
+    one = ["training.train_batch_size=8"]
+    legs = [(1, one), (2, fsdp), (4, hsdp), (2, fsdp), (1, one)]
+    for leg, (ranks, overrides) in enumerate(legs):
+        run = [*common, *overrides, f"training.max_steps={2 * (leg + 1)}", f"logging.output_dir={tmp_path / 'chain'}"]
+        if ranks == 1:
+            assert main(run) == 0
+        else:
+            assert [r["status"] for r in spawn(ranks, train, run, tmp_path=tmp_path)] == [0] * ranks
+        assert [p.name for p in checkpoints(tmp_path / "chain")][-1] == f"step_{2 * (leg + 1):08d}"
+    assert main([*common, *one, f"logging.output_dir={tmp_path / 'straight'}"]) == 0
+    assert_close(final_weights(tmp_path / "chain"), final_weights(tmp_path / "straight"))
+    assert_close(final_weights(tmp_path / "chain", "ema"), final_weights(tmp_path / "straight", "ema"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_one_rank_out_of_memory_under_fsdp_never_hangs_and_keeps_the_math(tmp_path, phase):
+    """Rank 1 alone runs out of memory inside block 1 in step 1 (in its forward, or in its backward while the
+    other rank goes on to its next collective): both ranks split the step the same way, finish (spawn() fails
+    on a hang), and the weights match the run without OOM."""
+    common = [*EXACT, "parallel.strategy=fsdp", "batch_sizer.enabled=true", "training.train_batch_size=4"]
+    oom = [*common, "batch_sizer.debug_oom_above=2", "batch_sizer.debug_oom_ranks=[1]",
+           "batch_sizer.debug_oom_steps=[1]", f"batch_sizer.debug_oom_phase={phase}",
+           "batch_sizer.debug_oom_module=transformer.transformer_blocks.1", f"logging.output_dir={tmp_path / 'oom'}"]
+    assert [r["status"] for r in spawn(2, train, oom, tmp_path=tmp_path)] == [0, 0]
+    assert [r["micro_batch"] for r in metric_rows(tmp_path / "oom") if "micro_batch" in r] == [4, 2, 2]
+    assert [r["oom_events"] for r in metric_rows(tmp_path / "oom") if "oom_events" in r] == [0, 1, 1]
+    clean = runs(tmp_path, clean=(2, [*common, "batch_sizer.enabled=false"]))["clean"]
+    assert_close(final_weights(tmp_path / "oom"), final_weights(clean))
+
+
+@pytest.mark.slow
+def test_lora_under_fsdp_equals_lora_under_ddp(lora_run, tmp_path):
+    import export_mmdit
+    from tests.test_lora import check_exported_adapter
+    common = ["optimizer.eps=1e-3", "training.max_steps=3", "training.train_batch_size=2", "optimizer.lr=5e-2"]
+    for name, strategy in (("ddp", "ddp"), ("fsdp", "fsdp")):
+        run = lora_run(*common, f"parallel.strategy={strategy}", run=name)
+        assert [r["status"] for r in spawn(2, train, run, tmp_path=tmp_path)] == [0, 0]
+    ddp, fsdp = final_weights(tmp_path / "ddp"), final_weights(tmp_path / "fsdp")
+    assert all(".lora_" in k for k in fsdp)
+    assert_close(fsdp, ddp)
+    assert export_mmdit.main(["--checkpoint", str(tmp_path / "fsdp"), "--out", str(tmp_path / "adapter")]) == 0
+    check_exported_adapter(tmp_path / "fsdp", tmp_path / "adapter", use_ema=True)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def workers(launcher: subprocess.Popen) -> list[int]:
+    """The training processes torchrun started (not torchrun itself)."""
+    def command(pid: int) -> str:
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            return ""
+    return [p for p in descendants(launcher.pid)
+            if "train_mmdit_stable.py" in command(p) and "torch.distributed.run" not in command(p)]
+
+
+@pytest.mark.slow
+def test_workers_killed_at_random_restart_and_finish_with_the_uninterrupted_weights(tmp_path):
+    """MAX_RESTARTS: torchrun restarts both FSDP workers after one is SIGKILLed (mid-step, mid-checkpoint,
+    anywhere); the run resumes from its last complete checkpoint each time and ends bit for bit where an
+    uninterrupted run ends."""
+    import threading
+    overrides = [*TINY, "parallel.strategy=fsdp", "training.train_batch_size=4", "training.max_steps=80",
+                 "logging.save_freq=4", "sampling.steps=1"]
+    env = {**os.environ, "PYTHON": sys.executable, "NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1",
+           "PYTHONUNBUFFERED": "1"}
+    straight = subprocess.run([str(ROOT / "train_mmdit_stable.sh"), *overrides,
+                               f"logging.output_dir={tmp_path / 'straight'}"], env=env, capture_output=True, text=True,
+                              timeout=300)
+    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+
+    launcher = subprocess.Popen([str(ROOT / "train_mmdit_stable.sh"), *overrides,
+                                 f"logging.output_dir={tmp_path / 'killed'}"],
+                                env={**env, "MAX_RESTARTS": "6"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(launcher.stdout.readline, "")), daemon=True)
+    reader.start()
+    rng, kills, killed = random.Random(7), 0, set()
+    deadline = time.monotonic() + 400
+    while kills < 3 and launcher.poll() is None and time.monotonic() < deadline:
+        alive = workers(launcher)
+        if len(alive) == 2 and not set(alive) & killed:  # a fresh pair of workers (torchrun restarted both)
+            start = len(lines)
+            while not any("complete" in line for line in lines[start:]) and launcher.poll() is None:
+                time.sleep(0.05)  # ... that trained and checkpointed again (so the next attempt resumes)
+            time.sleep(rng.uniform(0.0, 1.5))
+            try:
+                os.kill(rng.choice(alive), signal.SIGKILL)
+                kills, killed = kills + 1, set(alive)
+            except ProcessLookupError:  # it ended on its own meanwhile (the run finished)
+                break
+        time.sleep(0.05)
+    launcher.wait(timeout=400)
+    reader.join(timeout=10)
+    output = "".join(lines)
+    assert launcher.returncode == 0, output[-4000:]
+    assert kills >= 2, f"the test must interrupt the run ({kills} kills)"
+    assert output.count("resumed from") >= 2, output[-4000:]
+    for path in checkpoints(tmp_path / "killed"):
+        assert verify(path) is None, path
+    killed, reference = final_weights(tmp_path / "killed"), final_weights(tmp_path / "straight")
+    assert all(torch.equal(killed[k], reference[k]) for k in reference)

@@ -1,0 +1,69 @@
+"""Validation: held-out items never train, the held-out loss is a deterministic curve, flips follow (seed,
+epoch, item), a missing VAE is named before training, and validation off loads and runs nothing."""
+
+import pytest
+import torch
+
+import mmdit_stable.perf.validation as validation
+from mmdit_stable.data.latents import LatentDataset
+from mmdit_stable.data.loader import StepBatchSampler, StepDataset, split_holdout
+from tests.conftest import metric_rows, write_latent_shards
+from train_mmdit_stable import main
+
+
+def test_held_out_items_are_never_drawn_for_training():
+    train, held = split_holdout(100, 10, seed=0)
+    assert len(held) == 10 and not set(train) & set(held) and sorted(train + held) == list(range(100))
+    assert split_holdout(100, 10, seed=0) == (train, held) and split_holdout(100, 10, seed=1)[1] != held
+    drawn = {i for batch in StepBatchSampler(train, 9, 0, 0, 1, 0, 40) for _, _, i, _ in batch}
+    assert drawn == set(train)
+    with pytest.raises(ValueError, match="data.holdout=100 leaves nothing to train on"):
+        split_holdout(100, 100, seed=0)
+
+
+def test_flipped_latents_are_picked_per_seed_epoch_and_item(tmp_path):
+    ds = LatentDataset(write_latent_shards(tmp_path / "d", flipped=True))
+    picks = {}
+    for epoch in range(8):
+        for seed in (0, 1):
+            item = StepDataset(ds, seed)[(0, 0, 3, epoch)]
+            flipped = torch.equal(item["latents"], ds[3]["latents_flipped"])
+            assert flipped or torch.equal(item["latents"], ds[3]["latents"])
+            assert "latents_flipped" not in item
+            picks[seed, epoch] = flipped
+    assert picks == {k: torch.equal(StepDataset(ds, k[0])[(5, 1, 3, k[1])]["latents"], ds[3]["latents_flipped"])
+                     for k in picks}  # the step and position do not matter
+    assert len(set(picks.values())) == 2  # both orientations occur
+
+
+def test_held_out_loss_is_a_deterministic_curve(tiny, tmp_path):
+    run = ["training.max_steps=4", "data.holdout=6", "validation.every=2", "validation.loss_sigmas=3",
+           "sampling.steps=1"]
+    assert main(tiny(*run, run="a")) == 0
+    assert main(tiny(*run, run="b")) == 0
+    a, b = ([r for r in metric_rows(tmp_path / r) if "val/loss" in r] for r in ("a", "b"))
+    assert [r["step"] for r in a] == [2, 4] and [sorted(k for k in r if k.startswith("val/")) for r in a][0] == [
+        "val/loss", "val/loss_by_sigma/0.167", "val/loss_by_sigma/0.500", "val/loss_by_sigma/0.833"]
+    assert [{k: v for k, v in r.items() if k.startswith("val/")} for r in a] == \
+        [{k: v for k, v in r.items() if k.startswith("val/")} for r in b]
+    assert a[0]["val/loss"] != a[1]["val/loss"]  # it follows training
+
+
+def test_a_missing_vae_is_named_before_training(latent_run, tmp_path, caplog):
+    data = write_latent_shards(tmp_path / "data", validation_prompts=2)
+    assert main(latent_run("training.max_steps=2", "validation.every=1", data=data)) == 2
+    assert "records no VAE; set validation.vae_from" in caplog.text and not (tmp_path / "run").exists()
+    assert main(latent_run("training.max_steps=2", "validation.every=1", f"validation.vae_from={tmp_path}",
+                           data=data)) == 2
+    assert f"validation.vae_from: {tmp_path} is not a diffusers VAE folder" in caplog.text
+
+
+def test_validation_off_builds_and_runs_nothing(latent_run, tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("validation ran while off")
+    for name in ("load_vae", "vae_folder"):
+        monkeypatch.setattr(validation, name, refuse)
+    monkeypatch.setattr(validation.Validation, "__call__", refuse)
+    data = write_latent_shards(tmp_path / "data", validation_prompts=2)
+    assert main(latent_run("training.max_steps=2", "data.holdout=2", data=data)) == 0
+    assert not (tmp_path / "run" / "samples").exists()
