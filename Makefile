@@ -3,23 +3,29 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
-STAMP := $(VENV)/.installed
+BASE := $(VENV)/.installed
+TEST := $(VENV)/.installed-test
 
 .PHONY: train test install clean
 
-install: $(STAMP)
+install: $(TEST)
 
 # Reuse a torch that is already importable (system site-packages); otherwise install the tested pin.
-$(STAMP): pyproject.toml
+# Training needs only the base dependencies; the tests add diffusers, transformers, peft, wandb, ...
+$(BASE): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install -e ".[test]"
-	touch $(STAMP)
+	$(PY) -m pip install -e .
+	touch $(BASE)
 
-train: $(STAMP)
+$(TEST): $(BASE)
+	$(PY) -m pip install -e ".[test]"
+	touch $(TEST)
+
+train: $(BASE)
 	PYTHON=$(PY) ./train_mmdit_stable.sh $(ARGS)
 
-test: $(STAMP)
+test: $(TEST)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 clean:

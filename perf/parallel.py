@@ -14,6 +14,7 @@ With training.dtype=bf16, FSDP computes in bf16 (weights are all-gathered in bf1
 fp32; the sharded master weights, AdamW state and EMA stay fp32. One process is never wrapped.
 """
 
+import inspect
 import logging
 import os
 from contextlib import contextmanager, nullcontext
@@ -96,9 +97,11 @@ def wrap_ddp(model: nn.Module, device: torch.device, bucket_cap_mb: float) -> nn
     find_unused_parameters stays off: the MMDiT has none, and `check_all_parameters_used` says so loudly."""
     # No buffer broadcast: the only buffer is the constant position table, and a broadcast in every forward
     # would be a collective that a rank failing mid-step (out of memory) never reaches.
+    no_buffer_sync = ({"forward_sync_buffers": False}  # torch >= 2.13 name; the old one warns there
+                      if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+                      else {"broadcast_buffers": False})
     return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
-                                   bucket_cap_mb=bucket_cap_mb, find_unused_parameters=False,
-                                   broadcast_buffers=False)
+                                   bucket_cap_mb=bucket_cap_mb, find_unused_parameters=False, **no_buffer_sync)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
