@@ -99,7 +99,9 @@ def sd35_large_projection(gpus: tuple[int, ...] = (8, 16, 64), gpu_gib: float = 
            "text_tokens": text, "block_saved_bytes_per_sample": saved, "rows": []}
     for n in gpus:
         state = 20 * params / n
-        in_flight = 2 * 2 * block_params * 2  # bf16: the gathered block and the one prefetched, fwd or bwd
+        # gathered bf16 weights of the running block and the prefetched one (2 x 2 bytes), plus one block's
+        # unsharded fp32 gradient before its reduce-scatter (4 bytes)
+        in_flight = (2 * 2 + 4) * block_params
         free = gpu_gib * GIB * 0.9 - state - in_flight  # 10 % for the allocator, CUDA context and buffers
         full = cfg.num_layers * per_sample
         ckpt = cfg.num_layers * checkpointed + per_sample  # + one block recomputed in backward
