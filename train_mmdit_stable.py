@@ -29,7 +29,7 @@ from mmdit_stable.perf.attention import apply_attention_backend
 from mmdit_stable.perf.batch_sizer import build_batch_sizer
 from mmdit_stable.perf.checkpoint import Checkpointer, NullCheckpointer, load_checkpoint, read_meta, stored_names
 from mmdit_stable.perf.distributed import (World, broadcast_from_main, destroy_distributed, first_error,
-                                           init_distributed, mean_over_ranks, world_from_env)
+                                           host_group, init_distributed, mean_over_ranks, world_from_env)
 from mmdit_stable.perf.metrics import RunLogger, save_loss_curve
 from mmdit_stable.perf.nonfinite import NonFiniteGuard
 from mmdit_stable.perf.parallel import (apply_parallelism, check_all_parameters_used, check_parallel, is_sharded,
@@ -69,7 +69,7 @@ def prepare_run_dir(cfg: DictConfig, world_size: int) -> Path:
     saved = run_dir / "config.yaml"
     if saved.is_file():
         try:
-            old = OmegaConf.load(saved)
+            old = load_config(saved, resolve=False)  # over the schema: keys added since read as their defaults
             old_world = json.loads((run_dir / "world.json").read_text())["world_size"] \
                 if (run_dir / "world.json").is_file() else 1
         except Exception as e:
@@ -389,7 +389,7 @@ def build_checkpointer(cfg: DictConfig, world: World, run_dir: Path, model):
     background writer's collectives never meet the training thread's). Otherwise rank 0 writes it all."""
     c = cfg.checkpoint
     if is_sharded(model):
-        group = torch.distributed.new_group(backend="gloo")
+        group = host_group(cfg.training.dist_timeout_s)
         return Checkpointer(run_dir, c.keep_last, c.async_save, c.fail_on_error, group)
     return Checkpointer(run_dir, c.keep_last, c.async_save, c.fail_on_error) if world.is_main else NullCheckpointer()
 

@@ -9,8 +9,8 @@
 #   RDZV_ENDPOINT (host:port), RDZV_ID            elastic c10d rendezvous instead of MASTER_ADDR
 #   MAX_RESTARTS=N  torchrun restarts all workers up to N times after one fails (resuming from the last checkpoint)
 #   ENABLE_PROFILING=true  turn on the scheduled profiler (PROFILE_STEPS=N: active steps to record)
-# SIGTERM / SIGINT / SIGHUP are passed to the training processes, which checkpoint at the next step and exit;
-# the launcher then exits 0, as schedulers expect of a job that was pre-empted cleanly.
+# SIGTERM / SIGINT make training checkpoint at the next step and exit 0, as schedulers expect of a job that was
+# pre-empted cleanly; under torchrun the launcher passes them (and SIGHUP) to the workers and then exits 0.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 if [[ -z "${PYTHON:-}" ]]; then
@@ -59,14 +59,15 @@ fi
 export MMDIT_PREEMPTED_DIR
 MMDIT_PREEMPTED_DIR="$(mktemp -d)"
 signalled=0
+torchrun_pid=""
 forward() {
   signalled=1
-  pkill -TERM -P "$torchrun_pid" 2>/dev/null || true
+  [[ -z "$torchrun_pid" ]] || pkill -TERM -P "$torchrun_pid" 2>/dev/null || true
 }
+trap forward TERM INT HUP  # before the start: a signal then can never leave torchrun running on its own
 echo "torchrun ${launch[*]}" >&2
 "$PYTHON" -m torch.distributed.run "${launch[@]}" "$here/train_mmdit_stable.py" "$@" "${extra[@]}" &
 torchrun_pid=$!
-trap forward TERM INT HUP
 status=0
 while true; do  # `wait` returns early when a trapped signal arrives; wait again until torchrun has ended
   wait "$torchrun_pid" && status=0 || status=$?

@@ -21,7 +21,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mmdit_stable.models.mmdit import MMDiT, MMDiTConfig  # noqa: E402
 from mmdit_stable.optim.ema import EMA  # noqa: E402
-from mmdit_stable.perf.checkpoint import Checkpointer, optimizer_to_tensors  # noqa: E402
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict  # noqa: E402
+
+from mmdit_stable.perf.checkpoint import Checkpointer  # noqa: E402
 
 
 def training_state(layers: int, heads: int, device: torch.device):
@@ -34,9 +36,21 @@ def training_state(layers: int, heads: int, device: torch.device):
         p.grad = torch.randn_like(p) * 1e-3
     optimizer.step()  # materialise exp_avg / exp_avg_sq
     ema = EMA(model, 0.999)
-    optim_tensors, optim_meta = optimizer_to_tensors(optimizer)
-    tensors = {"model": model.state_dict(), "ema": ema.state_dict(), "optimizer": optim_tensors}
-    return tensors, {"step": 1, "optimizer": optim_meta}, sum(p.numel() for p in model.parameters())
+    # what the training loop checkpoints (train_mmdit_stable.checkpoint_state): AdamW state keyed by name
+    state = {"model": model.state_dict(), "ema": ema.state_dict(),
+             "optimizer": get_optimizer_state_dict(model, optimizer)}
+    return state, {"step": 1}, sum(p.numel() for p in model.parameters())
+
+
+def tensors_of(tree):
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for value in tree.values():
+            yield from tensors_of(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from tensors_of(value)
 
 
 def measure(async_save: bool, tensors, meta, saves: int) -> dict:
@@ -65,7 +79,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     tensors, meta, params = training_state(args.layers, args.heads, device)
-    state_mib = sum(t.numel() * t.element_size() for s in tensors.values() for t in s.values()) / 2**20
+    state_mib = sum(t.numel() * t.element_size() for t in tensors_of(tensors)) / 2**20
     results = {"device": str(device), "params": params, "state_mib": state_mib, "saves": args.saves,
                "sync": measure(False, tensors, meta, args.saves), "async": measure(True, tensors, meta, args.saves)}
     results["stall_ratio_async_over_sync"] = results["async"]["median_stall_s"] / results["sync"]["median_stall_s"]

@@ -107,7 +107,7 @@ class TrainingConfig:
     activation_checkpointing: int = 0  # recompute every k-th block in backward: less memory, ~1/3 more compute; 0 off
     enable_profiling: bool = False  # scheduled torch.profiler traces: insight against a slower run
     profile_steps: int = 5  # active steps the profiler records
-    dist_timeout_s: int = 1800  # DDP: how long a rank waits for the others before the job fails, not hangs
+    dist_timeout_s: int = 1800  # several processes: how long a rank waits for the others before the job fails, not hangs
     ddp_bucket_cap_mb: float = 25.0  # DDP gradient bucket size: larger buckets, fewer all-reduces, less overlap
     max_nonfinite_steps: int = 20  # non-finite steps in a row before stopping a diverged run; 0: no guard (no sync)
 
@@ -242,8 +242,14 @@ def load_config(path: str | Path = DEFAULT_CONFIG, overrides: list[str] = (), re
         raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(loaded).__name__}")
     given = OmegaConf.merge(loaded, OmegaConf.from_dotlist(list(overrides)))
     for old, new in RENAMED.items():
-        if OmegaConf.select(given, old) is not None:
+        value = OmegaConf.select(given, old)
+        if value is None:
+            continue
+        if resolve:
             raise ConfigError(f"{old} is now {new}; rename it in {path} or the command line")
+        section, key = old.rsplit(".", 1)  # a run directory saved before the rename: read under the new name
+        del given[section][key]
+        OmegaConf.update(given, new, value, force_add=True)
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(Config), given)
     except OmegaConfBaseException as e:

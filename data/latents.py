@@ -65,7 +65,7 @@ def shard_paths(directory: Path) -> list[Path]:
         if absent:
             raise DataFormatError(f"{directory / INDEX} lists shards that do not exist: {absent[:5]}")
         return paths
-    paths = sorted(p for p in directory.glob("*.safetensors") if p.name != EMPTY_PROMPT)
+    paths = sorted(p for p in directory.glob("*.safetensors") if p.name not in (EMPTY_PROMPT, VALIDATION_PROMPTS))
     if not paths:
         raise DataFormatError(f"data.path={directory} holds no *.safetensors shards "
                               f"(run python -m mmdit_stable.data.precompute)")

@@ -347,7 +347,9 @@ def precompute(items: list[tuple[Path, str]], sizes: list[tuple[int, int]], enco
              "vae": {"scaling_factor": vae.scaling_factor, "shift_factor": vae.shift_factor or 0.0,
                      "folder": str(Path(settings["model"]) / "vae")},
              "model": settings["model"]}
-    (out / INDEX).write_text(json.dumps(index, indent=1))
+    tmp = out / f".{INDEX}.tmp"  # the finished-dataset marker: published whole, also when rewritten on a rerun
+    tmp.write_text(json.dumps(index, indent=1))
+    os.replace(tmp, out / INDEX)
     if encoders.truncated:
         log.warning("%d captions were longer than a text encoder's token limit and were cut", encoders.truncated)
     log.info("wrote %d items in %d shards to %s%s", len(items), len(shards), out,

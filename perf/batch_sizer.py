@@ -31,7 +31,7 @@ from omegaconf import DictConfig
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
-from mmdit_stable.perf.distributed import is_distributed
+from mmdit_stable.perf.distributed import host_group, is_distributed
 from mmdit_stable.perf.parallel import is_sharded, unwrap
 from mmdit_stable.perf.step_stats import memory_stats
 
@@ -105,8 +105,8 @@ class Agreement:
     """The ranks' shared answer to "did anyone run out of memory?", over a gloo group of its own (host
     tensors: no GPU sync, no interference with the training collectives)."""
 
-    def __init__(self):
-        self.group = dist.new_group(backend="gloo") if is_distributed() else None
+    def __init__(self, timeout_s: int):
+        self.group = host_group(timeout_s) if is_distributed() else None
         self.rank = dist.get_rank() if self.group is not None else 0
         self.world_size = dist.get_world_size() if self.group is not None else 1
 
@@ -273,7 +273,7 @@ def build_batch_sizer(cfg: DictConfig, micro_batch: int, device: torch.device, r
     s = cfg.batch_sizer
     if not s.enabled:
         return FixedMicroBatch(micro_batch)
-    agreement, sharded = Agreement(), is_sharded(model)
+    agreement, sharded = Agreement(cfg.training.dist_timeout_s), is_sharded(model)
     if sharded:
         for module in model.modules():
             if isinstance(module, FSDPModule):

@@ -68,12 +68,12 @@ def group_rank(group) -> int:
     return dist.get_rank(group) if group is not None else 0
 
 
-def write_checkpoint(run_dir: Path, step: int, state: dict, meta: dict, extra_files: dict[str, str] = {},
+def write_checkpoint(run_dir: Path, step: int, state: dict, meta: dict, extra_files: dict[str, str] | None = None,
                      group: dist.ProcessGroup | None = None) -> Path:
     """Write `state` (nested dicts of tensors; DTensors contribute their local shards) as the checkpoint of
     `step`. Every rank of `group` calls this with its part (one process: group None); rank 0 also writes
     `meta` (JSON) and `extra_files` (name -> text) and publishes. Returns the published path."""
-    rank = group_rank(group)
+    rank, extra_files = group_rank(group), extra_files or {}
     root = checkpoint_root(run_dir)
     final, tmp = root / f"step_{step:08d}", root / f".tmp-step_{step:08d}"
     decision = None
@@ -167,9 +167,14 @@ def checkpoints(run_dir: Path) -> list[Path]:
 
 
 def latest_valid_checkpoint(run_dir: Path, group: dist.ProcessGroup | None = None) -> Path | None:
-    """The newest checkpoint that verifies; every rank of `group` takes part in checking each candidate."""
+    """The newest checkpoint that verifies; every rank of `group` takes part in checking each candidate, from
+    rank 0's listing (a rank's own listing may lag on a network filesystem, and the ranks must agree on how
+    many collectives follow)."""
     rank, world = (group_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
-    for path in reversed(checkpoints(run_dir)):
+    candidates = [list(reversed(checkpoints(run_dir)))]
+    if group is not None:
+        dist.broadcast_object_list(candidates, src=dist.get_global_rank(group, 0), group=group)
+    for path in candidates[0]:
         problems = gather({rank: verify(path, rank, world)}, group)
         problem = next((p for p in problems.values() if p), None)
         if problem is None:
@@ -319,8 +324,8 @@ class Checkpointer:
         self.last_error: str | None = None
 
     def stage(self, tree, name: str = ""):
-        """Copy a state tree into reused CPU buffers (DTensors keep their sharding, with CPU shards); returns
-        the copy and, on CUDA, marks its completion with `self.event`."""
+        """Copy a state tree into reused CPU buffers (DTensors keep their sharding, with CPU shards) and return
+        the copy; on CUDA the copies are non-blocking (`save` records an event the writer waits for)."""
         if isinstance(tree, dict):
             return {key: self.stage(value, f"{name}.{key}") for key, value in tree.items()}
         if isinstance(tree, (list, tuple)):
@@ -344,8 +349,10 @@ class Checkpointer:
 
     def save(self, step: int, state: dict, meta: dict, extra_files: dict[str, str]) -> None:
         """Snapshot now, write (in the background when async). Waits first for a save still in flight."""
-        if step == self.pending_step and self.last_error is None:
-            return  # e.g. pre-empted right after a periodic save of the same step
+        if step == self.pending_step:  # e.g. pre-empted right after a periodic save of the same step
+            self.wait()  # its outcome decides: done, or written again below
+            if self.last_error is None:
+                return
         start = time.perf_counter()
         if self.pending is not None and not self.pending.done():
             self.wait(reason=f"save of step {step} waits for step {self.pending_step} still being written")

@@ -57,6 +57,12 @@ def init_distributed(world: World, device: torch.device, timeout_s: int) -> torc
     return device
 
 
+def host_group(timeout_s: int):
+    """A gloo group of all ranks beside the training one (host tensors; its collectives never interleave with
+    the training group's), failing after `timeout_s` like the training group rather than torch's default."""
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def destroy_distributed() -> None:
     if is_distributed():
         dist.destroy_process_group()

@@ -140,9 +140,12 @@ def no_cross_group_reduction(model: FSDPModule):
 
 def reshard(model: nn.Module) -> None:
     """After a forward outside training (sampling, validation): the root keeps its weights gathered after a
-    forward (they start the backward), so free them until the next step."""
-    if is_sharded(model):
-        model.reshard()
+    forward (they start the backward), so free them until the next step. Every FSDP module, not only the root
+    (reshard() is not recursive): with reshard_after_forward=false the blocks would otherwise keep the weights
+    gathered during validation (the EMA's) and the next step would skip its all-gather and train on them."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def check_all_parameters_used(model: nn.Module) -> None:

@@ -47,12 +47,13 @@ def assert_close(a: dict, b: dict, tolerance: float = 1e-5) -> None:
 @pytest.fixture(scope="module")
 def strategies(tmp_path_factory):
     """One process, 2-rank DDP, 2-rank FSDP with accumulation 2, 4-rank HSDP (2 shards x 2 replicas) with
-    accumulation 2: global batch 8 each."""
+    accumulation 2: global batch 8 each. FSDP also validates (EMA weights swapped in) after every step with its
+    weights kept gathered after forward: neither may change what it trains."""
     tmp = tmp_path_factory.mktemp("strategies")
     return runs(tmp, one=(1, [*EXACT, "training.train_batch_size=8"]),
                 ddp=(2, [*EXACT, "training.train_batch_size=4"]),
                 fsdp=(2, [*EXACT, "training.train_batch_size=2", "training.gradient_accumulation_steps=2",
-                          "parallel.strategy=fsdp"]),
+                          "parallel.strategy=fsdp", "parallel.reshard_after_forward=false", "validation.every=1"]),
                 hsdp=(4, [*EXACT, "training.train_batch_size=1", "training.gradient_accumulation_steps=2",
                           "parallel.strategy=hsdp", "parallel.shard_size=2"]))
 

@@ -171,3 +171,47 @@ def test_export_into_a_path_under_a_file_is_a_clear_error(tiny, tmp_path, caplog
     assert f"{tmp_path / 'notes.txt'} is a file, not a directory" in caplog.text
     assert (tmp_path / "notes.txt").read_text() == "keep me"
 
+
+
+def earlier_format(path) -> None:
+    """Rewrite a checkpoint as the previous version wrote it: model/ema/optimizer safetensors, the optimizer
+    keyed by parameter position, its non-tensor entries and param_groups in state.json."""
+    from safetensors.torch import save_file
+    from mmdit_stable.perf.checkpoint import MANIFEST, STATE, file_record
+    full, meta = read_checkpoint(path, ("model", "ema", "optimizer"))
+    names = [name for group in full["optimizer"]["param_groups"] for name in group["params"]]
+    tensors, scalars = {}, {}
+    for index, name in enumerate(names):
+        for key, value in full["optimizer"]["state"].get(name, {}).items():
+            (tensors if isinstance(value, torch.Tensor) and value.dim() else scalars)[f"{index}.{key}"] = value
+    scalars = {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in scalars.items()}
+    for file in path.iterdir():
+        if file.name != "config.yaml":
+            file.unlink()
+    save_file(full["model"], path / "model.safetensors")
+    save_file(full["ema"], path / "ema.safetensors")
+    save_file(tensors, path / "optimizer.safetensors")
+    (path / STATE).write_text(json.dumps({**meta, "optimizer": {"scalars": scalars}}))
+    files = {f.name: file_record(f) for f in path.iterdir()}
+    (path / MANIFEST).write_text(json.dumps({"step": meta["step"], "files": files}))
+
+
+def test_a_run_directory_of_the_earlier_checkpoint_format_resumes(tmp_path):
+    """Run directories from before the move to torch.distributed.checkpoint (safetensors files, and a saved
+    config that lacks keys added since and has `sampling.every`) resume, and end bit for bit as a run that
+    never stopped."""
+    from tests.conftest import TINY
+    run = [*TINY, "training.max_steps=4", "logging.save_freq=2"]
+    assert main([*run, f"logging.output_dir={tmp_path / 'straight'}"]) == 0
+    old = tmp_path / "old"
+    shutil.copytree(tmp_path / "straight", old)
+    shutil.rmtree(checkpoints(old)[-1])  # step 4: the run resumes from step 2
+    earlier_format(checkpoints(old)[-1])
+    saved = load_config(old / "config.yaml", resolve=False)
+    text = (old / "config.yaml").read_text().replace("  holdout: 0\n", "")
+    assert text != (old / "config.yaml").read_text() and saved.data.holdout == 0
+    (old / "config.yaml").write_text(text.replace("sampling:\n", "sampling:\n  every: 0\n"))
+    assert main([*run, f"logging.output_dir={old}"]) == 0
+    assert [p.name for p in checkpoints(old)] == ["step_00000002", "step_00000004"]
+    resumed, straight = final_weights(old), final_weights(tmp_path / "straight")
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)
