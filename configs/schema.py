@@ -107,7 +107,7 @@ class TrainingConfig:
     activation_checkpointing: int = 0  # recompute every k-th block in backward: less memory, ~1/3 more compute; 0 off
     enable_profiling: bool = False  # scheduled torch.profiler traces: insight against a slower run
     profile_steps: int = 5  # active steps the profiler records
-    dist_timeout_s: int = 1800  # several processes: how long a rank waits for the others before the job fails, not hangs
+    dist_timeout_s: int = 1800  # several processes: how long a rank waits for the others before failing, not hanging
     ddp_bucket_cap_mb: float = 25.0  # DDP gradient bucket size: larger buckets, fewer all-reduces, less overlap
     max_nonfinite_steps: int = 20  # non-finite steps in a row before stopping a diverged run; 0: no guard (no sync)
 

@@ -1,5 +1,6 @@
-"""The released SD3 / SD3.5 fine-tuning configs (medium and large, full and LoRA) describe the released architectures (checked against
-diffusers' SD3Transformer2DModel on the meta device: no weights, no memory) and run as written."""
+"""The released SD3 / SD3.5 fine-tuning configs (medium and large, full and LoRA) describe the released
+architectures (checked against diffusers' SD3Transformer2DModel on the meta device: no weights, no memory)
+and run as written."""
 
 import dataclasses
 from pathlib import Path
