@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 
 from mmdit_stable.configs.build import build_model, build_tokenizer
 from mmdit_stable.configs.schema import ConfigError, load_config
-from mmdit_stable.data.images import save_png
+from mmdit_stable.data.images import save_png, to_unit
 from mmdit_stable.data.shapes import ShapesDataset
 from mmdit_stable.models.diffusers_io import load_diffusers_weights
 from mmdit_stable.models.lora import apply_lora
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     noise = initial_noise(args.seed, list(range(len(prompts))), shape)
     x = generate(model, {"input_ids": tokenizer(prompts)}, {"input_ids": tokenizer([""])}, noise, steps, cfg_scale,
                  cfg.sampling.shift, tuple(cfg.sampling.guidance_interval))
-    images = (x.clamp(-1, 1) + 1) / 2
+    images = to_unit(x)
     for i, image in enumerate(images):
         save_png(image, args.out / f"{i:04d}.png")
     log.info("wrote %d images to %s from %s (%d steps, cfg %.1f, %s weights)", len(images), args.out,

@@ -333,7 +333,7 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
                     log.info("%s loss %.4f lr %.2e grad %.3f %.0f img/s%s", progress(done, start_step, t.max_steps,
                              window), record["loss"], lr, record["grad_norm"], samples_per_s,
                              f" MFU {record['mfu']:.1%}" if peak else "")
-                if validation.due(done, t.max_steps):
+                if due(done, cfg.validation.every, t.max_steps):
                     validation(model, ema, done, run_dir, logger)
                 if due(done, cfg.logging.save_freq, t.max_steps):
                     save(checkpointer, done, model, ema, optimizer, scaler, sizer, cfg)
@@ -430,8 +430,7 @@ def resume(path: Path | None, model, ema: EMA, optimizer, scaler, sizer, checkpo
         raise ConfigError(f"{path} holds other weights than this model trains: missing {sorted(expected - stored)[:5]}, "
                           f"unexpected {sorted(stored - expected)[:5]}")
     configured = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-    sharded = is_sharded(model)
-    load_checkpoint(path, state, group=checkpointer.group if sharded else None, no_dist=not sharded)
+    load_checkpoint(path, state, group=checkpointer.group if is_sharded(model) else None)
     set_optimizer_state_dict(unwrap(model), optimizer, state["optimizer"])
     for group, settings in zip(optimizer.param_groups, configured):
         group.update(settings)  # betas, eps, weight decay come from today's config, not the checkpoint's

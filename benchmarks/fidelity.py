@@ -19,6 +19,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from mmdit_stable.data.shapes import ShapesDataset, all_prompts, caption, prompt_fidelity  # noqa: E402
+from mmdit_stable.data.images import to_unit  # noqa: E402
 from mmdit_stable.models.pipeline import generate, initial_noise  # noqa: E402
 from sample_mmdit import load_for_sampling  # noqa: E402
 
@@ -28,7 +29,7 @@ def fidelity(model, tokenizer, seed: int, steps: int, cfg: float, shift: float, 
     shape = (ShapesDataset.latent_channels, *ShapesDataset.latent_sizes[0])
     x = generate(model, {"input_ids": tokenizer([caption(*p) for p in prompts])}, {"input_ids": tokenizer([""])},
                  initial_noise(seed, list(range(len(prompts))), shape), steps, cfg, shift, interval)
-    return prompt_fidelity((x.clamp(-1, 1) + 1) / 2, prompts)
+    return prompt_fidelity(to_unit(x), prompts)
 
 
 def main() -> None:

@@ -10,6 +10,11 @@ CELL = 256  # grid cells are about this wide: small samples are upscaled (neares
 CHAR_WIDTH, LINE_HEIGHT = 6, 12  # PIL's default bitmap font
 
 
+def to_unit(x: torch.Tensor) -> torch.Tensor:
+    """Model or VAE output in [-1, 1] -> image values in [0, 1]."""
+    return (x.clamp(-1, 1) + 1) / 2
+
+
 def to_pil(image: torch.Tensor, width: int | None = None) -> Image.Image:
     """[3, H, W] in [0, 1] -> RGB image, optionally resized to `width` (nearest when enlarging pixel art)."""
     array = (image.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()

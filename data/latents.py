@@ -14,6 +14,7 @@ encodings of the validation prompts. Every header is checked when the dataset op
 
 import json
 import logging
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -109,7 +110,6 @@ class LatentDataset(torch.utils.data.Dataset):
         if self.empty_prompt is None:
             log.warning("%s has no %s: caption dropout feeds zeros instead of the encoding of \"\"",
                         self.directory, EMPTY_PROMPT)
-        self.validation_prompts, self.validation_captions = self.read_prompts(VALIDATION_PROMPTS)
         self.index = json.loads((self.directory / INDEX).read_text()) if (self.directory / INDEX).is_file() else {}
         self.handles = {}
 
@@ -136,6 +136,20 @@ class LatentDataset(torch.utils.data.Dataset):
                                   f"expected that of latents {fields['latents'][1]}")
         return {"count": count, "channels": channels, "size": (h, w), "text_tokens": tokens,
                 "joint_dim": joint, "pooled_dim": pooled, "flipped": flipped}
+
+    @cached_property
+    def validation_set(self) -> tuple[dict | None, list[str] | None]:
+        """The validation prompts' encodings and captions, read when validation first asks (they are large, and
+        every rank and loader worker holds the dataset)."""
+        return self.read_prompts(VALIDATION_PROMPTS)
+
+    @property
+    def validation_prompts(self) -> dict | None:
+        return self.validation_set[0]
+
+    @property
+    def validation_captions(self) -> list[str] | None:
+        return self.validation_set[1]
 
     def read_prompts(self, name: str, rows: int | None = None) -> tuple[dict | None, list[str] | None]:
         """An encoded-prompt file of the dataset (the encoding of "", or the validation prompts): its text

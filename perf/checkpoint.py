@@ -171,10 +171,7 @@ def latest_valid_checkpoint(run_dir: Path, group: dist.ProcessGroup | None = Non
     rank 0's listing (a rank's own listing may lag on a network filesystem, and the ranks must agree on how
     many collectives follow)."""
     rank, world = (group_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
-    candidates = [list(reversed(checkpoints(run_dir)))]
-    if group is not None:
-        dist.broadcast_object_list(candidates, src=dist.get_global_rank(group, 0), group=group)
-    for path in candidates[0]:
+    for path in broadcast(list(reversed(checkpoints(run_dir))), group):
         problems = gather({rank: verify(path, rank, world)}, group)
         problem = next((p for p in problems.values() if p), None)
         if problem is None:
@@ -240,12 +237,12 @@ def nest(leaves: dict[tuple, object]):
     return [nested[i] for i in range(len(nested))] if nested and all(isinstance(k, int) for k in nested) else nested
 
 
-def load_checkpoint(path: Path, state: dict, group: dist.ProcessGroup | None = None, no_dist: bool = False) -> None:
+def load_checkpoint(path: Path, state: dict, group: dist.ProcessGroup | None = None) -> None:
     """Fill `state` (the live tensors: DTensors get their own shards) from a checkpoint of any sharding.
-    Under DDP every rank reads the whole checkpoint by itself (`no_dist`)."""
+    Without a group (one process, or DDP) every rank reads the whole checkpoint by itself."""
     path = Path(path)
     if (path / DCP_METADATA).is_file():
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=group, no_dist=no_dist)
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=group, no_dist=group is None)
         return
     fill_from_full(state, read_earlier_format(path, state))
 

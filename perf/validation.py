@@ -26,7 +26,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from mmdit_stable.configs.schema import ConfigError
-from mmdit_stable.data.images import save_grid
+from mmdit_stable.data.images import save_grid, to_unit
 from mmdit_stable.data.shapes import all_prompts, caption, prompt_fidelity
 from mmdit_stable.models.pipeline import generate, initial_noise
 from mmdit_stable.models.rectified_flow import VALIDATION_STREAM, interpolate, per_sample_loss, sample_key
@@ -85,7 +85,7 @@ class ShapesImages:
         with autocast(device, self.cfg.training.dtype):
             x = generate(model, text, {"input_ids": self.tokenizer([""])}, initial_noise(seed, indices, self.shape),
                          s.steps, s.cfg_scale, s.shift, tuple(s.guidance_interval))
-        images = gather_to_main(list(((x[:real].clamp(-1, 1) + 1) / 2)), world)
+        images = gather_to_main(list(to_unit(x[:real])), world)
         if not world.is_main:
             return None, [], {}
         images = torch.stack(images)
@@ -127,7 +127,7 @@ class LatentImages:
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """One image at a time: a 1024-px decode holds gigabytes of activations."""
         x = latents[None].to(self.device, self.vae.dtype) / self.scaling + self.shift
-        return ((self.vae.decode(x).sample[0].float().clamp(-1, 1) + 1) / 2).cpu()
+        return to_unit(self.vae.decode(x).sample[0].float()).cpu()
 
 
 def vae_folder(cfg: DictConfig, dataset) -> Path:
@@ -200,9 +200,6 @@ class HeldOutLoss:
 class Validation:
     def __init__(self, every: int, images, loss: HeldOutLoss | None, world: World, device: torch.device):
         self.every, self.images, self.loss, self.world, self.device = every, images, loss, world, device
-
-    def due(self, step: int, last: int) -> bool:
-        return self.every > 0 and step % self.every == 0 and step != last
 
     def at_end(self) -> bool:
         return self.every > 0 or isinstance(self.images, ShapesImages)
