@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from mmdit_stable.models.diffusers_io import (CheckpointFormatError, check_state_dict, export_diffusers_lora,
+from models.diffusers_io import (CheckpointFormatError, check_state_dict, export_diffusers_lora,
                                               export_diffusers_transformer)
-from mmdit_stable.models.mmdit import MMDiT, MMDiTConfig
-from mmdit_stable.perf.checkpoint import find_checkpoint, read_checkpoint
+from models.mmdit import MMDiT, MMDiTConfig
+from perf.checkpoint import find_checkpoint, read_checkpoint
 
 log = logging.getLogger("mmdit")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -13,16 +13,16 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from mmdit_stable.configs.build import build_model, build_tokenizer
-from mmdit_stable.configs.schema import ConfigError, load_config
-from mmdit_stable.data.images import save_png, to_unit
-from mmdit_stable.data.shapes import ShapesDataset
-from mmdit_stable.models.diffusers_io import load_diffusers_weights
-from mmdit_stable.models.lora import apply_lora
-from mmdit_stable.models.mmdit import MMDiT, MMDiTConfig
-from mmdit_stable.models.pipeline import generate, initial_noise
-from mmdit_stable.models.text_encoder import TextToImage
-from mmdit_stable.perf.checkpoint import find_checkpoint, read_checkpoint
+from configs.build import build_model, build_tokenizer
+from configs.schema import ConfigError, load_config
+from data.images import save_png, to_unit
+from data.shapes import ShapesDataset
+from models.diffusers_io import load_diffusers_weights
+from models.lora import apply_lora
+from models.mmdit import MMDiT, MMDiTConfig
+from models.pipeline import generate, initial_noise
+from models.text_encoder import TextToImage
+from perf.checkpoint import find_checkpoint, read_checkpoint
 
 log = logging.getLogger("mmdit")
 

@@ -16,30 +16,30 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
-from mmdit_stable.configs.build import build_data, build_model, build_trained_model, example_text, holdout_split
-from mmdit_stable.configs.schema import DEFAULT_CONFIG, ConfigError, load_config
-from mmdit_stable.data.loader import check_batches, step_batches
-from mmdit_stable.models.lora import adapter_settings, apply_lora
-from mmdit_stable.models.rectified_flow import (draw_sample_noise, interpolate, per_sample_loss, sample_key,
+from configs.build import build_data, build_model, build_trained_model, example_text, holdout_split
+from configs.schema import DEFAULT_CONFIG, ConfigError, load_config
+from data.loader import check_batches, step_batches
+from models.lora import adapter_settings, apply_lora
+from models.rectified_flow import (draw_sample_noise, interpolate, per_sample_loss, sample_key,
                                                 training_sigmas)
-from mmdit_stable.optim.adamw import build_adamw
-from mmdit_stable.optim.ema import EMA
-from mmdit_stable.optim.schedule import warmup_cosine
-from mmdit_stable.perf.attention import apply_attention_backend
-from mmdit_stable.perf.batch_sizer import build_batch_sizer
-from mmdit_stable.perf.checkpoint import Checkpointer, NullCheckpointer, load_checkpoint, read_meta, stored_names
-from mmdit_stable.perf.distributed import (World, broadcast_from_main, destroy_distributed, first_error,
+from optim.adamw import build_adamw
+from optim.ema import EMA
+from optim.schedule import warmup_cosine
+from perf.attention import apply_attention_backend
+from perf.batch_sizer import build_batch_sizer
+from perf.checkpoint import Checkpointer, NullCheckpointer, load_checkpoint, read_meta, stored_names
+from perf.distributed import (World, broadcast_from_main, destroy_distributed, first_error,
                                            host_group, init_distributed, mean_over_ranks, world_from_env)
-from mmdit_stable.perf.metrics import RunLogger, save_loss_curve
-from mmdit_stable.perf.nonfinite import NonFiniteGuard
-from mmdit_stable.perf.parallel import (apply_parallelism, check_all_parameters_used, check_parallel, is_sharded,
+from perf.metrics import RunLogger, save_loss_curve
+from perf.nonfinite import NonFiniteGuard
+from perf.parallel import (apply_parallelism, check_all_parameters_used, check_parallel, is_sharded,
                                         sync_gradients, unwrap)
-from mmdit_stable.perf.precision import autocast, configure_cuda_math, grad_scaler
-from mmdit_stable.perf.preemption import PreemptionHandler, mark_preempted
-from mmdit_stable.perf.profiler import build_profiler
-from mmdit_stable.perf.step_stats import (SigmaBuckets, StepTimer, memory_stats, peak_flops, throughput_metrics,
+from perf.precision import autocast, configure_cuda_math, grad_scaler
+from perf.preemption import PreemptionHandler, mark_preempted
+from perf.profiler import build_profiler
+from perf.step_stats import (SigmaBuckets, StepTimer, memory_stats, peak_flops, throughput_metrics,
                                           train_flops_per_sample, train_state_gib)
-from mmdit_stable.perf.validation import build_validation
+from perf.validation import build_validation
 
 log = logging.getLogger("mmdit")
 TEXT_KEYS = ("input_ids", "prompt_embeds", "pooled_prompt_embeds")  # a batch's text, tokenized or encoded

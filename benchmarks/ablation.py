@@ -37,12 +37,12 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from mmdit_stable.models.attention import math_attention, sdpa_attention, set_attention_kernel  # noqa: E402
-from mmdit_stable.models.mmdit import MMDiT, MMDiTConfig  # noqa: E402
-from mmdit_stable.optim.adamw import build_adamw  # noqa: E402
-from mmdit_stable.perf.activation_checkpointing import apply_activation_checkpointing  # noqa: E402
-from mmdit_stable.perf.compile import apply_compile  # noqa: E402
-from mmdit_stable.perf.precision import DTYPES, autocast  # noqa: E402
+from models.attention import math_attention, sdpa_attention, set_attention_kernel  # noqa: E402
+from models.mmdit import MMDiT, MMDiTConfig  # noqa: E402
+from optim.adamw import build_adamw  # noqa: E402
+from perf.activation_checkpointing import apply_activation_checkpointing  # noqa: E402
+from perf.compile import apply_compile  # noqa: E402
+from perf.precision import DTYPES, autocast  # noqa: E402
 
 SIZES = {
     # the default shapes model of configs/shapes.yaml, at its batch size
@@ -79,7 +79,7 @@ VARIANTS = {  # overrides over BASELINE
 def settings(variant: str) -> dict:
     """The full set of plugin settings of a variant (the default config's own for `default`)."""
     if variant == "default":
-        from mmdit_stable.configs.schema import load_config
+        from configs.schema import load_config
         from omegaconf import OmegaConf
         cfg = load_config()
         return {key: OmegaConf.select(cfg, key) for key in BASELINE}

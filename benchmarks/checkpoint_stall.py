@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mmdit_stable.models.mmdit import MMDiT, MMDiTConfig  # noqa: E402
-from mmdit_stable.optim.ema import EMA  # noqa: E402
+from models.mmdit import MMDiT, MMDiTConfig  # noqa: E402
+from optim.ema import EMA  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict  # noqa: E402
 
-from mmdit_stable.perf.checkpoint import Checkpointer  # noqa: E402
+from perf.checkpoint import Checkpointer  # noqa: E402
 
 
 def training_state(layers: int, heads: int, device: torch.device):

@@ -21,11 +21,11 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mmdit_stable.models.lora import DIFFUSERS_SD3_TARGETS, apply_lora  # noqa: E402
-from mmdit_stable.models.mmdit import MMDiT, MMDiTConfig  # noqa: E402
-from mmdit_stable.models.rectified_flow import per_sample_loss  # noqa: E402
-from mmdit_stable.models.text_encoder import TextToImage  # noqa: E402
-from mmdit_stable.optim.ema import EMA  # noqa: E402
+from models.lora import DIFFUSERS_SD3_TARGETS, apply_lora  # noqa: E402
+from models.mmdit import MMDiT, MMDiTConfig  # noqa: E402
+from models.rectified_flow import per_sample_loss  # noqa: E402
+from models.text_encoder import TextToImage  # noqa: E402
+from optim.ema import EMA  # noqa: E402
 
 TEXT_TOKENS, JOINT, POOLED = 77 + 64, 256, 128
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the project folders import by their names
 # A 74M-parameter MMDiT (8 blocks of width 512) on the shapes data: big enough that its training state
 # (~1.4 GB in one process) dominates the runtime's own memory.
 MODEL = ["model.num_layers=8", "model.num_attention_heads=8", "model.attention_head_dim=64",
@@ -77,8 +78,8 @@ def sd35_large_projection(gpus: tuple[int, ...] = (8, 16, 64), gpu_gib: float = 
     """Training state per GPU under FSDP (fp32 weights, gradients, AdamW moments, EMA: 20 bytes per parameter,
     sharded N ways; bf16 weights of the blocks in flight are gathered); activations per 1024-px sample from
     autograd's saved tensors of one block, counted on the meta device, in bf16."""
-    from mmdit_stable.models.attention import math_attention, set_attention_kernel
-    from mmdit_stable.models.mmdit import MMDiT, MMDiTConfig
+    from models.attention import math_attention, set_attention_kernel
+    from models.mmdit import MMDiT, MMDiTConfig
     cfg = MMDiTConfig(sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=38,
                       attention_head_dim=64, num_attention_heads=38, joint_attention_dim=4096,
                       caption_projection_dim=2432, pooled_projection_dim=2048, pos_embed_max_size=192,
@@ -116,7 +117,7 @@ def block_saved_bytes(model, tokens: int, text: int, hidden: int, flash: bool) -
     """Bytes autograd saves for backward in one joint block at batch 1 in bf16, counted on the meta device.
     With `flash`, the attention is counted as a flash kernel saves it (q, k, v, output, log-sum-exp)."""
     from torch.autograd.graph import saved_tensors_hooks
-    from mmdit_stable.models import attention
+    from models import attention
     total = [0]
     block = model.transformer_blocks[0]
     weights = {id(p) for p in block.parameters()}

@@ -7,14 +7,14 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from mmdit_stable.configs.schema import ConfigError
-from mmdit_stable.data.latents import DataFormatError, LatentDataset
-from mmdit_stable.data.loader import split_holdout
-from mmdit_stable.data.shapes import MAX_CAPTION_WORDS, VOCABULARY, ShapesDataset
-from mmdit_stable.models.diffusers_io import CheckpointFormatError, load_diffusers_weights, read_config
-from mmdit_stable.models.lora import apply_lora
-from mmdit_stable.models.mmdit import MMDiT, MMDiTConfig
-from mmdit_stable.models.text_encoder import TextToImage, TinyTextEncoder, WordTokenizer
+from configs.schema import ConfigError
+from data.latents import DataFormatError, LatentDataset
+from data.loader import split_holdout
+from data.shapes import MAX_CAPTION_WORDS, VOCABULARY, ShapesDataset
+from models.diffusers_io import CheckpointFormatError, load_diffusers_weights, read_config
+from models.lora import apply_lora
+from models.mmdit import MMDiT, MMDiTConfig
+from models.text_encoder import TextToImage, TinyTextEncoder, WordTokenizer
 
 
 def build_tokenizer() -> WordTokenizer:
@@ -45,7 +45,7 @@ def build_data(cfg: DictConfig) -> tuple[torch.utils.data.Dataset, WordTokenizer
         return ShapesDataset(cfg.data.num_items, cfg.training.seed), build_tokenizer()
     if not cfg.data.path:
         raise ConfigError("data.name=latents needs data.path, a directory written by "
-                          "python -m mmdit_stable.data.precompute")
+                          "python precompute_latents.py")
     try:
         return LatentDataset(cfg.data.path, cfg.data.aspect_buckets), None
     except DataFormatError as e:

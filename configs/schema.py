@@ -14,8 +14,8 @@ from typing import List, Literal, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from mmdit_stable.models.diffusers_io import CheckpointFormatError, read_config
-from mmdit_stable.models.lora import DIFFUSERS_SD3_TARGETS
+from models.diffusers_io import CheckpointFormatError, read_config
+from models.lora import DIFFUSERS_SD3_TARGETS
 
 DEFAULT_CONFIG = Path(__file__).parent / "shapes.yaml"
 
@@ -43,7 +43,7 @@ class TextEncoderConfig:
 @dataclass
 class DataConfig:
     name: Literal["shapes", "latents"] = "shapes"  # built-in captioned shapes, or precomputed latent shards
-    path: Optional[str] = None  # latents: the directory `python -m mmdit_stable.data.precompute` wrote
+    path: Optional[str] = None  # latents: the directory `python precompute_latents.py` wrote
     aspect_buckets: bool = False  # latents: train on several latent sizes, each global batch from one size
     num_items: int = 100_000  # shapes: distinct procedural items before the order repeats
     holdout: int = 0  # items kept out of training for the held-out loss (validation.every); fewer to learn from

@@ -1,6 +1,6 @@
 """Precomputed latents and text embeddings in safetensors shards, read through memory maps.
 
-A dataset directory (written by `python -m mmdit_stable.data.precompute`) holds shards, each a safetensors file with
+A dataset directory (written by `python precompute_latents.py`) holds shards, each a safetensors file with
     latents               [N, C, h, w]  VAE latents, already shifted and scaled for the MMDiT
     prompt_embeds         [N, L, J]     text-token embeddings (SD3: CLIP-L ++ CLIP-G, padded, then T5)
     pooled_prompt_embeds  [N, P]        pooled text embeddings
@@ -55,7 +55,7 @@ def shard_paths(directory: Path) -> list[Path]:
         raise DataFormatError(f"data.path={directory} is not a directory of latent shards")
     if (directory / PRECOMPUTE_SETTINGS).is_file() and not (directory / INDEX).is_file():
         raise DataFormatError(f"data.path={directory}: its precompute has not finished (no {INDEX}); rerun the "
-                              f"same python -m mmdit_stable.data.precompute command to complete it")
+                              f"same python precompute_latents.py command to complete it")
     if (directory / INDEX).is_file():
         try:
             names = [s["file"] for s in json.loads((directory / INDEX).read_text())["shards"]]
@@ -69,7 +69,7 @@ def shard_paths(directory: Path) -> list[Path]:
     paths = sorted(p for p in directory.glob("*.safetensors") if p.name not in (EMPTY_PROMPT, VALIDATION_PROMPTS))
     if not paths:
         raise DataFormatError(f"data.path={directory} holds no *.safetensors shards "
-                              f"(run python -m mmdit_stable.data.precompute)")
+                              f"(run python precompute_latents.py)")
     return paths
 
 

@@ -16,7 +16,7 @@ from functools import lru_cache
 
 import torch
 
-from mmdit_stable.models.rectified_flow import FLIP_STREAM, HOLDOUT_STREAM, ORDER_STREAM, sample_key
+from models.rectified_flow import FLIP_STREAM, HOLDOUT_STREAM, ORDER_STREAM, sample_key
 
 log = logging.getLogger("mmdit")
 

@@ -1,6 +1,6 @@
 """Encode an image-caption collection once into latent shards (see data/latents.py) for fine-tuning.
 
-    python -m mmdit_stable.data.precompute --model SD3_DIR (--images DIR | --manifest FILE) --out DIR
+    python precompute_latents.py --model SD3_DIR (--images DIR | --manifest FILE) --out DIR
         [--resolution 1024] [--aspect-buckets] [--random-flip] [--validation-prompts FILE] [--batch-size 8]
         [--shard-size 1000] [--device auto] [--dtype fp16]
 
@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from PIL import Image, ImageOps
 
-from mmdit_stable.data.latents import EMPTY_PROMPT, INDEX, PRECOMPUTE_SETTINGS as SETTINGS, VALIDATION_PROMPTS
+from data.latents import EMPTY_PROMPT, INDEX, PRECOMPUTE_SETTINGS as SETTINGS, VALIDATION_PROMPTS
 
 log = logging.getLogger("mmdit")
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}

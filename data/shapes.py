@@ -9,7 +9,7 @@ import itertools
 
 import torch
 
-from mmdit_stable.models.rectified_flow import DATA_STREAM, sample_key
+from models.rectified_flow import DATA_STREAM, sample_key
 
 IMAGE_SIZE = 32
 COLORS = {"red": (1, 0, 0), "green": (0, 1, 0), "blue": (0, 0, 1),

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from mmdit_stable.models.lora import ADAPTER
-from mmdit_stable.models.mmdit import MMDiT, MMDiTConfig
+from models.lora import ADAPTER
+from models.mmdit import MMDiT, MMDiTConfig
 
 CLASS_NAME = "SD3Transformer2DModel"
 WEIGHTS = "diffusion_pytorch_model.safetensors"

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mmdit_stable.models.attention import attention
+from models.attention import attention
 
 
 @dataclass

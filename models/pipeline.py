@@ -2,8 +2,8 @@
 
 import torch
 
-from mmdit_stable.models.rectified_flow import SAMPLING_STREAM, euler_sample, sample_key
-from mmdit_stable.models.text_encoder import TextToImage
+from models.rectified_flow import SAMPLING_STREAM, euler_sample, sample_key
+from models.text_encoder import TextToImage
 
 
 def initial_noise(seed: int, indices: list[int], shape: tuple) -> torch.Tensor:

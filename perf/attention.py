@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from mmdit_stable.models.attention import math_attention, sdpa_attention, set_attention_kernel
+from models.attention import math_attention, sdpa_attention, set_attention_kernel
 
 log = logging.getLogger("mmdit")
 

@@ -31,9 +31,9 @@ from omegaconf import DictConfig
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
-from mmdit_stable.perf.distributed import host_group, is_distributed
-from mmdit_stable.perf.parallel import is_sharded, unwrap
-from mmdit_stable.perf.step_stats import memory_stats
+from perf.distributed import host_group, is_distributed
+from perf.parallel import is_sharded, unwrap
+from perf.step_stats import memory_stats
 
 log = logging.getLogger("mmdit")
 

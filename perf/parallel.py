@@ -27,9 +27,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from mmdit_stable.perf.activation_checkpointing import apply_activation_checkpointing
-from mmdit_stable.perf.compile import apply_compile
-from mmdit_stable.perf.distributed import World
+from perf.activation_checkpointing import apply_activation_checkpointing
+from perf.compile import apply_compile
+from perf.distributed import World
 
 log = logging.getLogger("mmdit")
 

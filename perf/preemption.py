@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mmdit_stable.perf.distributed import is_distributed
+from perf.distributed import is_distributed
 
 log = logging.getLogger("mmdit")
 PREEMPTED_DIR = "MMDIT_PREEMPTED_DIR"  # set by the launcher: where each pre-empted worker leaves a mark

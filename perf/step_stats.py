@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import FlopCounterMode
 
-from mmdit_stable.perf.distributed import is_distributed
+from perf.distributed import is_distributed
 
 # Dense peak TFLOP/s of known GPUs (bf16/fp16 tensor cores; TF32 for fp32 when TF32 is allowed; else fp32).
 PEAK_TFLOPS = {  # name fragment: (bf16/fp16, tf32, fp32)

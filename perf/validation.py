@@ -25,15 +25,15 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from mmdit_stable.configs.schema import ConfigError
-from mmdit_stable.data.images import save_grid, to_unit
-from mmdit_stable.data.shapes import all_prompts, caption, prompt_fidelity
-from mmdit_stable.models.pipeline import generate, initial_noise
-from mmdit_stable.models.rectified_flow import VALIDATION_STREAM, interpolate, per_sample_loss, sample_key
-from mmdit_stable.optim.ema import EMA
-from mmdit_stable.perf.distributed import World, is_distributed
-from mmdit_stable.perf.parallel import reshard, unwrap
-from mmdit_stable.perf.precision import DTYPES, autocast
+from configs.schema import ConfigError
+from data.images import save_grid, to_unit
+from data.shapes import all_prompts, caption, prompt_fidelity
+from models.pipeline import generate, initial_noise
+from models.rectified_flow import VALIDATION_STREAM, interpolate, per_sample_loss, sample_key
+from optim.ema import EMA
+from perf.distributed import World, is_distributed
+from perf.parallel import reshard, unwrap
+from perf.precision import DTYPES, autocast
 
 log = logging.getLogger("mmdit")
 

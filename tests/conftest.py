@@ -1,11 +1,9 @@
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 torch.set_num_threads(2)
 
 TINY = ["model.patch_size=4", "model.num_layers=2", "model.num_attention_heads=2", "model.attention_head_dim=16",
@@ -20,7 +18,7 @@ def metric_rows(run_dir: Path) -> list[dict]:
 
 def final_weights(run_dir: Path, part: str = "model") -> dict[str, torch.Tensor]:
     """The trained weights (or their EMA) of a run's newest checkpoint, whole, however it was sharded."""
-    from mmdit_stable.perf.checkpoint import checkpoints, read_checkpoint
+    from perf.checkpoint import checkpoints, read_checkpoint
     return read_checkpoint(checkpoints(run_dir)[-1], (part,))[0][part]
 
 
@@ -48,7 +46,7 @@ def tiny(tmp_path):
 @pytest.fixture(autouse=True)
 def default_attention_kernel():
     """A run may select another attention kernel for the process; tests start from the default."""
-    from mmdit_stable.models.attention import sdpa_attention, set_attention_kernel
+    from models.attention import sdpa_attention, set_attention_kernel
     yield
     set_attention_kernel(sdpa_attention)
 
@@ -58,7 +56,7 @@ LATENT_DIMS = {"channels": 4, "tokens": 6, "joint": 24, "pooled": 16}
 
 def write_latent_shards(directory: Path, sizes=((8, 8),), per_shard: int = 12, seed: int = 0,
                         empty_prompt: bool = True, flipped: bool = False, validation_prompts: int = 0) -> Path:
-    """A small latent dataset as `python -m mmdit_stable.data.precompute` lays it out: one shard per latent size,
+    """A small latent dataset as `python precompute_latents.py` lays it out: one shard per latent size,
     random tensors (fp16 latents, as precompute writes them in half precision), captions in the header; with
     `flipped`, mirrored latents too, and `validation_prompts` encoded prompts."""
     from safetensors.torch import save_file
@@ -111,9 +109,9 @@ def latent_run(tmp_path):
 def export_random_base(overrides: list[str], directory: Path, seed: int = 3, config: Path | None = None) -> Path:
     """A "released" checkpoint for the run `config` + `overrides` describe: the same architecture, random
     non-zero weights, as a diffusers SD3Transformer2DModel directory."""
-    from mmdit_stable.configs.build import build_data, build_model
-    from mmdit_stable.configs.schema import DEFAULT_CONFIG, load_config
-    from mmdit_stable.models.diffusers_io import export_diffusers_transformer
+    from configs.build import build_data, build_model
+    from configs.schema import DEFAULT_CONFIG, load_config
+    from models.diffusers_io import export_diffusers_transformer
     cfg = load_config(config or DEFAULT_CONFIG, [*overrides, "model.init_from=null"])
     transformer = build_model(cfg, build_data(cfg)[0]).transformer
     randomize(transformer, seed)

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from mmdit_stable.models.attention import math_attention, sdpa_attention
-from mmdit_stable.perf.attention import flash_kernel, flash_module, select_attention_backend
+from models.attention import math_attention, sdpa_attention
+from perf.attention import flash_kernel, flash_module, select_attention_backend
 from tests.conftest import losses
 from train_mmdit_stable import main
 

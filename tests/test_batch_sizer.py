@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import train_mmdit_stable
-from mmdit_stable.perf.batch_sizer import OutOfMemoryAtMicroBatchOne
-from mmdit_stable.perf.checkpoint import checkpoints, read_checkpoint
+from perf.batch_sizer import OutOfMemoryAtMicroBatchOne
+from perf.checkpoint import checkpoints, read_checkpoint
 from tests.conftest import TINY, final_weights, metric_rows
 from tests.test_distributed import spawn
 from train_mmdit_stable import main
@@ -81,7 +81,7 @@ def test_other_errors_are_not_swallowed(tiny, monkeypatch):
 
 def train_and_fingerprint(overrides: list[str]) -> dict:
     """main() on this rank, with a hash of the model weights this rank holds at every checkpoint."""
-    from mmdit_stable.perf.parallel import unwrap
+    from perf.parallel import unwrap
     fingerprints, real_save = {}, train_mmdit_stable.save
 
     def save(checkpointer, step, model, *rest):

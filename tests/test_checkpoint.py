@@ -6,8 +6,8 @@ import threading
 import pytest
 import torch
 
-import mmdit_stable.perf.checkpoint as ckpt
-from mmdit_stable.perf.checkpoint import (Checkpointer, CheckpointWriteError, checkpoints, latest_valid_checkpoint,
+import perf.checkpoint as ckpt
+from perf.checkpoint import (Checkpointer, CheckpointWriteError, checkpoints, latest_valid_checkpoint,
                                           prune_checkpoints, read_checkpoint, remove_leftovers, verify,
                                           write_checkpoint)
 

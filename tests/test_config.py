@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from mmdit_stable.configs.schema import DEFAULT_CONFIG, ConfigError, load_config
+from configs.schema import DEFAULT_CONFIG, ConfigError, load_config
 from train_mmdit_stable import main
 
 
@@ -84,9 +84,9 @@ def test_paths_mean_the_working_directory_and_are_saved_absolute(tmp_path, monke
 
 
 def test_the_architecture_comes_from_init_from_and_a_contradiction_names_the_key(tmp_path, monkeypatch):
-    from mmdit_stable.configs.build import build_model, build_tokenizer
-    from mmdit_stable.data.shapes import ShapesDataset
-    from mmdit_stable.models.diffusers_io import export_diffusers_transformer
+    from configs.build import build_model, build_tokenizer
+    from data.shapes import ShapesDataset
+    from models.diffusers_io import export_diffusers_transformer
     released = load_config(DEFAULT_CONFIG, ["model.num_layers=3", "model.patch_size=2", "model.qk_norm=null",
                                             "model.dual_attention_layers=[1]"])
     export_diffusers_transformer(build_model(released, ShapesDataset, build_tokenizer()).transformer,

@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from mmdit_stable.models.diffusers_io import (CheckpointFormatError, export_diffusers_transformer,
+from models.diffusers_io import (CheckpointFormatError, export_diffusers_transformer,
                                               load_diffusers_transformer)
-from mmdit_stable.models.mmdit import MMDiT, MMDiTConfig
+from models.mmdit import MMDiT, MMDiTConfig
 from tests.conftest import randomize
 
 diffusers = pytest.importorskip("diffusers")
@@ -92,10 +92,10 @@ def test_mismatches_are_named(tmp_path):
 
 
 def test_training_starts_from_a_diffusers_directory(tiny, tmp_path, caplog):
-    from mmdit_stable.perf.checkpoint import checkpoints, read_checkpoint
-    from mmdit_stable.data.shapes import ShapesDataset
-    from mmdit_stable.configs.build import build_model, build_tokenizer
-    from mmdit_stable.configs.schema import load_config
+    from perf.checkpoint import checkpoints, read_checkpoint
+    from data.shapes import ShapesDataset
+    from configs.build import build_model, build_tokenizer
+    from configs.schema import load_config
     from train_mmdit_stable import main
     cfg = load_config(overrides=tiny())
     source = build_model(cfg, ShapesDataset, build_tokenizer()).transformer

@@ -141,11 +141,11 @@ def count_gradient_all_reduces(accumulation: int, use_no_sync: bool) -> int:
     from contextlib import nullcontext
 
     import train_mmdit_stable
-    from mmdit_stable.configs.schema import load_config
-    from mmdit_stable.data.shapes import ShapesDataset, all_prompts, caption
-    from mmdit_stable.configs.build import build_model, build_tokenizer
-    from mmdit_stable.perf.distributed import World, destroy_distributed, init_distributed
-    from mmdit_stable.perf.parallel import wrap_ddp
+    from configs.schema import load_config
+    from data.shapes import ShapesDataset, all_prompts, caption
+    from configs.build import build_model, build_tokenizer
+    from perf.distributed import World, destroy_distributed, init_distributed
+    from perf.parallel import wrap_ddp
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     world = World(int(os.environ["RANK"]), 2, int(os.environ["RANK"]))
@@ -187,7 +187,7 @@ def test_accumulation_all_reduces_once_per_optimizer_step(tmp_path):
 
 
 def test_an_unused_parameter_is_named(tiny, monkeypatch, caplog):
-    from mmdit_stable.models.text_encoder import TextToImage
+    from models.text_encoder import TextToImage
     from train_mmdit_stable import main
     original = TextToImage.__init__
 
@@ -201,7 +201,7 @@ def test_an_unused_parameter_is_named(tiny, monkeypatch, caplog):
 
 
 def test_resume_with_another_world_size_must_keep_the_global_batch(tiny, tmp_path, caplog):
-    from mmdit_stable.configs.schema import ConfigError, load_config
+    from configs.schema import ConfigError, load_config
     from train_mmdit_stable import main, prepare_run_dir
     assert main(tiny("training.max_steps=1")) == 0
     cfg = load_config(overrides=tiny("training.max_steps=2"))

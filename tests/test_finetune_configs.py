@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmdit_stable.configs.schema import load_config
-from mmdit_stable.models.lora import apply_lora
-from mmdit_stable.models.mmdit import MMDiT
-from mmdit_stable.configs.build import mmdit_config
-from mmdit_stable.models.text_encoder import TextToImage
+from configs.schema import load_config
+from models.lora import apply_lora
+from models.mmdit import MMDiT
+from configs.build import mmdit_config
+from models.text_encoder import TextToImage
 from tests.conftest import export_random_base, losses, write_latent_shards
 from train_mmdit_stable import main
 

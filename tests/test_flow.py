@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from mmdit_stable.models.rectified_flow import (draw_sample_noise, euler_sample, interpolate, shift_sigmas,
+from models.rectified_flow import (draw_sample_noise, euler_sample, interpolate, shift_sigmas,
                                                 training_sigmas)
 
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mmdit_stable.data.latents import DataFormatError, LatentDataset
-from mmdit_stable.data.loader import StepBatchSampler, step_batches
-from mmdit_stable.perf.checkpoint import checkpoints
+from data.latents import DataFormatError, LatentDataset
+from data.loader import StepBatchSampler, step_batches
+from perf.checkpoint import checkpoints
 from tests.conftest import LATENT_DIMS, final_weights, losses, write_latent_shards
 from train_mmdit_stable import main
 

@@ -8,11 +8,11 @@ import torch
 from safetensors import safe_open
 
 import export_mmdit
-from mmdit_stable.configs.schema import load_config
-from mmdit_stable.models.diffusers_io import LORA_WEIGHTS
-from mmdit_stable.models.lora import apply_lora
-from mmdit_stable.configs.build import build_data, build_model
-from mmdit_stable.perf.checkpoint import checkpoints, read_checkpoint
+from configs.schema import load_config
+from models.diffusers_io import LORA_WEIGHTS
+from models.lora import apply_lora
+from configs.build import build_data, build_model
+from perf.checkpoint import checkpoints, read_checkpoint
 from sample_mmdit import load_trained
 from tests.conftest import LATENT_DIMS, LORA, final_weights, losses, randomize
 from train_mmdit_stable import main

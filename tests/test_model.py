@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from mmdit_stable.models.mmdit import MMDiT, MMDiTConfig, sincos_2d_table
+from models.mmdit import MMDiT, MMDiTConfig, sincos_2d_table
 
 
 def small(**kw) -> MMDiTConfig:

@@ -11,12 +11,12 @@ import torch
 from omegaconf import OmegaConf
 from PIL import Image
 
-from mmdit_stable.configs.schema import load_config
-from mmdit_stable.data.shapes import ShapesDataset
-from mmdit_stable.models.attention import math_attention, set_attention_kernel
-from mmdit_stable.configs.build import build_model, build_tokenizer
-from mmdit_stable.perf.profiler import build_profiler
-from mmdit_stable.perf.step_stats import SigmaBuckets, train_flops_per_sample
+from configs.schema import load_config
+from data.shapes import ShapesDataset
+from models.attention import math_attention, set_attention_kernel
+from configs.build import build_model, build_tokenizer
+from perf.profiler import build_profiler
+from perf.step_stats import SigmaBuckets, train_flops_per_sample
 from tests.conftest import metric_rows as rows
 from train_mmdit_stable import main
 

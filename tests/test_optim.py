@@ -2,12 +2,12 @@ import math
 
 import torch
 
-from mmdit_stable.configs.schema import load_config
-from mmdit_stable.data.shapes import ShapesDataset
-from mmdit_stable.configs.build import build_model, build_tokenizer
-from mmdit_stable.optim.adamw import build_adamw, decay_groups
-from mmdit_stable.optim.ema import EMA
-from mmdit_stable.optim.schedule import warmup_cosine
+from configs.schema import load_config
+from data.shapes import ShapesDataset
+from configs.build import build_model, build_tokenizer
+from optim.adamw import build_adamw, decay_groups
+from optim.ema import EMA
+from optim.schedule import warmup_cosine
 
 
 def test_decay_groups_of_the_mmdit():

@@ -5,11 +5,11 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import train_mmdit_stable
-from mmdit_stable.configs.schema import load_config
-from mmdit_stable.data.shapes import ShapesDataset
-from mmdit_stable.configs.build import build_model, build_tokenizer
-from mmdit_stable.perf.activation_checkpointing import apply_activation_checkpointing
-from mmdit_stable.perf.checkpoint import checkpoints, read_checkpoint
+from configs.schema import load_config
+from data.shapes import ShapesDataset
+from configs.build import build_model, build_tokenizer
+from perf.activation_checkpointing import apply_activation_checkpointing
+from perf.checkpoint import checkpoints, read_checkpoint
 from tests.conftest import final_weights, losses, metric_rows
 from train_mmdit_stable import main
 
@@ -39,7 +39,7 @@ def test_failed_compilation_falls_back_to_eager(tiny, tmp_path, monkeypatch, cap
         calls.append(graph)
         raise RuntimeError("injected compiler failure")
 
-    import mmdit_stable.perf.parallel as parallel
+    import perf.parallel as parallel
     real_apply = parallel.apply_compile
     monkeypatch.setattr(parallel, "apply_compile",
                         lambda model, enabled, mode, scope: real_apply(model, enabled, mode, scope, broken_backend))
@@ -120,8 +120,8 @@ def test_fp16_overflow_is_skipped_and_lowers_the_loss_scale(tiny, tmp_path, monk
 def count_work(monkeypatch, tiny, run, *overrides):
     """Transformer forwards, backward calls and host syncs (.item(), bool(tensor)) of one training run."""
     counts = {"forward": 0, "backward": 0, "sync": 0}
-    import mmdit_stable.configs.build as build
-    import mmdit_stable.perf.validation as validation
+    import configs.build as build
+    import perf.validation as validation
     real_build, real_backward = build.build_model, torch.Tensor.backward
     real_item, real_bool = torch.Tensor.item, torch.Tensor.__bool__
 

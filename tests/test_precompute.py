@@ -14,9 +14,9 @@ from PIL import Image
 from safetensors.torch import load_file
 
 import export_mmdit
-from mmdit_stable.data import precompute
-from mmdit_stable.data.latents import LatentDataset
-from mmdit_stable.models.diffusers_io import LORA_WEIGHTS
+from data import precompute
+from data.latents import LatentDataset
+from models.diffusers_io import LORA_WEIGHTS
 from tests.conftest import export_random_base, metric_rows
 from train_mmdit_stable import main
 
@@ -256,7 +256,7 @@ def test_image_folder_to_diffusers_full_and_lora(sd3_dir, tmp_path):
         assert export_mmdit.main(["--checkpoint", str(tmp_path / name), "--out", str(tmp_path / f"{name}-out")]) == 0
     assert (tmp_path / "lora-out" / LORA_WEIGHTS).is_file()
 
-    from mmdit_stable.perf.checkpoint import find_checkpoint
+    from perf.checkpoint import find_checkpoint
     from sample_mmdit import load_trained
     ds = LatentDataset(tmp_path / "data")
     x, c, p = ds[0]["latents"][None], ds[0]["prompt_embeds"][None], ds[0]["pooled_prompt_embeds"][None]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import TINY, final_weights
-from mmdit_stable.perf.checkpoint import checkpoints, read_checkpoint, read_meta, verify
+from perf.checkpoint import checkpoints, read_checkpoint, read_meta, verify
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmdit_stable.perf.checkpoint import checkpoints, read_checkpoint, verify
+from perf.checkpoint import checkpoints, read_checkpoint, verify
 from tests.conftest import TINY, final_weights, losses, metric_rows
 from tests.test_distributed import spawn, train
 from train_mmdit_stable import main

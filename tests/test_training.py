@@ -6,11 +6,11 @@ import pytest
 import torch
 
 import sample_mmdit
-from mmdit_stable.configs.schema import load_config
-from mmdit_stable.data.shapes import ShapesDataset
-from mmdit_stable.configs.build import build_model, build_tokenizer
-from mmdit_stable.models.rectified_flow import draw_sample_noise, interpolate, per_sample_loss
-from mmdit_stable.perf.checkpoint import checkpoints, read_checkpoint
+from configs.schema import load_config
+from data.shapes import ShapesDataset
+from configs.build import build_model, build_tokenizer
+from models.rectified_flow import draw_sample_noise, interpolate, per_sample_loss
+from perf.checkpoint import checkpoints, read_checkpoint
 from tests.conftest import final_weights, losses
 from train_mmdit_stable import main
 
@@ -113,7 +113,7 @@ def test_sampler_rejects_unknown_words_and_missing_checkpoints(tiny, tmp_path):
 
 def fail_writes_of(step: int, monkeypatch):
     """Make writing the checkpoint of `step` fail as a full disk would."""
-    import mmdit_stable.perf.checkpoint as ckpt
+    import perf.checkpoint as ckpt
     real_save = ckpt.dcp.save
 
     def save(state, *, storage_writer, **kwargs):
@@ -177,7 +177,7 @@ def earlier_format(path) -> None:
     """Rewrite a checkpoint as the previous version wrote it: model/ema/optimizer safetensors, the optimizer
     keyed by parameter position, its non-tensor entries and param_groups in state.json."""
     from safetensors.torch import save_file
-    from mmdit_stable.perf.checkpoint import MANIFEST, STATE, file_record
+    from perf.checkpoint import MANIFEST, STATE, file_record
     full, meta = read_checkpoint(path, ("model", "ema", "optimizer"))
     names = [name for group in full["optimizer"]["param_groups"] for name in group["params"]]
     tensors, scalars = {}, {}

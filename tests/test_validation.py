@@ -4,9 +4,9 @@ epoch, item), a missing VAE is named before training, and validation off loads a
 import pytest
 import torch
 
-import mmdit_stable.perf.validation as validation
-from mmdit_stable.data.latents import LatentDataset
-from mmdit_stable.data.loader import StepBatchSampler, StepDataset, split_holdout
+import perf.validation as validation
+from data.latents import LatentDataset
+from data.loader import StepBatchSampler, StepDataset, split_holdout
 from tests.conftest import metric_rows, write_latent_shards
 from train_mmdit_stable import main
 
