@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # every rank reads the same config, so every rank stops here
         log.error("config error: %s", e)
         return 2
-    device = init_distributed(world, device, cfg.training.dist_timeout_s)
+    device = init_distributed(world, device, cfg.parallel.timeout_s)
     try:
         return train(cfg, world, device)
     finally:
@@ -295,7 +295,7 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
         lambda: (torch.zeros(1, *shape), torch.full((1,), 0.5), example_text(dataset, tokenizer)))
     peak = peak_flops(device, t.dtype, t.allow_tf32, cfg.logging.peak_tflops)
     timer, sigma_losses, window = StepTimer(device), SigmaBuckets(device), Throughput(start_step)
-    profiler = build_profiler(t.enable_profiling, t.profile_steps, cfg.profiler, run_dir / "tensorboard",
+    profiler = build_profiler(cfg.profiler, run_dir / "tensorboard",
                               world.rank, device)
     with RunLogger(run_dir, cfg, world.is_main, start_step) as logger, profiler:
         try:
@@ -335,7 +335,7 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
                              f" MFU {record['mfu']:.1%}" if peak else "")
                 if due(done, cfg.validation.every, t.max_steps):
                     validation(model, ema, done, run_dir, logger)
-                if due(done, cfg.logging.save_freq, t.max_steps):
+                if due(done, cfg.checkpoint.every, t.max_steps):
                     save(checkpointer, done, model, ema, optimizer, scaler, sizer, cfg)
                 if preemption.should_stop(device):
                     preempted = True
@@ -389,7 +389,7 @@ def build_checkpointer(cfg: DictConfig, world: World, run_dir: Path, model):
     background writer's collectives never meet the training thread's). Otherwise rank 0 writes it all."""
     c = cfg.checkpoint
     if is_sharded(model):
-        group = host_group(cfg.training.dist_timeout_s)
+        group = host_group(cfg.parallel.timeout_s)
         return Checkpointer(run_dir, c.keep_last, c.async_save, c.fail_on_error, group)
     return Checkpointer(run_dir, c.keep_last, c.async_save, c.fail_on_error) if world.is_main else NullCheckpointer()
 

@@ -19,8 +19,8 @@ fi
 extra=()
 if [[ "${ENABLE_PROFILING:-false}" == "true" ]]; then
   echo "profiling is on: the profiled steps run slower and traces land in <run dir>/tensorboard" >&2
-  extra+=(training.enable_profiling=true)
-  [[ -n "${PROFILE_STEPS:-}" ]] && extra+=("training.profile_steps=${PROFILE_STEPS}")
+  extra+=(profiler.enabled=true)
+  [[ -n "${PROFILE_STEPS:-}" ]] && extra+=("profiler.active_steps=${PROFILE_STEPS}")
 fi
 
 gpus=0  # the GPUs this job may use: CUDA_VISIBLE_DEVICES when set, else all that nvidia-smi lists

@@ -56,21 +56,21 @@ SIZES = {
                                   caption_projection_dim=1536, pooled_projection_dim=2048, pos_embed_max_size=192),
                        batch=4, image=128, text_tokens=333),
 }
-BASELINE = {"training.attention_backend": "math", "optimizer.fused": False, "training.compile_model": False,
-            "training.compile_scope": "blocks", "training.dtype": "fp32", "training.activation_checkpointing": 0}
+BASELINE = {"training.attention_backend": "math", "optimizer.fused": False, "compile.enabled": False,
+            "compile.scope": "blocks", "training.dtype": "fp32", "training.activation_checkpointing": 0}
 VARIANTS = {  # overrides over BASELINE
     "baseline": {},
     "sdpa": {"training.attention_backend": "sdpa"},
     "fused_adamw": {"optimizer.fused": True},
-    "compile": {"training.compile_model": True},
-    "compile_model": {"training.compile_model": True, "training.compile_scope": "model"},
-    "compile_sdpa": {"training.compile_model": True, "training.attention_backend": "sdpa"},
+    "compile": {"compile.enabled": True},
+    "compile_model": {"compile.enabled": True, "compile.scope": "model"},
+    "compile_sdpa": {"compile.enabled": True, "training.attention_backend": "sdpa"},
     "bf16": {"training.dtype": "bf16"},
     "bf16_sdpa": {"training.dtype": "bf16", "training.attention_backend": "sdpa"},
-    "bf16_compile": {"training.dtype": "bf16", "training.compile_model": True},
+    "bf16_compile": {"training.dtype": "bf16", "compile.enabled": True},
     "activation_checkpointing": {"training.activation_checkpointing": 1},
-    "all_fp32": {"optimizer.fused": True, "training.compile_model": True},
-    "all": {"optimizer.fused": True, "training.compile_model": True, "training.dtype": "bf16"},
+    "all_fp32": {"optimizer.fused": True, "compile.enabled": True},
+    "all": {"optimizer.fused": True, "compile.enabled": True, "training.dtype": "bf16"},
     "default": None,  # configs/shapes.yaml as it is
     "diffusers": None,  # minimal loop only
 }
@@ -111,7 +111,7 @@ def build(variant: str, size: dict, device: torch.device):
     model = Adapter(MMDiT(MMDiTConfig(**size["model"]))).to(device)
     set_attention_kernel(sdpa_attention if s["training.attention_backend"] == "sdpa" else math_attention)
     apply_activation_checkpointing(model, s["training.activation_checkpointing"])
-    apply_compile(model, s["training.compile_model"], scope=s["training.compile_scope"])
+    apply_compile(model, s["compile.enabled"], scope=s["compile.scope"])
     optimizer = build_adamw(model, 1e-4, (0.9, 0.999), 1e-8, 0.0, device, s["optimizer.fused"])
     return model, model, optimizer, s["training.dtype"]
 
@@ -205,7 +205,7 @@ def loop_worker(variant: str, steps: int, warmup_steps: int, log_every: int) -> 
     overrides = [f"{k}={v}" for k, v in (settings(variant) if variant != "default" else {}).items()]
     dtype = settings(variant)["training.dtype"]
     with tempfile.TemporaryDirectory() as run_dir:
-        overrides += [f"training.max_steps={steps}", f"logging.log_every={log_every}", "logging.save_freq=0",
+        overrides += [f"training.max_steps={steps}", f"logging.log_every={log_every}", "checkpoint.every=0",
                       "logging.tensorboard=false", "sampling.steps=1", f"logging.output_dir={run_dir}"]
         before = matmul_flops(torch.device("cpu"), dtype)
         start = time.perf_counter()

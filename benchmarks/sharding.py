@@ -57,7 +57,7 @@ def measure(steps: int) -> tuple[list[dict], list[dict]]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, processes, overrides in RUNS:
-            metrics = train(processes, [*overrides, f"training.max_steps={steps}", "logging.save_freq=0"],
+            metrics = train(processes, [*overrides, f"training.max_steps={steps}", "checkpoint.every=0"],
                             Path(tmp) / name.replace(" ", "_"))
             steady = metrics[len(metrics) // 2:]  # after start-up
             rows.append({"run": name, "processes": processes, "train_state_gib": metrics[-1]["memory/train_state_gib"],
@@ -66,7 +66,7 @@ def measure(steps: int) -> tuple[list[dict], list[dict]]:
             print(f"  {name}: {rows[-1]}", flush=True)
         stalls = []
         for mode in ("true", "false"):
-            metrics = train(2, ["parallel.strategy=fsdp", f"checkpoint.async_save={mode}", "logging.save_freq=2",
+            metrics = train(2, ["parallel.strategy=fsdp", f"checkpoint.async_save={mode}", "checkpoint.every=2",
                                 f"training.max_steps={steps}"], Path(tmp) / f"stall_{mode}")
             stall = [r["checkpoint_stall_s"] for r in metrics if r["step"] > 2 and r["step"] % 2 == 1]
             stalls.append({"mode": "async" if mode == "true" else "sync", "stall_s": statistics.median(stall)})

@@ -1,5 +1,7 @@
 """The typed config schema. YAML files and `key=value` overrides are merged over these dataclasses, so an
-unknown key or a value of the wrong type fails with the key's name before any compute.
+unknown key or a value of the wrong type fails with the key's name before any compute; each section then
+checks its own values (`__post_init__`, next to the fields), and `check_combinations` the few rules that
+span sections.
 
 Paths in a config mean what they mean in the directory the command runs in; `load_config` makes them
 absolute, so the run directory's saved config works from anywhere. With `model.init_from`, the MMDiT's
@@ -20,6 +22,35 @@ from models.lora import DIFFUSERS_SD3_TARGETS
 DEFAULT_CONFIG = Path(__file__).parent / "shapes.yaml"
 
 
+class ConfigError(ValueError):
+    pass
+
+
+class FieldError(ValueError):
+    """A section's value is out of range; `load_config` prefixes the section's name."""
+
+    def __init__(self, name: str, value, expected: str):
+        super().__init__(f"{name} must be {expected}, got {value}")
+
+
+def positive(section, *names: str) -> None:
+    for name in names:
+        if not getattr(section, name) > 0:
+            raise FieldError(name, getattr(section, name), "> 0")
+
+
+def non_negative(section, *names: str) -> None:
+    for name in names:
+        if getattr(section, name) < 0:
+            raise FieldError(name, getattr(section, name), ">= 0")
+
+
+def fraction(section, *names: str) -> None:
+    for name in names:
+        if not 0 <= getattr(section, name) < 1:
+            raise FieldError(name, getattr(section, name), "in [0, 1)")
+
+
 @dataclass
 class ModelConfig:
     patch_size: int = 4  # smaller patches see finer detail but cost ~4x tokens per halving
@@ -32,6 +63,20 @@ class ModelConfig:
     dual_attention_layers: List[int] = field(default_factory=list)  # SD3.5 image-only attn2 in these blocks
     init_from: Optional[str] = None  # a diffusers SD3Transformer2DModel directory to start from; sets the sizes above
 
+    def __post_init__(self):
+        positive(self, "patch_size", "num_layers", "num_attention_heads", "attention_head_dim", "sample_size",
+                 "pos_embed_max_size")
+        if (self.num_attention_heads * self.attention_head_dim) % 4:
+            raise FieldError("num_attention_heads", self.num_attention_heads, f"such that heads * "
+                             f"attention_head_dim ({self.attention_head_dim}) divides by 4 (the 2-D sin-cos "
+                             f"position table splits the width four ways)")
+        if self.sample_size < self.patch_size:
+            raise FieldError("sample_size", self.sample_size, f">= patch_size ({self.patch_size})")
+        outside = [i for i in self.dual_attention_layers if not 0 <= i < self.num_layers]
+        if outside:
+            raise FieldError("dual_attention_layers", list(self.dual_attention_layers),
+                             f"block indices in 0..{self.num_layers - 1}")
+
 
 @dataclass
 class TextEncoderConfig:
@@ -39,18 +84,35 @@ class TextEncoderConfig:
     num_layers: int = 1  # transformer layers over the caption; 0 is a bag of embeddings
     num_heads: int = 4  # attention heads of the text encoder; must divide its dim
 
+    def __post_init__(self):
+        positive(self, "dim", "num_heads")
+        non_negative(self, "num_layers")
+        if self.dim % self.num_heads:
+            raise FieldError("dim", self.dim, f"divisible by num_heads ({self.num_heads})")
+
 
 @dataclass
 class DataConfig:
     name: Literal["shapes", "latents"] = "shapes"  # built-in captioned shapes, or precomputed latent shards
-    path: Optional[str] = None  # latents: the directory `python precompute_latents.py` wrote
+    path: Optional[str] = None  # latents: the directory precompute_latents.py wrote
     aspect_buckets: bool = False  # latents: train on several latent sizes, each global batch from one size
+    # latents: precomputed embeddings cost ~2.7 MB per SD3 sample on disk; on_the_fly stores captions only and
+    # runs the frozen CLIP-L, CLIP-G and T5 in the training process (memory and compute per step)
+    text_encoding: Literal["precomputed", "on_the_fly"] = "precomputed"
+    text_encoders_from: Optional[str] = None  # on_the_fly: the SD3 pipeline folder; None: the one precompute recorded
     num_items: int = 100_000  # shapes: distinct procedural items before the order repeats
     holdout: int = 0  # items kept out of training for the held-out loss (validation.every); fewer to learn from
     caption_dropout: float = 0.1  # share of samples trained unconditionally: enables CFG, costs conditional fit
     num_workers: int = -1  # loader processes; -1: 0 on CPU (both cores compute), 4 on CUDA (hide loading)
     pin_memory: bool = True  # CUDA only: page-locked batches so host-to-device copies overlap compute
     prefetch_factor: int = 2  # batches each worker prepares ahead (workers > 0): memory against stalls
+
+    def __post_init__(self):
+        positive(self, "num_items", "prefetch_factor")
+        non_negative(self, "holdout")
+        fraction(self, "caption_dropout")
+        if self.num_workers < -1:
+            raise FieldError("num_workers", self.num_workers, ">= 0, or -1 for the device default")
 
 
 @dataclass
@@ -60,6 +122,15 @@ class LoraConfig:
     alpha: float = 16.0  # adapter output is scaled by alpha / rank; higher moves further from the base per step
     dropout: float = 0.0  # dropout on the adapter input: regularises small datasets, adds noise to the step
     target_modules: List[str] = field(default_factory=lambda: list(DIFFUSERS_SD3_TARGETS))  # diffusers' SD3 set
+    # frozen base weights stored in 4-bit NormalFloat or 8-bit integers (torchao): ~1/8 or ~1/4 of their fp32
+    # memory, at a small output error (benchmarks/RESULTS.md); adapters still train in full precision
+    base_quantization: Literal["none", "nf4", "int8"] = "none"
+
+    def __post_init__(self):
+        positive(self, "rank", "alpha")
+        fraction(self, "dropout")
+        if self.enabled and not self.target_modules:
+            raise FieldError("target_modules", [], "the modules to adapt, e.g. attn.to_q")
 
 
 @dataclass
@@ -72,6 +143,11 @@ class FlowConfig:
     mode_scale: float = 1.29  # mode sampling's s: > 0 favours mid noise, < 0 the ends (SD3: 1.29)
     shift: float = 3.0  # SD3 timestep shift of training sigmas; > 1 trains more at high noise, where shapes form
 
+    def __post_init__(self):
+        positive(self, "shift")
+        if not -1 <= self.mode_scale <= 1 / (math.pi / 2 - 1):
+            raise FieldError("mode_scale", self.mode_scale, "in [-1, 1.75] (beyond, mode sampling is not monotone)")
+
 
 @dataclass
 class SamplingConfig:
@@ -83,12 +159,22 @@ class SamplingConfig:
     guidance_interval: List[float] = field(default_factory=lambda: [0.0, 1.0])
     grid_size: int = 16  # shapes: images shown in the sample grid (all 90 prompts are scored)
 
+    def __post_init__(self):
+        positive(self, "steps", "shift", "grid_size")
+        interval = list(self.guidance_interval)
+        if len(interval) != 2 or not 0 <= interval[0] <= interval[1] <= 1:
+            raise FieldError("guidance_interval", interval, "[low, high] with 0 <= low <= high <= 1")
+
 
 @dataclass
 class ValidationConfig:
     every: int = 0  # images and held-out loss every N steps and at the end; 0: off (shapes still score at the end)
     vae_from: Optional[str] = None  # latents: pipeline (or vae/) folder that decodes images; None: the precompute's
     loss_sigmas: int = 8  # held-out loss at this many fixed noise levels: a finer curve against more compute
+
+    def __post_init__(self):
+        non_negative(self, "every")
+        positive(self, "loss_sigmas")
 
 
 @dataclass
@@ -101,15 +187,24 @@ class TrainingConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
     allow_tf32: bool = True  # CUDA only: fp32 matmuls on tensor cores, much faster, 10-bit mantissa
     attention_backend: Literal["auto", "flash", "sdpa", "math"] = "auto"  # auto: flash-attn when usable, else SDPA
-    compile_model: bool = False  # torch.compile: ~10% faster steps on CPU after a ~45 s compile
-    compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = "default"  # longer compile, faster steps
-    compile_scope: Literal["blocks", "model"] = "blocks"  # whole model fuses more but compiles longer
     activation_checkpointing: int = 0  # recompute every k-th block in backward: less memory, ~1/3 more compute; 0 off
-    enable_profiling: bool = False  # scheduled torch.profiler traces: insight against a slower run
-    profile_steps: int = 5  # active steps the profiler records
-    dist_timeout_s: int = 1800  # several processes: how long a rank waits for the others before failing, not hanging
-    ddp_bucket_cap_mb: float = 25.0  # DDP gradient bucket size: larger buckets, fewer all-reduces, less overlap
-    max_nonfinite_steps: int = 20  # non-finite steps in a row before stopping a diverged run; 0: no guard (no sync)
+    # non-finite steps in a row before stopping a diverged run; 0: no guard. The guard skips a step on the device
+    # and reads its count on log steps only, so it costs no host synchronisation per step
+    max_nonfinite_steps: int = 20
+
+    def __post_init__(self):
+        positive(self, "train_batch_size", "gradient_accumulation_steps", "max_steps")
+        non_negative(self, "seed", "activation_checkpointing", "max_nonfinite_steps")
+
+
+@dataclass
+class CompileConfig:
+    enabled: bool = False  # torch.compile: ~10% faster steps on CPU after a ~45 s compile
+    mode: Literal["default", "reduce-overhead", "max-autotune"] = "default"  # longer compile, faster steps
+    scope: Literal["blocks", "model"] = "blocks"  # whole model fuses more but compiles longer
+    # inductor generates fused kernels; aot_eager traces the same graphs without code generation (fast to
+    # compile, no speed-up): for checking that a model compiles, and for tests
+    backend: Literal["inductor", "aot_eager"] = "inductor"
 
 
 @dataclass
@@ -125,10 +220,20 @@ class OptimizerConfig:
     min_lr_ratio: float = 0.02  # cosine decays to lr * this at max_steps
     ema_decay: float = 0.999  # EMA of weights for sampling; higher is smoother but lags longer
 
+    def __post_init__(self):
+        positive(self, "lr", "eps")
+        non_negative(self, "weight_decay", "grad_clip_norm", "warmup_steps")
+        fraction(self, "beta1", "beta2", "ema_decay")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise FieldError("min_lr_ratio", self.min_lr_ratio, "in [0, 1]")
+
 
 @dataclass
 class LossConfig:
     loss_scale: float = 1.0  # constant multiplier on the loss before backward; with Adam it matters only via eps
+
+    def __post_init__(self):
+        positive(self, "loss_scale")
 
 
 @dataclass
@@ -142,18 +247,29 @@ class BatchSizerConfig:
     debug_oom_phase: Literal["forward", "backward"] = "forward"  # raise in the forward, or inside the backward
     debug_oom_module: str = ""  # the submodule whose forward (or backward) fails, e.g. transformer.transformer_blocks.1
 
+    def __post_init__(self):
+        non_negative(self, "grow_after", "retry_after")
+        if self.debug_oom_above < -1:
+            raise FieldError("debug_oom_above", self.debug_oom_above, ">= 0, or -1 for off")
+
 
 @dataclass
-class ProfilerConfig:  # the schedule and contents of training.enable_profiling's traces
+class ProfilerConfig:  # the scheduled torch.profiler (ENABLE_PROFILING=true ./train_mmdit_stable.sh)
+    enabled: bool = False  # traces for TensorBoard: insight against slower profiled steps
+    active_steps: int = 5  # steps recorded per cycle
     skip_first: int = 5  # steps before the schedule starts: skips start-up effects (allocator, compile)
     wait: int = 1  # idle steps before each recording cycle
     warmup: int = 1  # steps traced but discarded each cycle: hides the profiler's own start-up cost
-    repeat: int = 1  # recording cycles of training.profile_steps steps; one trace per cycle and rank
+    repeat: int = 1  # recording cycles; one trace per cycle and rank
     cuda: bool = True  # record CUDA kernels too (where there is a GPU)
     record_shapes: bool = True  # input shapes per op (Operator view by shape); bigger traces
     profile_memory: bool = True  # allocations per op (Memory view); some overhead
     with_stack: bool = False  # Python source lines per op; much bigger traces and slower
     memory_snapshot: bool = False  # CUDA only: allocator history over the profiled steps and on OOM (memory_viz)
+
+    def __post_init__(self):
+        positive(self, "active_steps", "repeat")
+        non_negative(self, "skip_first", "wait", "warmup")
 
 
 @dataclass
@@ -162,9 +278,26 @@ class ParallelConfig:
     # of them and gathers weights block by block (fits N times larger models, more communication); hsdp: fsdp
     # within groups of parallel.shard_size ranks, replicated across groups (less cross-node traffic)
     strategy: Literal["ddp", "fsdp", "hsdp"] = "ddp"
-    shard_size: int = 0  # hsdp: ranks per shard group; 0: the processes of one node (LOCAL_WORLD_SIZE)
+    # hsdp only: ranks per shard group (0: the processes of one node); fsdp shards over all ranks and ddp over
+    # none, so setting it with them is an error rather than silently ignored
+    shard_size: int = 0
     reshard_after_forward: bool = True  # fsdp/hsdp: free gathered weights after forward: memory against a
     #                                     second all-gather in backward
+    # fsdp/hsdp on GPUs: sharded weights, gradients and AdamW state live in host memory and the optimizer step
+    # runs on the CPU: fits far larger models, at PCIe copies every step and a slow optimizer step
+    cpu_offload: bool = False
+    ddp_bucket_cap_mb: float = 25.0  # ddp: gradient bucket size; larger buckets, fewer all-reduces, less overlap
+    timeout_s: int = 1800  # several processes: how long a rank waits for the others before failing, not hanging
+
+    def __post_init__(self):
+        positive(self, "ddp_bucket_cap_mb", "timeout_s")
+        non_negative(self, "shard_size")
+        if self.shard_size and self.strategy != "hsdp":
+            raise FieldError("shard_size", self.shard_size, f"0 with strategy={self.strategy} (it sizes hsdp's "
+                             f"shard groups; fsdp shards over all ranks)")
+        if self.cpu_offload and self.strategy == "ddp":
+            raise FieldError("cpu_offload", True, "false with strategy=ddp (FSDP2 offloads the shards it owns; "
+                             "use strategy=fsdp)")
 
 
 @dataclass
@@ -179,18 +312,26 @@ class WandbConfig:
 @dataclass
 class LoggingConfig:
     output_dir: str = "runs/shapes"  # the run directory: config, metrics, samples, checkpoints; resumed if present
-    save_freq: int = 1000  # checkpoint every N steps (and at the end); 0 only at the end
     log_every: int = 100  # metrics line every N steps; each line costs one host sync
     tensorboard: bool = True  # scalars and sample grids in <run>/tensorboard, next to profiler traces
     peak_tflops: float = 0.0  # device peak for MFU; 0: the known dense peak of the detected GPU, else no MFU
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
+    def __post_init__(self):
+        positive(self, "log_every")
+        non_negative(self, "peak_tflops")
+
 
 @dataclass
 class CheckpointConfig:
-    async_save: bool = True  # write in a background thread: training stalls only for the CPU snapshot
+    every: int = 1000  # checkpoint every N steps (and always at the end and when pre-empted); 0: only those
+    async_save: bool = True  # write in the background: training stalls only for the copy to host memory
     keep_last: int = 2  # checkpoints kept; older ones are deleted only after a newer one is complete
     fail_on_error: bool = False  # a failed write stops training instead of being logged and retried next save
+
+    def __post_init__(self):
+        non_negative(self, "every")
+        positive(self, "keep_last")
 
 
 @dataclass
@@ -203,6 +344,7 @@ class Config:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -212,19 +354,37 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
-class ConfigError(ValueError):
-    pass
+def check_combinations(cfg: DictConfig) -> None:
+    """Rules that span sections."""
+    lora = cfg.lora
+    if lora.enabled and not cfg.model.init_from:
+        raise ConfigError("lora.enabled=true needs model.init_from (a diffusers transformer directory): on a fresh "
+                          "MMDiT the adaLN-Zero gates are zero and frozen, so the adapters would get no gradient")
+    if lora.base_quantization != "none" and not lora.enabled:
+        raise ConfigError(f"lora.base_quantization={lora.base_quantization} quantizes the frozen base of a LoRA run; "
+                          f"set lora.enabled=true (a full fine-tune trains every weight in full precision)")
+    if cfg.data.text_encoding == "on_the_fly" and cfg.data.name != "latents":
+        raise ConfigError("data.text_encoding=on_the_fly runs SD3's text encoders over a latent dataset's captions; "
+                          "the shapes data trains its own text encoder (data.name=latents to use it)")
+    if cfg.training.dtype == "fp16" and cfg.parallel.strategy != "ddp":
+        raise ConfigError(f"training.dtype=fp16 is not supported with parallel.strategy={cfg.parallel.strategy} "
+                          f"(its gradient scaler does not handle sharded gradients); use training.dtype=bf16")
 
 
-PATH_KEYS = ("data.path", "model.init_from", "logging.output_dir", "validation.vae_from")
+PATH_KEYS = ("data.path", "data.text_encoders_from", "model.init_from", "logging.output_dir", "validation.vae_from")
 # the MMDiT sizes a diffusers transformer folder fixes (the rest, like channels and text widths, come from the data)
 ARCHITECTURE_KEYS = ("patch_size", "num_layers", "num_attention_heads", "attention_head_dim", "sample_size",
                      "pos_embed_max_size", "qk_norm", "dual_attention_layers")
-RENAMED = {"sampling.every": "validation.every"}
+# keys that moved to the section a reader looks in: a config that still uses the old name is told the new one
+RENAMED = {"sampling.every": "validation.every", "logging.save_freq": "checkpoint.every",
+           "training.compile_model": "compile.enabled", "training.compile_mode": "compile.mode",
+           "training.compile_scope": "compile.scope", "training.ddp_bucket_cap_mb": "parallel.ddp_bucket_cap_mb",
+           "training.dist_timeout_s": "parallel.timeout_s", "training.enable_profiling": "profiler.enabled",
+           "training.profile_steps": "profiler.active_steps"}
 
 
 def load_config(path: str | Path = DEFAULT_CONFIG, overrides: list[str] = (), resolve: bool = True) -> DictConfig:
-    """Schema <- YAML file <- `key=value` overrides, then range checks. Errors name the key.
+    """Schema <- YAML file <- `key=value` overrides, then each section's checks. Errors name the key.
 
     `resolve` makes paths absolute and takes the architecture from `model.init_from`; a run directory's saved
     config is already resolved (and its init_from folder need not exist any more), so it is read with False."""
@@ -241,15 +401,10 @@ def load_config(path: str | Path = DEFAULT_CONFIG, overrides: list[str] = (), re
     if not isinstance(loaded, DictConfig):
         raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(loaded).__name__}")
     given = OmegaConf.merge(loaded, OmegaConf.from_dotlist(list(overrides)))
-    for old, new in RENAMED.items():
-        value = OmegaConf.select(given, old)
-        if value is None:
-            continue
-        if resolve:
-            raise ConfigError(f"{old} is now {new}; rename it in {path} or the command line")
-        section, key = old.rsplit(".", 1)  # a run directory saved before the rename: read under the new name
-        del given[section][key]
-        OmegaConf.update(given, new, value, force_add=True)
+    moved = [f"{old} is now {new}" for old, new in RENAMED.items() if OmegaConf.select(given, old) is not None]
+    if moved:
+        raise ConfigError(f"{'; '.join(moved)}: rename {'it' if len(moved) == 1 else 'them'} in {path} or the "
+                          f"command line")
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(Config), given)
     except OmegaConfBaseException as e:
@@ -265,8 +420,20 @@ def load_config(path: str | Path = DEFAULT_CONFIG, overrides: list[str] = (), re
                 OmegaConf.update(cfg, key, str(Path(OmegaConf.select(cfg, key)).expanduser().absolute()))
         if cfg.model.init_from:
             architecture_from_init(cfg, set(given.get("model", {})))
-    validate(cfg)
+    check_sections(cfg)
+    check_combinations(cfg)
     return cfg
+
+
+def check_sections(cfg: DictConfig) -> None:
+    """Each section's own `__post_init__` checks, with the section's name put before the field's."""
+    for section in cfg:
+        for name, node in [(section, cfg[section]), *[(f"{section}.{k}", v) for k, v in cfg[section].items()
+                                                        if isinstance(v, DictConfig)]]:
+            try:
+                OmegaConf.to_object(node)
+            except FieldError as e:
+                raise ConfigError(f"{name}.{e}") from None
 
 
 def architecture_from_init(cfg: DictConfig, explicit: set[str]) -> None:
@@ -283,59 +450,3 @@ def architecture_from_init(cfg: DictConfig, explicit: set[str]) -> None:
                               f"architecture comes from model.init_from: leave model.{key} unset, or point "
                               f"model.init_from at a transformer of that architecture")
         cfg.model[key] = theirs[key]
-
-
-def validate(cfg: DictConfig) -> None:
-    positive = ["model.patch_size", "model.num_layers", "model.num_attention_heads", "model.attention_head_dim",
-                "model.pos_embed_max_size", "model.sample_size", "text_encoder.dim", "text_encoder.num_heads",
-                "data.num_items", "data.prefetch_factor", "sampling.steps", "sampling.grid_size",
-                "training.train_batch_size", "training.gradient_accumulation_steps", "training.max_steps",
-                "training.profile_steps", "training.dist_timeout_s", "training.ddp_bucket_cap_mb", "optimizer.lr",
-                "optimizer.eps", "logging.log_every", "checkpoint.keep_last", "loss.loss_scale",
-                "profiler.repeat", "lora.rank", "lora.alpha", "validation.loss_sigmas"]
-    for key in positive:
-        if not OmegaConf.select(cfg, key) > 0:
-            raise ConfigError(f"{key} must be > 0, got {OmegaConf.select(cfg, key)}")
-    non_negative = ["text_encoder.num_layers", "training.activation_checkpointing", "training.max_nonfinite_steps",
-                    "validation.every", "optimizer.weight_decay", "optimizer.grad_clip_norm", "optimizer.warmup_steps",
-                    "logging.save_freq", "training.seed",
-                    "profiler.skip_first", "profiler.wait", "profiler.warmup", "logging.peak_tflops",
-                    "batch_sizer.grow_after", "batch_sizer.retry_after", "data.holdout", "parallel.shard_size"]
-    for key in non_negative:
-        if OmegaConf.select(cfg, key) < 0:
-            raise ConfigError(f"{key} must be >= 0, got {OmegaConf.select(cfg, key)}")
-    for key in ["data.caption_dropout", "lora.dropout", "optimizer.beta1", "optimizer.beta2", "optimizer.ema_decay"]:
-        if not 0 <= OmegaConf.select(cfg, key) < 1:
-            raise ConfigError(f"{key} must be in [0, 1), got {OmegaConf.select(cfg, key)}")
-    if not 0 <= cfg.optimizer.min_lr_ratio <= 1:
-        raise ConfigError(f"optimizer.min_lr_ratio must be in [0, 1], got {cfg.optimizer.min_lr_ratio}")
-    m = cfg.model
-    if (m.num_attention_heads * m.attention_head_dim) % 4:
-        raise ConfigError(f"model.num_attention_heads * model.attention_head_dim = "
-                          f"{m.num_attention_heads * m.attention_head_dim} must be divisible by 4 "
-                          f"(the 2-D sin-cos position table splits it four ways)")
-    if m.sample_size < m.patch_size:
-        raise ConfigError(f"model.sample_size={m.sample_size} must be >= model.patch_size={m.patch_size}")
-    if cfg.batch_sizer.debug_oom_above < -1:
-        raise ConfigError(f"batch_sizer.debug_oom_above must be >= 0, or -1 for off; got {cfg.batch_sizer.debug_oom_above}")
-    if cfg.data.num_workers < -1:
-        raise ConfigError(f"data.num_workers must be >= 0, or -1 for the device default; got {cfg.data.num_workers}")
-    if not -1 <= cfg.flow.mode_scale <= 1 / (math.pi / 2 - 1):
-        raise ConfigError(f"flow.mode_scale must be in [-1, 1.75] (beyond, mode sampling is not monotone), "
-                          f"got {cfg.flow.mode_scale}")
-    interval = list(cfg.sampling.guidance_interval)
-    if len(interval) != 2 or not 0 <= interval[0] <= interval[1] <= 1:
-        raise ConfigError(f"sampling.guidance_interval must be [low, high] with 0 <= low <= high <= 1, got {interval}")
-    if cfg.flow.shift <= 0 or cfg.sampling.shift <= 0:
-        raise ConfigError("flow.shift and sampling.shift must be > 0")
-    if cfg.text_encoder.dim % cfg.text_encoder.num_heads:
-        raise ConfigError(f"text_encoder.dim={cfg.text_encoder.dim} must be divisible by "
-                          f"text_encoder.num_heads={cfg.text_encoder.num_heads}")
-    if cfg.lora.enabled and not cfg.lora.target_modules:
-        raise ConfigError("lora.target_modules is empty; name the modules to adapt, e.g. attn.to_q")
-    if cfg.lora.enabled and not cfg.model.init_from:
-        raise ConfigError("lora.enabled=true needs model.init_from (a diffusers transformer directory): on a fresh "
-                          "MMDiT the adaLN-Zero gates are zero and frozen, so the adapters would get no gradient")
-    bad_layers = [i for i in cfg.model.dual_attention_layers if not 0 <= i < cfg.model.num_layers]
-    if bad_layers:
-        raise ConfigError(f"model.dual_attention_layers {bad_layers} outside 0..{cfg.model.num_layers - 1}")

@@ -273,7 +273,7 @@ def build_batch_sizer(cfg: DictConfig, micro_batch: int, device: torch.device, r
     s = cfg.batch_sizer
     if not s.enabled:
         return FixedMicroBatch(micro_batch)
-    agreement, sharded = Agreement(cfg.training.dist_timeout_s), is_sharded(model)
+    agreement, sharded = Agreement(cfg.parallel.timeout_s), is_sharded(model)
     if sharded:
         for module in model.modules():
             if isinstance(module, FSDPModule):

@@ -13,12 +13,13 @@ import torch.nn as nn
 log = logging.getLogger("mmdit")
 
 
-def apply_compile(model: nn.Module, enabled: bool, mode: str = "default", scope: str = "blocks",
-                  backend="inductor") -> None:
-    if not enabled:
+def apply_compile(model: nn.Module, cfg) -> None:
+    """`cfg` is the config's `compile` section."""
+    if not cfg.enabled:
         return
     torch._dynamo.config.suppress_errors = True  # a failing compile runs that code eagerly
-    targets = list(model.transformer.transformer_blocks) if scope == "blocks" else [model.transformer]
+    targets = list(model.transformer.transformer_blocks) if cfg.scope == "blocks" else [model.transformer]
     for module in targets:
-        module.compile(mode=None if mode == "default" else mode, backend=backend)
-    log.info("torch.compile (%s, mode %s): %d module(s); failures fall back to eager", scope, mode, len(targets))
+        module.compile(mode=None if cfg.mode == "default" else cfg.mode, backend=cfg.backend)
+    log.info("torch.compile (%s, mode %s, %s): %d module(s); failures fall back to eager", cfg.scope, cfg.mode,
+             cfg.backend, len(targets))

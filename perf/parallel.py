@@ -45,13 +45,10 @@ def shard_size(cfg: DictConfig, world: World) -> int:
 def check_parallel(cfg: DictConfig, world: World) -> None:
     """Settings the strategy cannot run with, named before any compute."""
     p = cfg.parallel
-    if p.strategy == "ddp" or not world.distributed:
+    if p.strategy != "hsdp" or not world.distributed:
         return
-    if cfg.training.dtype == "fp16":
-        raise ValueError(f"training.dtype=fp16 is not supported with parallel.strategy={p.strategy} (its gradient "
-                         f"scaler does not handle sharded gradients); use training.dtype=bf16")
     size = shard_size(cfg, world)
-    if p.strategy == "hsdp" and (size < 1 or world.world_size % size):
+    if world.world_size % size:
         raise ValueError(f"parallel.shard_size={size} must divide the world size {world.world_size} "
                          f"(hsdp: world = shard groups x parallel.shard_size)")
 
@@ -73,13 +70,13 @@ def apply_parallelism(model: nn.Module, cfg: DictConfig, world: World, device: t
     if not sharded:
         model.to(device)
     apply_activation_checkpointing(model, t.activation_checkpointing)
-    apply_compile(model, t.compile_model, t.compile_mode, t.compile_scope)
+    apply_compile(model, cfg.compile)
     if not world.distributed:
         if p.strategy != "ddp":
             log.info("parallel.strategy=%s with one process: nothing to shard, training unsharded", p.strategy)
         return model
     if not sharded:
-        return wrap_ddp(model, device, t.ddp_bucket_cap_mb)
+        return wrap_ddp(model, device, p.ddp_bucket_cap_mb)
     mesh = device_mesh(cfg, world, device)
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if t.dtype == "bf16"
           else MixedPrecisionPolicy())

@@ -21,7 +21,8 @@ class Off(nullcontext):
 
 
 class ScheduledProfiler:
-    def __init__(self, cfg: DictConfig, active_steps: int, trace_dir: Path, rank: int, device: torch.device):
+    def __init__(self, cfg: DictConfig, trace_dir: Path, rank: int, device: torch.device):
+        active_steps = cfg.active_steps
         self.trace_dir, self.rank = trace_dir, rank
         self.steps_left = cfg.skip_first + (cfg.wait + cfg.warmup + active_steps) * cfg.repeat
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -76,7 +77,6 @@ class ScheduledProfiler:
             self.stop("out of memory" if isinstance(exc, torch.OutOfMemoryError) else "run ended")
 
 
-def build_profiler(enabled: bool, active_steps: int, cfg: DictConfig, trace_dir: Path, rank: int,
-                   device: torch.device):
-    """A context whose `.step()` is called once per optimizer step; a no-op when disabled."""
-    return ScheduledProfiler(cfg, active_steps, trace_dir, rank, device) if enabled else Off()
+def build_profiler(cfg: DictConfig, trace_dir: Path, rank: int, device: torch.device):
+    """A context whose `.step()` is called once per optimizer step; a no-op when `cfg.enabled` is off."""
+    return ScheduledProfiler(cfg, trace_dir, rank, device) if cfg.enabled else Off()

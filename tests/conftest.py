@@ -8,7 +8,7 @@ torch.set_num_threads(2)
 
 TINY = ["model.patch_size=4", "model.num_layers=2", "model.num_attention_heads=2", "model.attention_head_dim=16",
         "text_encoder.dim=32", "text_encoder.num_heads=2", "training.train_batch_size=8", "optimizer.warmup_steps=2",
-        "sampling.steps=2", "sampling.grid_size=4", "logging.log_every=1", "logging.save_freq=0"]
+        "sampling.steps=2", "sampling.grid_size=4", "logging.log_every=1", "checkpoint.every=0"]
 
 
 def metric_rows(run_dir: Path) -> list[dict]:
@@ -91,7 +91,7 @@ def write_latent_shards(directory: Path, sizes=((8, 8),), per_shard: int = 12, s
 LATENT_RUN = ["data.name=latents", "model.patch_size=2", "model.num_layers=2", "model.num_attention_heads=2",
               "model.attention_head_dim=8", "model.sample_size=8", "model.pos_embed_max_size=8",
               "training.train_batch_size=4", "optimizer.warmup_steps=1", "logging.log_every=1",
-              "logging.save_freq=0"]
+              "checkpoint.every=0"]
 
 
 @pytest.fixture

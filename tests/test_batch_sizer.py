@@ -99,7 +99,7 @@ def train_and_fingerprint(overrides: list[str]) -> dict:
 def test_oom_on_one_rank_shrinks_both_without_a_hang(tmp_path, phase):
     """Only rank 1 runs out of memory, in step 1: both ranks shrink at the same point, finish, and hold
     the same weights; the result matches the same 2-rank run without any OOM. (spawn() fails on a hang.)"""
-    common = [*TINY, *SIZER, "training.train_batch_size=4", "logging.save_freq=1", "checkpoint.keep_last=5"]
+    common = [*TINY, *SIZER, "training.train_batch_size=4", "checkpoint.every=1", "checkpoint.keep_last=5"]
     oom = [*common, "batch_sizer.debug_oom_above=2", "batch_sizer.debug_oom_ranks=[1]",
            "batch_sizer.debug_oom_steps=[1]", f"batch_sizer.debug_oom_phase={phase}",
            f"logging.output_dir={tmp_path / 'oom'}"]

@@ -10,9 +10,9 @@ from train_mmdit_stable import main
 def test_defaults_load_and_keep_the_design_keys():
     cfg = load_config()
     for key in ["training.train_batch_size", "training.gradient_accumulation_steps", "training.dtype",
-                "training.compile_model", "training.enable_profiling", "training.profile_steps", "optimizer.lr",
+                "compile.enabled", "profiler.enabled", "profiler.active_steps", "optimizer.lr",
                 "optimizer.beta1", "optimizer.beta2", "optimizer.eps", "optimizer.weight_decay",
-                "optimizer.grad_clip_norm", "logging.save_freq", "loss.loss_scale", "training.max_steps",
+                "optimizer.grad_clip_norm", "checkpoint.every", "loss.loss_scale", "training.max_steps",
                 "training.seed", "logging.output_dir"]:
         assert OmegaConf.select(cfg, key, default="missing") != "missing", key
 
@@ -40,6 +40,11 @@ def test_overrides_apply():
     ("flow.mode_scale=2", "flow.mode_scale"),
     ("data.holdout=-1", "data.holdout"),
     ("flow.sigma_sampling=beta", "flow.sigma_sampling"),
+    ("parallel.shard_size=2", "parallel.shard_size must be 0 with strategy=ddp"),
+    ("parallel.cpu_offload=true", "parallel.cpu_offload"),
+    ("lora.base_quantization=nf4", "lora.enabled=true"),
+    ("logging.wandb.mode=x", "logging.wandb.mode"),
+    ("checkpoint.every=-1", "checkpoint.every"),
 ])
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("[", r"\[")):
@@ -112,3 +117,16 @@ def test_keys_left_to_the_user_and_renamed_keys_are_named(tmp_path):
         load_config(config)
     with pytest.raises(ConfigError, match="sampling.every is now validation.every"):
         load_config(DEFAULT_CONFIG, ["sampling.every=5"])
+    config.write_text("logging:\n  save_freq: 5\ntraining:\n  compile_model: true\n")
+    with pytest.raises(ConfigError, match=r"logging\.save_freq is now checkpoint\.every; training\.compile_model is "
+                                          r"now compile\.enabled: rename them in .*finetune\.yaml"):
+        load_config(config)
+
+
+def test_hsdp_shard_size_must_divide_the_world():
+    from perf.distributed import World
+    from perf.parallel import check_parallel
+    cfg = load_config(DEFAULT_CONFIG, ["parallel.strategy=hsdp", "parallel.shard_size=3"])
+    with pytest.raises(ValueError, match="parallel.shard_size=3 must divide the world size 4"):
+        check_parallel(cfg, World(0, 4, 0))
+    check_parallel(cfg, World(0, 6, 0))

@@ -118,7 +118,7 @@ def test_only_rank_zero_writes_the_run_directory(two_ranks_and_one):
 def test_ddp_with_compile_activation_checkpointing_and_bf16(tmp_path):
     """Compiled before the wrap, checkpointed blocks, bf16 autocast: 2 ranks x accumulation 2 equal 1 rank x
     accumulation 4, since each micro-batch holds the same samples either way."""
-    plugins = [*TINY, "training.max_steps=3", "training.train_batch_size=2", "training.compile_model=true",
+    plugins = [*TINY, "training.max_steps=3", "training.train_batch_size=2", "compile.enabled=true",
                "training.activation_checkpointing=1", "training.dtype=bf16"]
     two = [*plugins, "training.gradient_accumulation_steps=2", f"logging.output_dir={tmp_path / 'two'}"]
     assert [r["status"] for r in spawn(2, train, two, tmp_path=tmp_path)] == [0, 0]
@@ -150,11 +150,11 @@ def count_gradient_all_reduces(accumulation: int, use_no_sync: bool) -> int:
 
     world = World(int(os.environ["RANK"]), 2, int(os.environ["RANK"]))
     device = init_distributed(world, torch.device("cpu"), 60)
-    cfg = load_config(overrides=[*TINY, "training.train_batch_size=2", "training.ddp_bucket_cap_mb=0.1",
+    cfg = load_config(overrides=[*TINY, "training.train_batch_size=2", "parallel.ddp_bucket_cap_mb=0.1",
                                  "model.attention_head_dim=64",  # 1.6 MB of gradients: several buckets
                                  f"training.gradient_accumulation_steps={accumulation}"])
     tokenizer = build_tokenizer()
-    model = wrap_ddp(build_model(cfg, ShapesDataset, tokenizer), device, cfg.training.ddp_bucket_cap_mb)
+    model = wrap_ddp(build_model(cfg, ShapesDataset, tokenizer), device, cfg.parallel.ddp_bucket_cap_mb)
     calls = []
 
     def counting_hook(state, bucket):

@@ -65,7 +65,7 @@ def test_config_runs_as_written_on_a_shrunken_model(name, tmp_path):
     shrink += ["model.dual_attention_layers=[0]"] if "sd35" in name else []
     base = export_random_base([*shrink, "lora.enabled=false"], tmp_path / "base", config=config)
     run = ["--config", str(config), *shrink, f"model.init_from={base}", "training.train_batch_size=2",
-           "training.gradient_accumulation_steps=2", "training.max_steps=3", "training.compile_model=false",
+           "training.gradient_accumulation_steps=2", "training.max_steps=3", "compile.enabled=false",
            "logging.log_every=1", f"logging.output_dir={tmp_path / 'run'}"]
     assert main(run) == 0
     assert len(losses(tmp_path / "run")) == 3

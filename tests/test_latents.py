@@ -107,7 +107,7 @@ def test_loader_workers_read_the_same_batches(tmp_path):
 
 def test_training_on_latents_resumes_bit_for_bit(latent_run, tmp_path):
     """Interrupted after step 3 of 6 (the last checkpoint removed) and resumed: the uninterrupted weights."""
-    run = latent_run("training.max_steps=6", "logging.save_freq=3", "data.caption_dropout=0.5")
+    run = latent_run("training.max_steps=6", "checkpoint.every=3", "data.caption_dropout=0.5")
     assert main(run) == 0
     whole = final_weights(tmp_path / "run")
     shutil.rmtree(checkpoints(tmp_path / "run")[-1])

@@ -45,7 +45,7 @@ def test_adapters_alone_train_and_start_as_the_base(latent_run):
 @pytest.mark.slow
 def test_lora_run_keeps_the_base_checkpoints_adapters_and_resumes_exactly(lora_run, tmp_path):
     """With adapter dropout too: the global RNG it draws from is re-seeded from (seed, step, rank) each step."""
-    run = lora_run("training.max_steps=6", "logging.save_freq=3", "lora.dropout=0.3")
+    run = lora_run("training.max_steps=6", "checkpoint.every=3", "lora.dropout=0.3")
     assert main(run) == 0
     tensors, meta = read_checkpoint(checkpoints(tmp_path / "run")[-1])
     assert tensors["model"] and all(".lora_" in k for k in tensors["model"])
@@ -94,7 +94,7 @@ def test_exported_adapter_loads_into_diffusers_with_the_same_outputs(lora_run, t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plugin", [["training.compile_model=true"], ["training.dtype=bf16"],
+@pytest.mark.parametrize("plugin", [["compile.enabled=true"], ["training.dtype=bf16"],
                                     ["training.activation_checkpointing=1", "checkpoint.async_save=false"]])
 def test_lora_with_a_plugin_trains_like_lora_without(lora_run, tmp_path, plugin):
     """compile and checkpointing do the same math (fp32 reassociation only); bf16 rounds activations."""

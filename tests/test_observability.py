@@ -21,7 +21,7 @@ from tests.conftest import metric_rows as rows
 from train_mmdit_stable import main
 
 ROOT = Path(__file__).resolve().parents[1]
-PROFILE = ["training.enable_profiling=true", "training.profile_steps=2", "profiler.skip_first=1"]
+PROFILE = ["profiler.enabled=true", "profiler.active_steps=2", "profiler.skip_first=1"]
 
 
 def load_with_tb_profiler(trace_dir: Path):

@@ -26,7 +26,7 @@ def test_mixed_precision_trains_like_fp32(tiny, tmp_path, dtype, tolerance):
 @pytest.mark.slow
 def test_compiled_training_matches_eager(tiny, tmp_path):
     assert main(tiny("training.max_steps=3", run="eager")) == 0
-    assert main(tiny("training.max_steps=3", "training.compile_model=true", run="compiled")) == 0
+    assert main(tiny("training.max_steps=3", "compile.enabled=true", run="compiled")) == 0
     assert losses(tmp_path / "compiled") == pytest.approx(losses(tmp_path / "eager"), rel=1e-4)
     eager, compiled = (final_weights(tmp_path / r) for r in ("eager", "compiled"))
     assert eager.keys() == compiled.keys()
@@ -44,7 +44,7 @@ def test_failed_compilation_falls_back_to_eager(tiny, tmp_path, monkeypatch, cap
     monkeypatch.setattr(parallel, "apply_compile",
                         lambda model, enabled, mode, scope: real_apply(model, enabled, mode, scope, broken_backend))
     assert main(tiny("training.max_steps=3", run="eager")) == 0
-    assert main(tiny("training.max_steps=3", "training.compile_model=true", run="broken")) == 0
+    assert main(tiny("training.max_steps=3", "compile.enabled=true", run="broken")) == 0
     assert calls, "the compiler was asked and failed"
     assert losses(tmp_path / "broken") == losses(tmp_path / "eager")  # then ran eagerly, bit for bit
 
@@ -86,7 +86,7 @@ def inject_nan(monkeypatch, bad_steps, value=float("nan")):
 
 def test_nonfinite_step_is_skipped_and_counted(tiny, tmp_path, monkeypatch, caplog):
     inject_nan(monkeypatch, {1})
-    assert main(tiny("training.max_steps=3", "logging.save_freq=1", "checkpoint.keep_last=5")) == 0
+    assert main(tiny("training.max_steps=3", "checkpoint.every=1", "checkpoint.keep_last=5")) == 0
     assert "step 2 skipped" in caplog.text
     ckpts = sorted((tmp_path / "run" / "checkpoints").glob("step_*"))
     (after_1, _), (after_2, meta_2), (after_3, _) = (read_checkpoint(p, ("model", "ema", "optimizer")) for p in ckpts)
@@ -102,13 +102,13 @@ def test_nonfinite_step_is_skipped_and_counted(tiny, tmp_path, monkeypatch, capl
 
 def test_nonfinite_steps_in_a_row_stop_the_run(tiny, tmp_path, monkeypatch, caplog):
     inject_nan(monkeypatch, set(range(2, 100)))
-    assert main(tiny("training.max_steps=50", "training.max_nonfinite_steps=3", "logging.save_freq=2")) == 1
+    assert main(tiny("training.max_steps=50", "training.max_nonfinite_steps=3", "checkpoint.every=2")) == 1
     assert "3 non-finite steps in a row up to step 5" in caplog.text and "step_00000002" in caplog.text
 
 
 def test_fp16_overflow_is_skipped_and_lowers_the_loss_scale(tiny, tmp_path, monkeypatch):
     inject_nan(monkeypatch, {1}, value=float("inf"))
-    assert main(tiny("training.max_steps=3", "training.dtype=fp16", "logging.save_freq=1",
+    assert main(tiny("training.max_steps=3", "training.dtype=fp16", "checkpoint.every=1",
                      "checkpoint.keep_last=5")) == 0
     (after_1, meta_1), (after_2, meta_2), _ = (read_checkpoint(p) for p in checkpoints(tmp_path / "run"))
     assert all(torch.equal(after_1["model"][k], after_2["model"][k]) for k in after_1["model"])

@@ -237,7 +237,7 @@ def test_exif_rotation_is_applied(tmp_path):
 FINETUNE = ["data.name=latents", "model.patch_size=2", "model.num_layers=2", "model.num_attention_heads=2",
             "model.attention_head_dim=8", "model.sample_size=8", "model.pos_embed_max_size=8",
             "model.dual_attention_layers=[0]", "training.train_batch_size=4", "training.max_steps=3",
-            "optimizer.lr=5e-2", "optimizer.warmup_steps=1", "logging.log_every=1", "logging.save_freq=0"]
+            "optimizer.lr=5e-2", "optimizer.warmup_steps=1", "logging.log_every=1", "checkpoint.every=0"]
 
 
 @pytest.mark.slow
@@ -294,7 +294,7 @@ def test_lora_walkthrough_from_another_directory_validates_and_resumes(sd3_dir, 
     command = [str(ROOT / "train_mmdit_stable.sh"), "--config", "lora.yaml", "data.path=data", "model.init_from=base",
                "logging.output_dir=runs/lora", "data.holdout=2", "validation.every=2", "validation.loss_sigmas=4",
                "training.max_steps=4", "training.train_batch_size=2", "optimizer.warmup_steps=1",
-               "sampling.steps=2", "logging.log_every=1", "logging.save_freq=2"]
+               "sampling.steps=2", "logging.log_every=1", "checkpoint.every=2"]
     env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
     first = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]

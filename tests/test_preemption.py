@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def start(run_dir: Path, *extra: str) -> subprocess.Popen:
-    args = [*TINY, f"logging.output_dir={run_dir}", "logging.save_freq=10", "sampling.steps=1", *extra]
+    args = [*TINY, f"logging.output_dir={run_dir}", "checkpoint.every=10", "sampling.steps=1", *extra]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "train_mmdit_stable.py", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -86,7 +86,7 @@ def test_sigterm_to_the_launcher_of_two_processes_exits_zero_and_resumes_exactly
     launcher exits 0 (not torchrun's SignalException), and the same command then finishes with the weights of
     an uninterrupted run."""
     import threading
-    overrides = [*TINY, "training.train_batch_size=4", "training.max_steps=60", "logging.save_freq=1000",
+    overrides = [*TINY, "training.train_batch_size=4", "training.max_steps=60", "checkpoint.every=1000",
                  "sampling.steps=1"]
     env = {**os.environ, "PYTHON": sys.executable, "NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1",
            "PYTHONUNBUFFERED": "1"}

@@ -126,7 +126,7 @@ def test_hsdp_all_reduces_across_replicas_once_per_optimizer_step(tmp_path):
 def test_a_checkpoint_resumes_under_other_world_sizes_and_strategies(tmp_path):
     """One process -> 2-rank FSDP -> 4-rank HSDP -> 2-rank FSDP -> one process, two steps each, equals ten
     steps in one process. (A constant learning rate after warmup: each leg ends at its own max_steps.)"""
-    common = [*EXACT, "training.max_steps=10", "logging.save_freq=2", "optimizer.min_lr_ratio=1"]
+    common = [*EXACT, "training.max_steps=10", "checkpoint.every=2", "optimizer.min_lr_ratio=1"]
     fsdp = ["training.train_batch_size=4", "parallel.strategy=fsdp"]
     hsdp = ["training.train_batch_size=2", "parallel.strategy=hsdp", "parallel.shard_size=2"]
     one = ["training.train_batch_size=8"]
@@ -210,7 +210,7 @@ def test_workers_killed_at_random_restart_and_finish_with_the_uninterrupted_weig
     uninterrupted run ends."""
     import threading
     overrides = [*TINY, "parallel.strategy=fsdp", "training.train_batch_size=4", "training.max_steps=80",
-                 "logging.save_freq=4", "sampling.steps=1"]
+                 "checkpoint.every=4", "sampling.steps=1"]
     env = {**os.environ, "PYTHON": sys.executable, "NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1",
            "PYTHONUNBUFFERED": "1"}
     straight = subprocess.run([str(ROOT / "train_mmdit_stable.sh"), *overrides,

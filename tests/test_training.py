@@ -69,18 +69,18 @@ def test_micro_batch_split_does_not_change_the_math(tiny, tmp_path):
 @pytest.mark.slow
 def test_run_directory_resume_and_sampling(tiny, tmp_path):
     run_dir = tmp_path / "run"
-    assert main(tiny("training.max_steps=4", "logging.save_freq=2", "validation.every=2")) == 0
+    assert main(tiny("training.max_steps=4", "checkpoint.every=2", "validation.every=2")) == 0
     assert [p.name for p in checkpoints(run_dir)] == ["step_00000002", "step_00000004"]
     assert (run_dir / "config.yaml").is_file() and (run_dir / "fidelity.json").is_file()
     assert (run_dir / "samples" / "step_00000002.png").is_file() and (run_dir / "samples" / "step_00000004.png").is_file()
     assert set(json.loads((run_dir / "fidelity.json").read_text())) == {"color", "shape", "position"}
 
     # Interrupted after step 4 of 6 and resumed: the same weights as the uninterrupted run, bit for bit.
-    assert main(tiny("training.max_steps=6", "logging.save_freq=2", run="straight")) == 0
+    assert main(tiny("training.max_steps=6", "checkpoint.every=2", run="straight")) == 0
     straight = final_weights(tmp_path / "straight")
     shutil.rmtree(checkpoints(tmp_path / "straight")[-1])
     assert checkpoints(tmp_path / "straight")[-1].name == "step_00000004"
-    assert main(tiny("training.max_steps=6", "logging.save_freq=2", run="straight")) == 0
+    assert main(tiny("training.max_steps=6", "checkpoint.every=2", run="straight")) == 0
     resumed = final_weights(tmp_path / "straight")
     assert all(torch.equal(resumed[k], straight[k]) for k in straight)
 
@@ -126,7 +126,7 @@ def fail_writes_of(step: int, monkeypatch):
 
 def test_failed_checkpoint_write_leaves_training_running(tiny, tmp_path, monkeypatch, caplog):
     fail_writes_of(4, monkeypatch)
-    assert main(tiny("training.max_steps=6", "logging.save_freq=2", "checkpoint.keep_last=5")) == 0
+    assert main(tiny("training.max_steps=6", "checkpoint.every=2", "checkpoint.keep_last=5")) == 0
     assert "checkpoint of step 4" in caplog.text and "No space left on device" in caplog.text
     assert [p.name for p in checkpoints(tmp_path / "run")] == ["step_00000002", "step_00000006"]
 
@@ -201,7 +201,7 @@ def test_a_run_directory_of_the_earlier_checkpoint_format_resumes(tmp_path):
     config that lacks keys added since and has `sampling.every`) resume, and end bit for bit as a run that
     never stopped."""
     from tests.conftest import TINY
-    run = [*TINY, "training.max_steps=4", "logging.save_freq=2"]
+    run = [*TINY, "training.max_steps=4", "checkpoint.every=2"]
     assert main([*run, f"logging.output_dir={tmp_path / 'straight'}"]) == 0
     old = tmp_path / "old"
     shutil.copytree(tmp_path / "straight", old)
