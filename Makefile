@@ -6,7 +6,7 @@ TORCH_VERSION := 2.13.0
 BASE := $(VENV)/.installed
 TEST := $(VENV)/.installed-test
 
-.PHONY: train test install clean
+.PHONY: train test selfcheck install clean
 
 install: $(TEST)
 
@@ -27,6 +27,11 @@ train: $(BASE)
 
 test: $(TEST)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Each plugin in a short real run on this machine's GPUs (or CPU): a table of passed / failed / not runnable,
+# with step time, images/s, MFU, peak memory and host syncs per step (README: "Checking a GPU machine").
+selfcheck: $(BASE)
+	$(PY) benchmarks/selfcheck.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -7,7 +7,8 @@
 #   NPROC_PER_NODE  processes on this node (default: the GPUs in CUDA_VISIBLE_DEVICES, else all; at least 1)
 #   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT   static multi-node rendezvous (default 1, 0, -, 29500)
 #   RDZV_ENDPOINT (host:port), RDZV_ID            elastic c10d rendezvous instead of MASTER_ADDR
-#   MAX_RESTARTS=N  torchrun restarts all workers up to N times after one fails (resuming from the last checkpoint)
+#   MAX_RESTARTS=N  torchrun restarts all workers up to N times after one fails (resuming from the last checkpoint);
+#                   with MASTER_ADDR this uses c10d rendezvous there (torchrun's static one cannot restart workers)
 #   ENABLE_PROFILING=true  turn on the scheduled profiler (PROFILE_STEPS=N: active steps to record)
 # SIGTERM / SIGINT make training checkpoint at the next step and exit 0, as schedulers expect of a job that was
 # pre-empted cleanly; under torchrun the launcher passes them (and SIGHUP) to the workers and then exits 0.
@@ -23,10 +24,17 @@ if [[ "${ENABLE_PROFILING:-false}" == "true" ]]; then
   [[ -n "${PROFILE_STEPS:-}" ]] && extra+=("profiler.active_steps=${PROFILE_STEPS}")
 fi
 
-gpus=0  # the GPUs this job may use: CUDA_VISIBLE_DEVICES when set, else all that nvidia-smi lists
+# The GPUs this job may use: CUDA_VISIBLE_DEVICES when set; else those nvidia-smi lists; else, where the
+# NVIDIA driver's device nodes exist but nvidia-smi does not (some containers), those torch counts.
 if [[ -n "${CUDA_VISIBLE_DEVICES+set}" ]]; then
-  IFS=, read -r -a visible <<< "$CUDA_VISIBLE_DEVICES"; gpus=${#visible[@]}
-elif command -v nvidia-smi >/dev/null 2>&1; then gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true); fi
+  gpus=$(awk -F, '{print NF}' <<< "$CUDA_VISIBLE_DEVICES")
+elif command -v nvidia-smi >/dev/null 2>&1; then
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+elif compgen -G "/dev/nvidia[0-9]*" >/dev/null; then
+  gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+else
+  gpus=0
+fi
 nproc=${NPROC_PER_NODE:-$(( gpus > 0 ? gpus : 1 ))}
 nnodes=${NNODES:-1}
 
@@ -39,10 +47,13 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 
 if [[ "$nproc" == 1 && "$nnodes" == 1 && -z "${MASTER_ADDR:-}${RDZV_ENDPOINT:-}${MAX_RESTARTS:-}" ]]; then
-  exec "$PYTHON" "$here/train_mmdit_stable.py" "$@" "${extra[@]}"
+  exec "$PYTHON" "$here/train_mmdit_stable.py" "$@" ${extra[@]+"${extra[@]}"}
 fi
 
 launch=(--nnodes "$nnodes" --nproc-per-node "$nproc" --max-restarts "${MAX_RESTARTS:-0}")
+if [[ -z "${RDZV_ENDPOINT:-}" && -n "${MASTER_ADDR:-}" && "${MAX_RESTARTS:-0}" != 0 ]]; then
+  RDZV_ENDPOINT="$MASTER_ADDR:${MASTER_PORT:-29500}"  # restarted workers would hang in the static rendezvous
+fi
 if [[ -n "${RDZV_ENDPOINT:-}" ]]; then
   launch+=(--rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "${RDZV_ID:-mmdit}")
 elif [[ "$nnodes" == 1 && -z "${MASTER_ADDR:-}" ]]; then
@@ -53,11 +64,13 @@ else
            --master-port "${MASTER_PORT:-29500}")
 fi
 
-# Pre-emption: torchrun itself answers a signal by raising an error (exit 1) and killing the workers 30 s
-# later, so the signal goes to the workers directly; each one that checkpoints and exits because of it
-# leaves a mark in MMDIT_PREEMPTED_DIR, and a run whose local workers all did so ends with status 0.
-export MMDIT_PREEMPTED_DIR
-MMDIT_PREEMPTED_DIR="$(mktemp -d)"
+# Why workers exit, which torchrun cannot tell: it answers a signal by raising an error (exit 1) and killing the
+# workers 30 s later, and prints a long traceback for any worker that exits non-zero. So the signal goes to the
+# workers directly, and each worker leaves its reason in MMDIT_STATUS_DIR: "preempted" (it checkpointed and
+# exits because it was asked to: the launcher exits 0) or "config-error" (rank 0 printed the one line that
+# says what is wrong; the workers exit 0 for torchrun and the launcher exits 2, as one process would).
+export MMDIT_STATUS_DIR
+MMDIT_STATUS_DIR="$(mktemp -d)"
 signalled=0
 torchrun_pid=""
 forward() {
@@ -66,15 +79,19 @@ forward() {
 }
 trap forward TERM INT HUP  # before the start: a signal then can never leave torchrun running on its own
 echo "torchrun ${launch[*]}" >&2
-"$PYTHON" -m torch.distributed.run "${launch[@]}" "$here/train_mmdit_stable.py" "$@" "${extra[@]}" &
+"$PYTHON" -m torch.distributed.run "${launch[@]}" "$here/train_mmdit_stable.py" "$@" ${extra[@]+"${extra[@]}"} &
 torchrun_pid=$!
 status=0
 while true; do  # `wait` returns early when a trapped signal arrives; wait again until torchrun has ended
   wait "$torchrun_pid" && status=0 || status=$?
   kill -0 "$torchrun_pid" 2>/dev/null || break
 done
-preempted=$(find "$MMDIT_PREEMPTED_DIR" -type f | wc -l)
-rm -rf "$MMDIT_PREEMPTED_DIR"
+preempted=$( (grep -lx preempted "$MMDIT_STATUS_DIR"/* 2>/dev/null || true) | wc -l)
+config_errors=$( (grep -lx config-error "$MMDIT_STATUS_DIR"/* 2>/dev/null || true) | wc -l)
+rm -rf "$MMDIT_STATUS_DIR"
+if (( config_errors > 0 )); then
+  exit 2
+fi
 if (( signalled && preempted == nproc )); then
   echo "pre-empted: all $nproc local worker(s) checkpointed and exited cleanly" >&2
   exit 0

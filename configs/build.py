@@ -1,20 +1,31 @@
-"""What a config describes, built: the dataset, its tokenizer, the model and the held-out split. The entry
-points compose these; `models/` and `data/` stay free of configs."""
+"""What a config describes, built: the dataset, its tokenizer, the model, the held-out split, the batches'
+collation and validation. The entry points compose these; `models/`, `data/` and `perf/` stay free of configs
+and of each other's specifics (this is where a dataset's prompts meet the validation plugin, say)."""
 
 import dataclasses
+import logging
+from collections import Counter
+from functools import partial
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
 
 from configs.schema import ConfigError
-from data.latents import DataFormatError, LatentDataset
-from data.loader import split_holdout
+from data.images import to_unit
+from data.latents import DataFormatError, LatentDataset, load_vae, vae_folder
+from data.loader import Collate, split_holdout
 from data.shapes import MAX_CAPTION_WORDS, VOCABULARY, ShapesDataset
 from models.diffusers_io import CheckpointFormatError, load_diffusers_weights, read_config
 from models.lora import apply_lora
 from models.mmdit import MMDiT, MMDiTConfig
+from models.rectified_flow import training_sigmas
 from models.text_encoder import TextToImage, TinyTextEncoder, WordTokenizer
+from perf.distributed import World
+from perf.precision import DTYPES
+from perf.validation import HeldOutLoss, PromptImages, Validation
+
+log = logging.getLogger("mmdit")
 
 
 def build_tokenizer() -> WordTokenizer:
@@ -94,6 +105,74 @@ def init_from_diffusers(transformer: MMDiT, directory: str) -> None:
         load_diffusers_weights(transformer, Path(directory))
     except CheckpointFormatError as e:
         raise ConfigError(f"model.init_from={directory}: {e}") from None
+
+
+def build_collate(cfg: DictConfig, dataset, tokenizer: WordTokenizer | None) -> Collate:
+    """Batches with their noise, noise levels (the configured timestep sampling) and caption dropout."""
+    flow = cfg.flow
+    sigmas = partial(training_sigmas, sampling=flow.sigma_sampling, logit_mean=flow.logit_mean,
+                     logit_std=flow.logit_std, shift=flow.shift, mode_scale=flow.mode_scale)
+    return Collate(cfg.training.seed, sigmas, cfg.data.caption_dropout, tokenizer, getattr(dataset, "empty_prompt", None))
+
+
+def build_validation(cfg: DictConfig, dataset, tokenizer: WordTokenizer | None, holdout: list[int], world: World,
+                     device: torch.device) -> Validation:
+    """What validation runs for this config: the dataset's prompts (scored for the shapes data, decoded by a VAE
+    loaded on rank 0 for latents) and the held-out loss. Nothing is built when it would not run; a VAE that
+    cannot be found is an error here, before any training."""
+    v, on = cfg.validation, cfg.validation.every > 0
+    images = None
+    if tokenizer is not None:  # the shapes data: scored at the end even with validation off
+        captions = dataset.validation_captions()
+        shown = torch.linspace(0, len(captions) - 1, cfg.sampling.grid_size).long().tolist()
+        images = prompt_images(cfg, dataset, captions, {"input_ids": tokenizer(captions)},
+                               {"input_ids": tokenizer([""])}, to_unit, dataset.score_images, shown)
+    elif on and dataset.validation_prompts is not None:
+        decode = latent_decoder(cfg, dataset, world, device)
+        uncond = dataset.empty_prompt or {k: torch.zeros_like(t[:1]) for k, t in dataset.validation_prompts.items()}
+        captions = dataset.validation_captions
+        images = prompt_images(cfg, dataset, captions, dataset.validation_prompts, uncond, decode, None,
+                               list(range(len(captions))))
+    elif on:
+        log.warning("%s holds no validation prompts (precompute_latents.py --validation-prompts FILE): no "
+                    "validation images", cfg.data.path)
+    loss = None
+    if on and holdout:
+        loss = HeldOutLoss(dataset, holdout, partial(item_text, tokenizer), v.loss_sigmas, cfg.training.seed,
+                           cfg.training.dtype)
+    return Validation(v.every, cfg.training.max_steps, images, loss, world, device)
+
+
+def prompt_images(cfg: DictConfig, dataset, captions, text, uncond, decode, score, shown) -> PromptImages:
+    shape = (dataset.latent_channels, *Counter(getattr(dataset, "sizes", dataset.latent_sizes)).most_common(1)[0][0])
+    return PromptImages(captions, text, uncond, shape, decode, score, shown, cfg.sampling, cfg.training.seed,
+                        cfg.training.dtype, cfg.training.train_batch_size)
+
+
+def latent_decoder(cfg: DictConfig, dataset, world: World, device: torch.device):
+    """Latents -> images through the dataset's VAE, one at a time (a 1024-px decode holds gigabytes of
+    activations), on rank 0 only (the others never decode)."""
+    try:
+        folder = vae_folder(dataset, cfg.validation.vae_from)
+        vae = load_vae(folder, device, DTYPES.get(cfg.training.dtype, torch.float32)) if world.is_main else None
+    except DataFormatError as e:
+        raise ConfigError(str(e)) from None
+    recorded = dataset.index.get("vae", {})
+    scaling = recorded.get("scaling_factor", getattr(vae.config, "scaling_factor", 1.0) if vae else 1.0)
+    shift = recorded.get("shift_factor", getattr(vae.config, "shift_factor", 0.0) if vae else 0.0) or 0.0
+
+    @torch.no_grad()
+    def decode(latents: torch.Tensor) -> torch.Tensor:
+        x = latents[None].to(device, vae.dtype) / scaling + shift
+        return to_unit(vae.decode(x).sample[0].float()).cpu()
+    return decode
+
+
+def item_text(tokenizer: WordTokenizer | None, item: dict, rows: int) -> dict[str, torch.Tensor]:
+    """A dataset item's text input of the model, repeated `rows` times."""
+    if tokenizer is not None:
+        return {"input_ids": tokenizer([item["caption"]] * rows)}
+    return {k: item[k][None].expand(rows, *item[k].shape) for k in ("prompt_embeds", "pooled_prompt_embeds")}
 
 
 def example_text(dataset, tokenizer: WordTokenizer | None) -> dict[str, torch.Tensor]:

@@ -36,6 +36,40 @@ class DataFormatError(ValueError):
     pass
 
 
+def vae_folder(dataset: "LatentDataset", override: str | None) -> Path:
+    """The VAE that decodes the dataset's latents: `override` (a pipeline or its vae/ folder), else the one its
+    precompute recorded in dataset.json."""
+    if override:
+        folder, source = Path(override), "validation.vae_from"
+    else:
+        recorded = dataset.index.get("vae", {}).get("folder") or (dataset.index.get("model") and
+                                                                 f"{dataset.index['model']}/vae")
+        if not recorded:
+            raise DataFormatError(f"{dataset.directory}/{INDEX} records no VAE; set validation.vae_from to the "
+                                  f"pipeline (or its vae/ folder) that encoded the dataset")
+        folder, source = Path(recorded), f"the VAE recorded in {dataset.directory}/{INDEX}"
+    if (folder / "vae" / "config.json").is_file():
+        folder = folder / "vae"
+    if not (folder / "config.json").is_file():
+        raise DataFormatError(f"{source}: {folder} is not a diffusers VAE folder (no config.json); set "
+                              f"validation.vae_from to the SD3 pipeline (or its vae/ folder) that encoded the data")
+    return folder
+
+
+def load_vae(folder: Path, device: torch.device, dtype: torch.dtype):
+    """A diffusers AutoencoderKL, in eval mode on `device`."""
+    try:
+        from diffusers import AutoencoderKL
+    except ImportError:
+        raise DataFormatError("decoding latents needs diffusers: pip install -e '.[finetune]'") from None
+    try:
+        vae = AutoencoderKL.from_pretrained(folder, torch_dtype=dtype)
+    except (OSError, ValueError) as e:
+        raise DataFormatError(f"the VAE in {folder} does not load: {e}") from None
+    log.info("latents decoded by the VAE in %s", folder)
+    return vae.to(device).eval()
+
+
 def read_header(path: Path) -> tuple[dict[str, tuple[str, list[int]]], dict[str, str]]:
     """{field: (dtype, shape)} and the string metadata of one safetensors file, without reading tensors."""
     try:

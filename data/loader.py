@@ -16,7 +16,7 @@ from functools import lru_cache
 
 import torch
 
-from models.rectified_flow import FLIP_STREAM, HOLDOUT_STREAM, ORDER_STREAM, sample_key
+from models.rectified_flow import FLIP_STREAM, HOLDOUT_STREAM, ORDER_STREAM, draw_sample_noise, sample_key
 
 log = logging.getLogger("mmdit")
 
@@ -143,28 +143,61 @@ class StepDataset(torch.utils.data.Dataset):
 
 
 class Collate:
-    """Stacks tensors; tokenizes captions when a tokenizer is given; adds the empty caption's embeddings
-    (`empty_<key>`, one row) when the dataset has them, for caption dropout."""
+    """Stacks a rank's items into its share of a step's batch, with all that is random about them: noise, noise
+    level and caption dropout, drawn per sample from (seed, step, position in the global batch) as
+    models/rectified_flow.py keys them. This runs in the loader (in its workers, when there are any), so the
+    training step only copies the batch to the device.
 
-    def __init__(self, tokenizer=None, empty_prompt: dict | None = None):
-        self.tokenizer = tokenizer
-        self.empty_prompt = empty_prompt or {}
+    A dropped caption becomes the empty caption: all padding for token ids, the encoding of "" for
+    precomputed embeddings (zeros when the dataset has none), "" for captions encoded during training."""
+
+    def __init__(self, seed: int, sigmas, caption_dropout: float, tokenizer=None, empty_prompt: dict | None = None):
+        self.seed, self.sigmas, self.caption_dropout = seed, sigmas, caption_dropout
+        self.tokenizer, self.empty_prompt = tokenizer, empty_prompt
 
     def __call__(self, items: list[dict]) -> dict:
-        batch = {}
-        for key in items[0]:
-            values = [item[key] for item in items]
-            batch[key] = torch.stack(values) if isinstance(values[0], torch.Tensor) else values
-        batch["step"] = batch["step"][0]
-        batch["position"] = torch.tensor(batch["position"])
+        step, positions = items[0]["step"], torch.tensor([item["position"] for item in items])
+        latents = torch.stack([item["latents"] for item in items])
+        draws = draw_sample_noise(self.seed, step, positions, tuple(latents.shape[1:]))
+        dropped = draws.dropout_uniform < self.caption_dropout
+        return {"step": step, "first_position": int(positions[0]), "latents": latents, "noise": draws.noise,
+                "sigma": self.sigmas(draws), "text": self.text(items, dropped)}
+
+    def text(self, items: list[dict], dropped: torch.Tensor) -> dict:
         if self.tokenizer is not None:
-            batch["input_ids"] = self.tokenizer(batch["caption"])
-        batch.update({f"empty_{k}": v for k, v in self.empty_prompt.items()})
-        return batch
+            return {"input_ids": torch.where(dropped[:, None], 0, self.tokenizer([item["caption"] for item in items]))}
+        if "prompt_embeds" not in items[0]:  # encoded in the training step (data.text_encoding=on_the_fly)
+            return {"captions": ["" if drop else item["caption"] for item, drop in zip(items, dropped.tolist())]}
+        text = {}
+        for key in ("prompt_embeds", "pooled_prompt_embeds"):
+            values = torch.stack([item[key] for item in items])
+            empty = self.empty_prompt[key] if self.empty_prompt else torch.zeros_like(values[:1])
+            text[key] = torch.where(dropped.view(-1, *[1] * (values.dim() - 1)), empty.to(values.dtype), values)
+        return text
 
 
-def step_batches(dataset, tokenizer, items: list[int], global_batch: int, seed: int, rank: int, world_size: int,
-                 start_step: int, end_step: int, device: torch.device, num_workers: int = 0,
+def micro_batches(batch: dict, size: int):
+    """The batch in consecutive slices of `size` samples (tensors and lists alike)."""
+    count = len(batch["latents"])
+    for start in range(0, count, size):
+        yield take(batch, slice(start, start + size))
+
+
+def take(tree, part: slice):
+    if isinstance(tree, dict):
+        return {key: take(value, part) for key, value in tree.items()}
+    return tree[part] if isinstance(tree, (torch.Tensor, list)) else tree
+
+
+def to_device(tree, device: torch.device):
+    """Every tensor of a batch on the device, copied without blocking the host (batches are pinned on CUDA)."""
+    if isinstance(tree, dict):
+        return {key: to_device(value, device) for key, value in tree.items()}
+    return tree.to(device, non_blocking=True) if isinstance(tree, torch.Tensor) else tree
+
+
+def step_batches(dataset, collate: Collate, items: list[int], global_batch: int, seed: int, rank: int,
+                 world_size: int, start_step: int, end_step: int, device: torch.device, num_workers: int = 0,
                  pin_memory: bool = True, prefetch_factor: int = 2) -> torch.utils.data.DataLoader:
     """One loader for the whole run (iterated once, so workers live as long as the run). Workers change
     where items are made, never which: the batches are the same for any worker count."""
@@ -175,7 +208,6 @@ def step_batches(dataset, tokenizer, items: list[int], global_batch: int, seed: 
     if num_workers:
         log.info("data loading: %d workers, prefetch %d, pinned memory %s", num_workers, prefetch_factor,
                  pin_memory and device.type == "cuda")
-    collate = Collate(tokenizer, getattr(dataset, "empty_prompt", None))
     return torch.utils.data.DataLoader(StepDataset(dataset, seed), batch_sampler=sampler, collate_fn=collate,
                                        num_workers=num_workers, pin_memory=pin_memory and device.type == "cuda",
                                        prefetch_factor=prefetch_factor if num_workers else None)

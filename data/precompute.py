@@ -37,6 +37,7 @@ import torch
 from PIL import Image, ImageOps
 
 from data.latents import EMPTY_PROMPT, INDEX, PRECOMPUTE_SETTINGS as SETTINGS, VALIDATION_PROMPTS
+from models.diffusers_io import save_safetensors
 
 log = logging.getLogger("mmdit")
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
@@ -275,13 +276,6 @@ def start_output_directory(out: Path, settings: dict) -> None:
         (out / SETTINGS).write_text(json.dumps(settings, indent=1))
 
 
-def write_safetensors(tensors: dict, path: Path, metadata: dict | None = None) -> None:
-    from safetensors.torch import save_file
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, tmp, metadata=metadata)
-    os.replace(tmp, path)
-
-
 def encode_chunk(number: int, items: list[tuple[Path, str, tuple[int, int]]], encoders: SD3Encoders,
                  batch_size: int, store: torch.dtype, random_flip: bool, out: Path, progress) -> list[dict]:
     """Encode one chunk of (image, caption, target size) into a shard per size; returns their index entries."""
@@ -304,14 +298,14 @@ def encode_chunk(number: int, items: list[tuple[Path, str, tuple[int, int]]], en
         tensors = {name: torch.cat(values) for name, values in parts.items() if values}
         h, w = tensors["latents"].shape[-2:]
         name = f"shard-{number:05d}-{h}x{w}.safetensors"
-        write_safetensors(tensors, out / name, {"captions": json.dumps([c for _, c in group])})
+        save_safetensors(tensors, out / name, {"captions": json.dumps([c for _, c in group])})
         shards.append({"file": name, "count": len(group), "latent_size": [h, w]})
     return shards
 
 
 def encode_prompts(encoders: SD3Encoders, prompts: list[str], store: torch.dtype, path: Path) -> None:
     prompt_embeds, pooled = encoders.encode_text(prompts)
-    write_safetensors({"prompt_embeds": prompt_embeds.to(store), "pooled_prompt_embeds": pooled.to(store)}, path,
+    save_safetensors({"prompt_embeds": prompt_embeds.to(store), "pooled_prompt_embeds": pooled.to(store)}, path,
                       {"captions": json.dumps(prompts)})
 
 

@@ -25,6 +25,12 @@ def caption(color: str, shape: str, position: str) -> str:
     return f"a {color} {shape} in the {position}"
 
 
+def attributes_of(text: str) -> tuple[str, str, str]:
+    """(color, shape, position) of a caption `caption` wrote."""
+    words = text.split()
+    return words[1], words[2], " ".join(words[5:])
+
+
 def all_prompts() -> list[tuple[str, str, str]]:
     """The fixed prompt set: all 90 (color, shape, position) combinations, in a stable order."""
     return list(itertools.product(COLORS, SHAPES, POSITIONS))
@@ -68,6 +74,17 @@ class ShapesDataset(torch.utils.data.Dataset):
         half_size = int(torch.randint(4, 7, (), generator=gen))
         anchor = POSITIONS[position]
         return color, shape, position, (anchor[0] + jitter[0], anchor[1] + jitter[1]), half_size
+
+    @staticmethod
+    def validation_captions() -> list[str]:
+        """All 90 captions, in a stable order: what validation samples and scores."""
+        return [caption(*p) for p in all_prompts()]
+
+    @staticmethod
+    def score_images(images: torch.Tensor, captions: list[str]) -> dict[str, float]:
+        """Prompt fidelity of samples [N, 3, H, W] in [0, 1] of `captions`, per attribute (`analyze`)."""
+        fidelity = prompt_fidelity(images, [attributes_of(c) for c in captions])
+        return {f"fidelity/{k}": v for k, v in fidelity.items()}
 
     def __getitem__(self, index: int) -> dict:
         if not 0 <= index < self.num_items:

@@ -4,6 +4,7 @@ Which kernel runs is chosen from outside (`perf/attention.py`); the model only c
 """
 
 import math
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,17 @@ _kernel = sdpa_attention
 def set_attention_kernel(kernel) -> None:
     global _kernel
     _kernel = kernel
+
+
+@contextmanager
+def attention_kernel(kernel):
+    """Use `kernel` inside the block (e.g. the math formula while counting FLOPs), then the one before."""
+    before = _kernel
+    set_attention_kernel(kernel)
+    try:
+        yield
+    finally:
+        set_attention_kernel(before)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,24 @@ class CheckpointFormatError(ValueError):
     pass
 
 
+def file_mode() -> int:
+    """What `open()` would give a new file (0666 less the umask): safetensors writes 0600 instead, which would
+    make a shared dataset or export unreadable by colleagues."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict | None = None) -> None:
+    """Write a safetensors file whole or not at all (a temporary name, then a rename), with the usual
+    permissions."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata=metadata)
+    os.chmod(tmp, file_mode())
+    os.replace(tmp, path)
+
+
 def read_config(directory: Path) -> MMDiTConfig:
     path = Path(directory) / "config.json"
     if not path.is_file():
@@ -45,6 +63,9 @@ def read_config(directory: Path) -> MMDiTConfig:
         raise CheckpointFormatError(f"{path}: settings this MMDiT does not implement: {unknown}")
     config = MMDiTConfig(**{k: v for k, v in raw.items() if k in fields})
     config.dual_attention_layers = list(config.dual_attention_layers or [])
+    if config.caption_projection_dim != config.hidden_size:
+        raise CheckpointFormatError(f"{path} is inconsistent: caption_projection_dim={config.caption_projection_dim} "
+                                    f"but num_attention_heads * attention_head_dim = {config.hidden_size}")
     return config
 
 
@@ -117,7 +138,7 @@ def export_diffusers_transformer(model: MMDiT, directory: Path, dtype: torch.dty
         config = {"_class_name": CLASS_NAME, "_diffusers_version": "0.30.0", **dataclasses.asdict(model.cfg)}
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         # persistent buffers are recomputed by diffusers too, but it stores them; keep the state dict whole
-        save_file(cpu_tensors(model.state_dict(), dtype), tmp / WEIGHTS, metadata={"format": "pt"})
+        save_safetensors(cpu_tensors(model.state_dict(), dtype), tmp / WEIGHTS, metadata={"format": "pt"})
     return write_new_directory(directory, write)
 
 
@@ -137,5 +158,5 @@ def export_diffusers_lora(adapter_weights: dict[str, torch.Tensor], settings: di
     folded = {k: v * scale if ".lora_B." in k else v for k, v in adapter_weights.items()}
     header = {f"{LORA_PREFIX}.{k}": v for k, v in {**settings, "lora_alpha": settings["r"]}.items()}
     metadata = {"format": "pt", LORA_METADATA_KEY: json.dumps(header)}
-    return write_new_directory(directory, lambda tmp: save_file(
+    return write_new_directory(directory, lambda tmp: save_safetensors(
         cpu_tensors(diffusers_lora_state(folded), dtype), tmp / LORA_WEIGHTS, metadata=metadata))

@@ -21,9 +21,13 @@ class EMA:
         return min(self.decay, (1 + num_updates) / (10 + num_updates))
 
     @torch.no_grad()
-    def update(self, num_updates: int) -> None:
-        decay = self.effective_decay(num_updates)
-        torch._foreach_lerp_(list(self.shadow.values()), [p.detach().float() for p in self.params], 1 - decay)
+    def update(self, num_updates: int, applied: torch.Tensor | None = None) -> None:
+        """Move the average towards the weights; `applied` (a 0/1 device tensor) is 0 where the optimizer step
+        was skipped, and then the average stays too, without reading the flag on the host."""
+        weight = 1 - self.effective_decay(num_updates)
+        if applied is not None:
+            weight = applied * weight
+        torch._foreach_lerp_(list(self.shadow.values()), [p.detach().float() for p in self.params], weight)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.shadow

@@ -38,6 +38,17 @@ from perf.step_stats import memory_stats
 log = logging.getLogger("mmdit")
 
 
+# Out-of-memory errors that are not torch.OutOfMemoryError: allocations outside the caching allocator (cuBLAS
+# and cuDNN workspaces, NCCL buffers, the CUDA runtime) fail with a RuntimeError that names them.
+OUT_OF_MEMORY_MESSAGES = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED",
+                          "cudaErrorMemoryAllocation")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and any(m in str(error) for m in OUT_OF_MEMORY_MESSAGES))
+
+
 class OutOfMemoryAtMicroBatchOne(RuntimeError):
     pass
 
@@ -123,7 +134,9 @@ class Agreement:
         error = None
         try:
             buffer = allocate(*args, **kwargs)
-        except torch.OutOfMemoryError as e:
+        except RuntimeError as e:
+            if not is_out_of_memory(e):
+                raise
             error = e
         failed = self.failed_ranks(error is not None)
         if failed:
@@ -150,9 +163,10 @@ class AgreeingReduceScatter(DefaultReduceScatter):
 
 class BatchSizer:
     def __init__(self, cfg: DictConfig, max_micro_batch: int, device: torch.device, injector: OOMInjector,
-                 agreement: Agreement, sharded: bool):
+                 agreement: Agreement, sharded: bool, bucket_mb: float):
         self.max, self.device, self.injector, self.agreement, self.sharded = (max_micro_batch, device, injector,
                                                                               agreement, sharded)
+        self.bucket_bytes = int(bucket_mb * 2**20)
         self.grow_after, self.retry_after = cfg.grow_after, cfg.retry_after
         self.micro_batch = max_micro_batch
         self.clean_steps = 0
@@ -170,12 +184,14 @@ class BatchSizer:
             error, agreed, before = None, False, sigma_losses.state()
             try:  # FSDP reduces as it goes; DDP's reduction waits for the agreement below
                 loss = step_fn(self.micro_batch, self.sharded)
-            except torch.OutOfMemoryError as e:  # only OOM: any other error stops the run
+            except RuntimeError as e:  # only out of memory: any other error stops the run
+                if not is_out_of_memory(e):
+                    raise
                 error, agreed = f"{e}".split("\n")[0], isinstance(e, AgreedOutOfMemory)
             failed = agreed or bool(self.agreement.failed_ranks(error is not None))
             if not failed:
                 if not self.sharded:
-                    all_reduce_gradients(model)
+                    all_reduce_gradients(model, self.bucket_bytes)
                 self.clean_steps += 1
                 return loss
             sigma_losses.restore(before)
@@ -192,7 +208,8 @@ class BatchSizer:
         for p in unwrap(model).parameters():
             p.grad = None
         gc.collect()
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":  # kernels queued before the failure may still use the memory
+            torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
 
     def shrink(self, step: int, error: str | None) -> None:
@@ -243,18 +260,41 @@ def clear_unsharded_gradients(module: FSDPModule) -> None:
             fsdp_param.unsharded_accumulated_grad = None
 
 
-def all_reduce_gradients(model) -> None:
-    """The mean gradient over ranks, as DDP's own reduction would give it."""
+def all_reduce_gradients(model, bucket_bytes: int) -> None:
+    """The mean gradient over ranks, as DDP's own reduction gives it: the gradients flattened into buckets of
+    about `bucket_bytes` (parallel.ddp_bucket_cap_mb), one all-reduce per bucket, two buckets in flight."""
     if not is_distributed():
         return
     params = [p for p in unwrap(model).parameters() if p.requires_grad]
-    for p in params:  # the same list of collectives on every rank, even if a parameter got no gradient
+    for p in params:  # the same collectives on every rank, even if a parameter got no gradient
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params]
-    torch._foreach_div_(grads, dist.get_world_size())  # before the sum, as DDP's default hook does
-    for work in [dist.all_reduce(g, async_op=True) for g in grads]:
-        work.wait()
+    in_flight = []
+    for bucket in gradient_buckets([p.grad for p in params], bucket_bytes):
+        flat = torch.cat([g.flatten() for g in bucket]).div_(dist.get_world_size())  # before the sum, as DDP does
+        in_flight.append((dist.all_reduce(flat, async_op=True), flat, bucket))
+        if len(in_flight) > 1:
+            copy_back(*in_flight.pop(0))
+    for work in in_flight:
+        copy_back(*work)
+
+
+def gradient_buckets(grads: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+    """Consecutive gradients of one dtype, up to `bucket_bytes` each (a larger gradient is a bucket alone)."""
+    buckets, size = [], 0
+    for grad in grads:
+        nbytes = grad.numel() * grad.element_size()
+        if not buckets or size + nbytes > bucket_bytes or buckets[-1][0].dtype != grad.dtype:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(grad)
+        size += nbytes
+    return buckets
+
+
+def copy_back(work, flat: torch.Tensor, bucket: list[torch.Tensor]) -> None:
+    work.wait()
+    torch._foreach_copy_(bucket, [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in bucket]), bucket)])
 
 
 def memory_figures(device: torch.device) -> str:
@@ -283,4 +323,4 @@ def build_batch_sizer(cfg: DictConfig, micro_batch: int, device: torch.device, r
                            rank)
     if injector.above >= 0:
         unwrap(model).get_submodule(s.debug_oom_module).register_forward_hook(injector)
-    return BatchSizer(s, micro_batch, device, injector, agreement, sharded)
+    return BatchSizer(s, micro_batch, device, injector, agreement, sharded, cfg.parallel.ddp_bucket_cap_mb)

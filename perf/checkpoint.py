@@ -1,22 +1,26 @@
-"""Checkpoints: one directory per step in torch.distributed.checkpoint (DCP) format, written atomically and
-verifiably from a CPU snapshot by a background thread, and resumable under any world size and strategy.
+"""Checkpoints: one directory per step in torch.distributed.checkpoint (DCP) format, staged to host memory
+by torch's stager, written in the background by every rank, published atomically, verified before use, and
+resumable under any world size and strategy.
 
-A checkpoint holds one state dict, {"model": trained weights, "ema": their averages, "optimizer": AdamW state
-keyed by parameter name}, plus `state.json` (the loop's own state) and `config.yaml`. Under DDP or one
-process, rank 0 writes all of it; under FSDP/HSDP every rank writes its own shards in parallel. Either way
-DCP records the global shape of every tensor, so a checkpoint loads into any sharding: 2 FSDP ranks -> 1
-process, 1 process -> 4 HSDP ranks, and so on.
+The `Checkpointer` owns a run's checkpoints. It is given the parts of the training state, each an object with
+`state_dict()` / `load_state_dict()` (model weights, EMA, optimizer, grad scaler, batch sizer, ...), and decides
+when to save (`save(step)` at every `checkpoint.every`-th step; `save(step, last=True)` always), where to
+resume from (`resume()`), and which old checkpoints to delete.
 
-Publishing: everything is written into `.tmp-step_XXXXXXXX`, every file is fsynced, each writer hashes its
-own files, rank 0 adds `manifest.json` (sizes and sha256 of every file) last and only then renames the
-directory to `step_XXXXXXXX`. A directory without a valid manifest is never resumed from.
-
-`Checkpointer.save` copies the state into reused CPU buffers on the training thread (pinned, non-blocking
-copies on CUDA, ordered before any later optimizer kernel by the stream), then hands the write to one
-background thread. At most one save is in flight: a new save first waits for the previous one.
+- Writing: `dcp.async_save` with a `DefaultStager`: on CUDA the stager copies the state into pinned host
+  buffers it keeps for the next save (pinned by registering plain host memory, so they hold exactly the
+  state's bytes, not the power-of-two blocks of the pinned caching allocator), on a side stream; the
+  optimizer waits for that copy before it next changes the weights (a step pre-hook). On the CPU the copy is
+  made before `save` returns. Every rank writes what it owns: its shards under FSDP/HSDP; under DDP DCP
+  spreads the replicated tensors over the ranks, each written once.
+- Publishing: files go into `.tmp-step_XXXXXXXX`, each fsynced; each rank hashes its own files; rank 0 adds
+  `state.json` (the step, and what export needs), `config.yaml` and, last, `manifest.json` (size and sha256 of
+  every file), then renames the directory to `step_XXXXXXXX`. At most one save is in flight.
+- Resuming: the newest checkpoint that verifies (every rank hashes a share of the files). Damaged newer ones
+  are moved to `checkpoints/damaged/`, never deleted. If checkpoints exist but none verifies, the run refuses
+  to start, naming each one and what is wrong, and changes nothing on disk.
 """
 
-import copy
 import hashlib
 import json
 import logging
@@ -30,7 +34,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.tensor import DTensor
+
+from configs.schema import ConfigError
+from perf.distributed import host_group, is_distributed
+from perf.parallel import unwrap
 
 log = logging.getLogger("mmdit")
 # DCP says so at every save and load of one process; that is what `no_dist` asks for, not news
@@ -38,6 +50,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 MANIFEST = "manifest.json"
 STATE = "state.json"
 DCP_METADATA = ".metadata"
+FORMAT = 2  # state.json's "format": what this version writes and reads
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -68,62 +81,8 @@ def group_rank(group) -> int:
     return dist.get_rank(group) if group is not None else 0
 
 
-def write_checkpoint(run_dir: Path, step: int, state: dict, meta: dict, extra_files: dict[str, str] | None = None,
-                     group: dist.ProcessGroup | None = None) -> Path:
-    """Write `state` (nested dicts of tensors; DTensors contribute their local shards) as the checkpoint of
-    `step`. Every rank of `group` calls this with its part (one process: group None); rank 0 also writes
-    `meta` (JSON) and `extra_files` (name -> text) and publishes. Returns the published path."""
-    rank, extra_files = group_rank(group), extra_files or {}
-    root = checkpoint_root(run_dir)
-    final, tmp = root / f"step_{step:08d}", root / f".tmp-step_{step:08d}"
-    decision = None
-    if rank == 0:  # every rank learns rank 0's decision, so a failure here never leaves one waiting
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            decision = "keep" if final.exists() and verify(final) is None else "write"  # same step, same state
-            if decision == "write":
-                shutil.rmtree(tmp, ignore_errors=True)
-                tmp.mkdir()
-        except OSError as e:
-            decision = f"{type(e).__name__}: {e}"
-    decision = broadcast(decision, group)
-    if decision == "keep":
-        return final
-    if decision != "write":
-        raise OSError(f"cannot prepare {tmp}: {decision}")
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group,
-             no_dist=group is None)  # a rank failing inside DCP fails it on every rank
-    try:
-        own = {p.name: file_record(p) for p in tmp.iterdir()
-               if p.name.startswith(f"__{rank}_") or (rank == 0 and p.name == DCP_METADATA)}
-    except OSError as e:
-        own = {"error": f"rank {rank}: {type(e).__name__}: {e}"}
-    records = gather(own, group)  # every writer hashed its own files, in parallel
-    if "error" in records:
-        raise OSError(f"{tmp}: {records['error']}")
-    if rank != 0:
-        return final
-    (tmp / STATE).write_text(json.dumps(meta, indent=1))
-    for name, text in extra_files.items():
-        (tmp / name).write_text(text)
-    for name in [STATE, *extra_files]:
-        fsync_path(tmp / name)
-        records[name] = file_record(tmp / name)
-    missing = sorted(p.name for p in tmp.iterdir()) != sorted(records)
-    if missing:
-        raise RuntimeError(f"{tmp} holds {sorted(p.name for p in tmp.iterdir())}, the writers reported "
-                           f"{sorted(records)}")
-    (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": records}, indent=1))
-    fsync_path(tmp / MANIFEST)
-    fsync_path(tmp)  # the directory entries themselves, before the rename publishes them
-    if final.exists():  # an invalid leftover of this step: replaced only now that the new one is complete
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    fsync_path(root)
-    return final
-
-
 def broadcast(value, group):
+    """Rank 0's value on every rank of `group` (the value itself without a group)."""
     if group is None:
         return value
     box = [value]
@@ -132,6 +91,7 @@ def broadcast(value, group):
 
 
 def gather(records: dict, group) -> dict:
+    """Every rank's dict, merged, on every rank."""
     if group is None:
         return dict(records)
     parts = [None] * dist.get_world_size(group)
@@ -144,7 +104,7 @@ def verify(path: Path, rank: int = 0, world_size: int = 1) -> str | None:
     hashes every `world_size`-th file from its `rank`, so the files are read in parallel."""
     manifest_path = Path(path) / MANIFEST
     if not manifest_path.is_file():
-        return "no manifest (incomplete write)"
+        return "no manifest (an interrupted write)"
     try:
         manifest = json.loads(manifest_path.read_text())["files"]
         for i, (name, expected) in enumerate(sorted(manifest.items())):
@@ -161,69 +121,61 @@ def verify(path: Path, rank: int = 0, world_size: int = 1) -> str | None:
 
 
 def checkpoints(run_dir: Path) -> list[Path]:
-    """Finished checkpoint directories, oldest first (temporary directories excluded)."""
+    """Published checkpoint directories, oldest first."""
     root = checkpoint_root(run_dir)
     return sorted(root.glob("step_[0-9]*")) if root.is_dir() else []
 
 
-def latest_valid_checkpoint(run_dir: Path, group: dist.ProcessGroup | None = None) -> Path | None:
-    """The newest checkpoint that verifies; every rank of `group` takes part in checking each candidate, from
-    rank 0's listing (a rank's own listing may lag on a network filesystem, and the ranks must agree on how
-    many collectives follow)."""
-    rank, world = (group_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
-    for path in broadcast(list(reversed(checkpoints(run_dir))), group):
-        problems = gather({rank: verify(path, rank, world)}, group)
-        problem = next((p for p in problems.values() if p), None)
-        if problem is None:
-            return path
-        if rank == 0:
-            log.warning("skipping checkpoint %s: %s", path, problem)
-    return None
+def step_of(path: Path) -> int:
+    return int(path.name.removeprefix("step_"))
 
 
 def find_checkpoint(path: Path) -> Path:
-    """A checkpoint directory as given, or a run directory's newest complete checkpoint."""
+    """A checkpoint directory as given, or a run directory's newest complete checkpoint (one process)."""
     path = Path(path)
     if (path / MANIFEST).is_file():
         problem = verify(path)
         if problem:
             raise ValueError(f"checkpoint {path} is not usable: {problem}")
         return path
-    found = latest_valid_checkpoint(path)
+    found = next((p for p in reversed(checkpoints(path)) if verify(p) is None), None)
     if found is None:
         raise ValueError(f"{path} is neither a checkpoint directory nor a run directory with a complete checkpoint")
     return found
 
 
-def stored_names(path: Path, part: str) -> set[str]:
-    """The tensor names a checkpoint holds under `part` ("model", "ema"), from its metadata alone."""
-    path = Path(path)
-    if not (path / DCP_METADATA).is_file():
-        from safetensors import safe_open
-        with safe_open(path / f"{part}.safetensors", "pt") as f:
-            return set(f.keys())
-    metadata = dcp.FileSystemReader(path).read_metadata()
-    return {nesting[1] for nesting in metadata.planner_data.values() if nesting[0] == part}
-
-
 def read_meta(path: Path) -> dict:
-    return json.loads((Path(path) / STATE).read_text())
+    meta = json.loads((Path(path) / STATE).read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path} was written by an earlier version of this trainer (checkpoint format "
+                         f"{meta.get('format', 1)}, this version reads {FORMAT}); use the version that wrote it")
+    return meta
+
+
+def stored_tensors(path: Path) -> dict[str, set[tuple]]:
+    """For each top-level part of a checkpoint, the paths of the tensors it holds, from its metadata alone."""
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    parts: dict[str, set[tuple]] = {}
+    for key, item in metadata.state_dict_metadata.items():
+        nesting = metadata.planner_data[key]
+        parts.setdefault(nesting[0], set())
+        if isinstance(item, TensorStorageMetadata):
+            parts[nesting[0]].add(tuple(nesting[1:]))
+    return parts
 
 
 def read_checkpoint(path: Path, parts: tuple[str, ...] = ("model", "ema")) -> tuple[dict, dict]:
     """Whole (unsharded) tensors of the given parts of a checkpoint, however many ranks wrote it, and its
-    state.json; in this process alone. Checkpoints of earlier versions (safetensors files) read too."""
+    state.json; in this process alone (export, sampling)."""
     path = Path(path)
-    if not (path / DCP_METADATA).is_file():
-        from safetensors.torch import load_file
-        return {part: load_file(path / f"{part}.safetensors") for part in parts
-                if (path / f"{part}.safetensors").is_file()}, read_meta(path)
+    meta = read_meta(path)
     metadata = dcp.FileSystemReader(path).read_metadata()
-    leaves = {metadata.planner_data[key]: torch.empty(item.size, dtype=item.properties.dtype)  # the nesting of
-              if hasattr(item, "size") else None for key, item in metadata.state_dict_metadata.items()}  # each key
-    template = nest({nesting: leaf for nesting, leaf in leaves.items() if nesting[0] in parts})
+    leaves = {metadata.planner_data[key]: torch.empty(item.size, dtype=item.properties.dtype)
+              for key, item in metadata.state_dict_metadata.items()
+              if isinstance(item, TensorStorageMetadata) and metadata.planner_data[key][0] in parts}
+    template = nest(leaves)
     dcp.load(template, storage_reader=dcp.FileSystemReader(path), no_dist=True)
-    return template, read_meta(path)
+    return template, meta
 
 
 def nest(leaves: dict[tuple, object]):
@@ -237,60 +189,41 @@ def nest(leaves: dict[tuple, object]):
     return [nested[i] for i in range(len(nested))] if nested and all(isinstance(k, int) for k in nested) else nested
 
 
-def load_checkpoint(path: Path, state: dict, group: dist.ProcessGroup | None = None) -> None:
-    """Fill `state` (the live tensors: DTensors get their own shards) from a checkpoint of any sharding.
-    Without a group (one process, or DDP) every rank reads the whole checkpoint by itself."""
-    path = Path(path)
-    if (path / DCP_METADATA).is_file():
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=group, no_dist=group is None)
-        return
-    fill_from_full(state, read_earlier_format(path, state))
+def tensor_paths(tree, prefix: tuple = ()) -> set[tuple]:
+    """The paths of the tensors in a state dict, as DCP flattens them."""
+    if isinstance(tree, torch.Tensor):
+        return {prefix}
+    if isinstance(tree, dict):
+        return set().union(*[tensor_paths(v, (*prefix, k)) for k, v in tree.items()]) if tree else set()
+    if isinstance(tree, (list, tuple)):
+        return set().union(*[tensor_paths(v, (*prefix, i)) for i, v in enumerate(tree)]) if tree else set()
+    return set()
 
 
-def read_earlier_format(path: Path, state: dict) -> dict:
-    """A checkpoint of an earlier version: model/ema/optimizer safetensors, the optimizer keyed by position
-    (`{index}.{key}`) as `Optimizer.state_dict()` numbers parameters; mapped onto `state`'s names."""
-    full, meta = read_checkpoint(path, ("model", "ema", "optimizer"))
-    names = [name for group in state["optimizer"]["param_groups"] for name in group["params"]]
-    optimizer = {}
-    for flat, tensor in [*full["optimizer"].items(), *meta["optimizer"]["scalars"].items()]:
-        index, key = flat.split(".", 1)
-        optimizer.setdefault(names[int(index)], {})[key] = torch.as_tensor(tensor)
-    return {"model": full["model"], "ema": full["ema"],
-            "optimizer": {"state": optimizer, "param_groups": state["optimizer"]["param_groups"]}}
-
-
-def fill_from_full(state, full) -> None:
-    """Copy whole tensors into `state` in place (a DTensor takes its own shard of the whole tensor)."""
-    if isinstance(state, dict):
-        for key, value in state.items():
-            if key in full and isinstance(value, (dict, torch.Tensor)):
-                fill_from_full(value, full[key])
-        return
-    with torch.no_grad():
-        if isinstance(state, DTensor):
-            from torch.distributed.tensor import distribute_tensor
-            full = distribute_tensor(full.to(state.dtype), state.device_mesh, state.placements, src_data_rank=None)
-            state.to_local().copy_(full.to_local())
-        else:
-            state.copy_(full)
+def local_storage_bytes(tree) -> int:
+    """Bytes of the distinct storages behind a state's tensors (a DTensor's local shard): what the stager
+    copies to host memory."""
+    storages = {}
+    for path in tensor_paths(tree):
+        tensor = tree
+        for key in path:
+            tensor = tensor[key]
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        storage = local.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def prune_checkpoints(run_dir: Path, keep_last: int, newest: int) -> None:
-    """Keep the `keep_last` checkpoints up to step `newest` (just completed); delete older ones. Directories
-    of later steps (left invalid by an earlier attempt) are not counted: this run replaces them on its way."""
+    """Keep the `keep_last` checkpoints up to step `newest` (just completed); delete older ones."""
     for old in [p for p in checkpoints(run_dir) if step_of(p) <= newest][:-keep_last]:
         trash = old.with_name(f".trash-{old.name}")
         os.rename(old, trash)  # atomic: a kill mid-delete never leaves a half-deleted step_ directory
         shutil.rmtree(trash)
 
 
-def step_of(path: Path) -> int:
-    return int(path.name.removeprefix("step_"))
-
-
 def remove_leftovers(run_dir: Path) -> None:
-    """Temporary and half-deleted directories of an earlier process that was killed."""
+    """Temporary and half-deleted directories of an earlier process that was killed: never a checkpoint."""
     for path in checkpoint_root(run_dir).glob(".*-step_*"):
         log.info("removing leftover %s", path)
         shutil.rmtree(path, ignore_errors=True)
@@ -300,113 +233,280 @@ class CheckpointWriteError(RuntimeError):
     pass
 
 
-class Checkpointer:
-    """Snapshots on the training thread, writes in the background (or inline when `async_save` is off).
-    With a `group`, every rank of it is a writer of its own shards (FSDP/HSDP); without, this process
-    writes the whole state (one process, or rank 0 under DDP)."""
+class TrainedWeights:
+    """A model's part of a checkpoint: all its weights, or under LoRA only the trained adapters (the frozen
+    base comes from model.init_from). Sharded weights are DTensors: each rank holds and writes its part."""
 
-    def __init__(self, run_dir: Path, keep_last: int, async_save: bool, fail_on_error: bool,
-                 group: dist.ProcessGroup | None = None):
-        self.run_dir, self.keep_last, self.fail_on_error, self.group = Path(run_dir), keep_last, fail_on_error, group
-        self.buffers: dict[str, torch.Tensor] = {}
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint") if async_save else None
+    def __init__(self, model: torch.nn.Module):
+        self.model = unwrap(model)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        if all(p.requires_grad for p in self.model.parameters()):
+            return self.model.state_dict()
+        return {name: p for name, p in self.model.named_parameters() if p.requires_grad}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        result = self.model.load_state_dict(state, strict=False)
+        if result.unexpected_keys or set(result.missing_keys) & set(self.state_dict()):
+            raise ValueError(f"weights do not fit the model: missing {result.missing_keys[:5]}, unexpected "
+                             f"{result.unexpected_keys[:5]}")
+
+
+class OptimizerState:
+    """The optimizer's part: AdamW state keyed by parameter name, so that it maps onto any sharding. A resume
+    keeps today's hyperparameters (betas, eps, weight decay), not the checkpoint's."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = unwrap(model), optimizer
+
+    def state_dict(self) -> dict:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state: dict) -> None:
+        configured = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+        set_optimizer_state_dict(self.model, self.optimizer, state)
+        for group, settings in zip(self.optimizer.param_groups, configured):
+            group.update(settings)
+
+
+class Checkpointer:
+    """Cadence, staging, background writing, publishing, verification and resumption of a run's checkpoints.
+
+    `states`: name -> object with `state_dict()` / `load_state_dict()`; `meta`: JSON written to state.json
+    (with the step); `files`: name -> text written beside (config.yaml). Every rank of the run constructs one
+    and calls every method at the same steps."""
+
+    def __init__(self, run_dir: Path, cfg, states: dict, meta: dict, files: dict[str, str], device: torch.device,
+                 timeout_s: int = 1800):
+        self.run_dir, self.every, self.keep_last, self.fail_on_error = (Path(run_dir), cfg.every, cfg.keep_last,
+                                                                        cfg.fail_on_error)
+        self.states, self.meta, self.files, self.device = states, meta, files, device
+        self.group = host_group(timeout_s) if is_distributed() else None  # the writer thread's own collectives
+        self.rank = group_rank(self.group)
+        cuda = device.type == "cuda"  # pinned buffers and a side stream need an accelerator
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                   use_async_staging=cuda, use_non_blocking_copy=cuda))
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint") if cfg.async_save else None
         self.pending: Future | None = None
         self.pending_step = -1
-        if group_rank(group) == 0:
-            remove_leftovers(run_dir)
-        if group is not None:
-            dist.barrier(group=group)
-        self.last_complete: Path | None = latest_valid_checkpoint(run_dir, group)
-        self.last_stall_s = 0.0
+        self.staging: Future | None = None
+        self.last_complete: Path | None = None
         self.last_error: str | None = None
+        self.last_stall_s = 0.0
+        self.staging_bytes = 0
 
-    def stage(self, tree, name: str = ""):
-        """Copy a state tree into reused CPU buffers (DTensors keep their sharding, with CPU shards) and return
-        the copy; on CUDA the copies are non-blocking (`save` records an event the writer waits for)."""
-        if isinstance(tree, dict):
-            return {key: self.stage(value, f"{name}.{key}") for key, value in tree.items()}
-        if isinstance(tree, (list, tuple)):
-            return type(tree)(self.stage(value, f"{name}.{i}") for i, value in enumerate(tree))
-        if not isinstance(tree, torch.Tensor):
-            return copy.deepcopy(tree)
-        local = tree.to_local() if isinstance(tree, DTensor) else tree
-        buf = self.buffers.get(name)
-        if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
-            buf = self.buffers[name] = torch.empty(local.shape, dtype=local.dtype, device="cpu",
-                                                   pin_memory=local.is_cuda)
-        buf.copy_(local.detach(), non_blocking=local.is_cuda)
-        self.on_cuda |= local.is_cuda
-        if isinstance(tree, DTensor):
-            return DTensor.from_local(buf, tree.device_mesh, tree.placements, run_check=False, shape=tree.shape,
-                                      stride=tree.stride())
-        return buf
+    # ------------------------------------------------------------------------------------------- resume
 
-    def staging_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.buffers.values())
+    def resume(self) -> int:
+        """Load the newest intact checkpoint into the states; returns its step (0 when there is none)."""
+        if self.rank == 0:
+            remove_leftovers(self.run_dir)
+        path = self.newest_intact()
+        if path is None:
+            return 0
+        stored = stored_tensors(path)
+        parts = {}
+        for name, state in self.states.items():
+            current = state.state_dict()
+            if name not in stored:
+                if current:
+                    log.warning("%s holds no %s state: it starts fresh", path, name)
+                continue
+            expected = tensor_paths(current)
+            missing, unexpected = expected - stored[name], stored[name] - expected
+            if missing or unexpected:
+                raise ConfigError(f"{path} holds other {name} state than this run: missing "
+                                  f"{sorted(map(dotted, missing))[:5]}, unexpected {sorted(map(dotted, unexpected))[:5]}")
+            parts[name] = state
+        dcp.load(parts, storage_reader=dcp.FileSystemReader(path), process_group=self.group,
+                 no_dist=self.group is None)
+        meta = read_meta(path)
+        self.last_complete = path
+        log.info("resumed from %s%s", path, f" (written by {meta['strategy']} over {meta['world_size']} process(es))"
+                 if "strategy" in meta else "")
+        return meta["step"]
 
-    def save(self, step: int, state: dict, meta: dict, extra_files: dict[str, str]) -> None:
-        """Snapshot now, write (in the background when async). Waits first for a save still in flight."""
-        if step == self.pending_step:  # e.g. pre-empted right after a periodic save of the same step
-            self.wait()  # its outcome decides: done, or written again below
+    def newest_intact(self) -> Path | None:
+        """The newest checkpoint that verifies, from rank 0's listing (a rank's own listing may lag on a network
+        filesystem, and all ranks must run the same collectives); every rank hashes a share of its files."""
+        world = dist.get_world_size(self.group) if self.group is not None else 1
+        candidates = broadcast([str(p) for p in reversed(checkpoints(self.run_dir))], self.group)
+        damaged = []
+        for path in map(Path, candidates):
+            problems = gather({self.rank: verify(path, self.rank, world)}, self.group)
+            problem = next((p for p in problems.values() if p), None)
+            if problem is None:
+                self.set_aside(damaged, path)
+                return path
+            damaged.append((path, problem))
+        if damaged:
+            listing = "; ".join(f"{p.name}: {problem}" for p, problem in damaged)
+            raise ConfigError(f"no checkpoint in {checkpoint_root(self.run_dir)} is intact ({listing}); nothing was "
+                              f"changed. To start over, move that directory away or choose another "
+                              f"logging.output_dir")
+        return None
+
+    def set_aside(self, damaged: list[tuple[Path, str]], resumed: Path) -> None:
+        """Newer checkpoints that failed verification go to checkpoints/damaged/ (never deleted: their data files
+        may still be of use), so that this run's own saves of those steps do not meet them."""
+        for path, problem in damaged:
+            log.warning("checkpoint %s is damaged (%s): resuming from %s instead; it is kept in %s", path.name,
+                        problem, resumed.name, checkpoint_root(self.run_dir) / "damaged")
+            if self.rank == 0:
+                aside = checkpoint_root(self.run_dir) / "damaged" / f"{path.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+                aside.parent.mkdir(exist_ok=True)
+                os.rename(path, aside)
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
+    # ------------------------------------------------------------------------------------------- save
+
+    def save(self, step: int, last: bool = False) -> None:
+        """Save at every `checkpoint.every`-th step, and always when `last`. Snapshot now, write in the background
+        (inline when checkpoint.async_save is off); a save still in flight is waited for first."""
+        if not last and not (self.every and step % self.every == 0):
+            return
+        if step == self.pending_step:  # e.g. pre-empted right after the periodic save of the same step
+            self.wait()
             if self.last_error is None:
                 return
         start = time.perf_counter()
         if self.pending is not None and not self.pending.done():
             self.wait(reason=f"save of step {step} waits for step {self.pending_step} still being written")
         self.report_errors()
-        first, self.on_cuda = not self.buffers, False
-        staged = self.stage(state)
-        event = None
-        if self.on_cuda:
-            event = torch.cuda.Event()
-            event.record()
-        meta = json.loads(json.dumps(meta))  # a deep copy: the live dicts keep changing
-        if first:
-            log.info("checkpoint staging buffers: %.1f MiB of CPU memory", self.staging_bytes() / 2**20)
         self.pending_step = step
-        if self.executor is None:
+        try:
+            tmp = self.prepare(step)
+            if tmp is None:  # this step is already saved and intact
+                return
+            if self.device.type == "cuda":  # the side stream's copies must not overtake the last optimizer kernels
+                torch.cuda.current_stream(self.device).synchronize()
+            states = {name: state for name, state in self.states.items() if state.state_dict()}
+            if not self.staging_bytes:
+                self.staging_bytes = local_storage_bytes({n: s.state_dict() for n, s in states.items()})
+                log.info("checkpoint staging: %.1f MiB of host memory per rank%s", self.staging_bytes / 2**20,
+                         " (pinned, reused by every save)" if self.device.type == "cuda" else "")
+            response = dcp.async_save(states, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
+                                      process_group=self.group, async_stager=self.stager, no_dist=self.group is None)
+        except Exception as e:  # the same path as a failed background write
+            log.error("checkpoint of step %d failed: %s: %s; the last complete checkpoint is %s", step,
+                      type(e).__name__, e, self.last_complete)
+            self.pending = Future()
+            self.pending.set_exception(e)
+            self.report_errors()
+            return
+        if isinstance(response, AsyncSaveResponse):  # staging goes on in the background (CUDA)
+            self.staging, upload = response.staging_completion, response.upload_completion
+        else:
+            upload = response
+        meta = json.loads(json.dumps({**self.meta, "step": step, "format": FORMAT}))  # a copy, now
+        if self.executor is not None:
+            self.pending = self.executor.submit(self.publish, step, tmp, upload, meta)
+        else:
             self.pending = Future()
             try:
-                self.pending.set_result(self.write(step, staged, event, meta, extra_files))
-            except Exception as e:  # same error path as the background writer
+                self.pending.set_result(self.publish(step, tmp, upload, meta))
+            except Exception as e:
                 self.pending.set_exception(e)
             self.report_errors()
-        else:
-            self.pending = self.executor.submit(self.write, step, staged, event, meta, extra_files)
         self.last_stall_s = time.perf_counter() - start
 
-    def write(self, step: int, staged: dict, event, meta: dict, extra_files: dict[str, str]) -> Path:
-        if event is not None:
-            event.synchronize()
-        try:
-            path = write_checkpoint(self.run_dir, step, staged, meta, extra_files, self.group)
-        except Exception:
-            if group_rank(self.group) == 0:
-                shutil.rmtree(checkpoint_root(self.run_dir) / f".tmp-step_{step:08d}", ignore_errors=True)
-            raise
-        if group_rank(self.group) == 0:
+    def prepare(self, step: int) -> Path | None:
+        """Rank 0 makes an empty temporary directory (None if this step is already saved and intact); every
+        rank learns its decision, so a failure here never leaves one waiting."""
+        root = checkpoint_root(self.run_dir)
+        final, tmp = root / f"step_{step:08d}", root / f".tmp-step_{step:08d}"
+        decision = None
+        if self.rank == 0:
             try:
-                prune_checkpoints(self.run_dir, self.keep_last, newest=step)
-            except OSError as e:  # the new checkpoint is complete; old ones linger until the next save
-                log.warning("could not delete old checkpoints in %s: %s", checkpoint_root(self.run_dir), e)
-        return path
+                root.mkdir(parents=True, exist_ok=True)
+                decision = "keep" if final.exists() and verify(final) is None else "write"
+                if decision == "write":
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    tmp.mkdir()
+            except OSError as e:
+                decision = f"{type(e).__name__}: {e}"
+        decision = broadcast(decision, self.group)
+        if decision == "keep":
+            self.last_complete = final
+            return None
+        if decision != "write":
+            raise OSError(f"cannot prepare {tmp}: {decision}")
+        return tmp
+
+    def wait_for_staging(self, *_) -> None:
+        """Block until the background copy to host memory has finished (an optimizer step pre-hook: the step must
+        not change weights that are still being copied). Nothing to wait for on the CPU."""
+        if self.staging is not None:
+            self.staging.result()
+            self.staging = None
+
+    def publish(self, step: int, tmp: Path, upload: Future, meta: dict) -> Path:
+        """After DCP wrote every rank's files: hash them, write state.json, config.yaml and the manifest, rename.
+        Every rank learns the outcome, so a failure is one on every rank."""
+        try:
+            upload.result()  # a rank failing inside DCP fails it on every rank
+            try:
+                own = {p.name: file_record(p) for p in tmp.iterdir()
+                       if p.name.startswith(f"__{self.rank}_") or (self.rank == 0 and p.name == DCP_METADATA)}
+            except OSError as e:
+                own = {"error": f"rank {self.rank}: {type(e).__name__}: {e}"}
+            records = gather(own, self.group)  # every writer hashed its own files, in parallel
+            outcome = records.get("error")
+            if self.rank == 0 and outcome is None:
+                try:
+                    self.publish_on_rank_zero(step, tmp, records, meta)
+                except Exception as e:
+                    outcome = f"{type(e).__name__}: {e}"
+            outcome = broadcast(outcome, self.group)
+            if outcome is not None:
+                raise OSError(f"{tmp}: {outcome}")
+        except Exception as e:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            log.error("checkpoint of step %d into %s failed: %s: %s; the last complete checkpoint is %s%s", step,
+                      tmp.parent, type(e).__name__, e, self.last_complete,
+                      "" if self.fail_on_error else "; training continues")
+            raise
+        final = tmp.with_name(f"step_{step:08d}")
+        log.info("checkpoint %s complete", final)
+        return final
+
+    def publish_on_rank_zero(self, step: int, tmp: Path, records: dict, meta: dict) -> None:
+        for name, text in {STATE: json.dumps(meta, indent=1), **self.files}.items():
+            (tmp / name).write_text(text)
+            fsync_path(tmp / name)
+            records[name] = file_record(tmp / name)
+        found = sorted(p.name for p in tmp.iterdir())
+        if found != sorted(records):
+            raise RuntimeError(f"{tmp} holds {found}, the writers reported {sorted(records)}")
+        (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": records}, indent=1))
+        fsync_path(tmp / MANIFEST)
+        fsync_path(tmp)  # the directory entries themselves, before the rename publishes them
+        final = tmp.with_name(f"step_{step:08d}")
+        if final.exists():  # an invalid leftover of this step: replaced only now that the new one is complete
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        fsync_path(tmp.parent)
+        try:
+            prune_checkpoints(self.run_dir, self.keep_last, newest=step)
+        except OSError as e:  # the new checkpoint is complete; old ones linger until the next save
+            log.warning("could not delete old checkpoints in %s: %s", tmp.parent, e)
 
     def report_errors(self) -> None:
-        """Log (or raise, when fatal) the outcome of a finished save, once."""
+        """Take the outcome of a finished save, once: raise a failure when checkpoint.fail_on_error, else log it.
+        Called where every rank is at the same step (a save, the end), so that all ranks stop together."""
         if self.pending is None or not self.pending.done():
             return
         future, self.pending = self.pending, None
         error = future.exception()
         if error is None:
             self.last_complete, self.last_error = future.result(), None
-            log.info("checkpoint %s complete", self.last_complete)
             return
-        message = (f"checkpoint of step {self.pending_step} into {checkpoint_root(self.run_dir)} failed: "
-                   f"{type(error).__name__}: {error}; the last complete checkpoint is {self.last_complete}")
-        self.last_error = message
+        self.last_error = (f"checkpoint of step {self.pending_step} into {checkpoint_root(self.run_dir)} failed: "
+                           f"{type(error).__name__}: {error}")  # logged where it failed
         if self.fail_on_error:
-            raise CheckpointWriteError(message) from error
-        log.error("%s; training continues", message)
+            raise CheckpointWriteError(self.last_error) from error
 
     def wait(self, reason: str = "") -> None:
         if self.pending is None:
@@ -419,24 +519,18 @@ class Checkpointer:
                 log.info("%s: waited %.2fs", reason, time.perf_counter() - start)
         self.report_errors()
 
-    def close(self) -> None:
-        self.wait()
-        if self.executor is not None:
-            self.executor.shutdown(wait=True)
-
-
-class NullCheckpointer:
-    """What ranks other than 0 hold under DDP: the Checkpointer's interface, writing nothing."""
-
-    last_complete: Path | None = None
-    last_error: str | None = None
-    last_stall_s = 0.0
-
-    def save(self, step: int, state: dict, meta: dict, extra_files: dict[str, str]) -> None:
-        pass
-
-    def report_errors(self) -> None:
-        pass
+    def metrics(self) -> dict[str, float]:
+        return {"checkpoint/stall_s": self.last_stall_s, "checkpoint/staging_gib": self.staging_bytes / 2**30}
 
     def close(self) -> None:
-        pass
+        """Wait for the save in flight (its outcome is reported) and release the staging buffers."""
+        try:
+            self.wait()
+        finally:
+            if self.executor is not None:
+                self.executor.shutdown(wait=True)
+            self.stager.close()
+
+
+def dotted(path: tuple) -> str:
+    return ".".join(map(str, path))

@@ -8,10 +8,13 @@ the rank is 0 of 1 and every collective returns its input.
 import datetime
 import logging
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from configs.schema import ConfigError
 
 log = logging.getLogger("mmdit")
 
@@ -77,12 +80,29 @@ def broadcast_from_main(value):
     return box[0]
 
 
+@contextmanager
+def stop_together():
+    """Run a block on every rank; a ValueError (a ConfigError, a model's own size checks) raised on any rank is
+    raised on all of them at its end as a ConfigError, so ranks never wait for one that gave up. Blocks that
+    contain collectives must fail (if at all) before them, on every rank alike."""
+    error = None
+    try:
+        yield
+    except ValueError as e:
+        error = str(e)
+    error = first_error(error)
+    if error:
+        raise ConfigError(error)
+
+
 def first_error(error: str | None) -> str | None:
     """Any rank's error (the first by rank) on every rank, so that all stop together."""
     if not is_distributed():
         return error
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
+    if len(set(errors)) == 1:  # the same on every rank (the same config read everywhere): say it once
+        return errors[0]
     return next((f"rank {r}: {e}" for r, e in enumerate(errors) if e), None)
 
 

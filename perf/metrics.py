@@ -11,14 +11,22 @@ import uuid
 from pathlib import Path
 
 import numpy as np
+import torch
 from omegaconf import DictConfig, OmegaConf
 from PIL import Image, ImageDraw
+
+from perf.distributed import mean_over_ranks
 
 log = logging.getLogger("mmdit")
 
 
 class RunLogger:
+    """The sinks. A run that resumes at `start_step` redoes the steps after it: their rows are dropped from
+    metrics.jsonl and TensorBoard (wandb keeps its own history)."""
+
     def __init__(self, run_dir: Path, cfg: DictConfig, enabled: bool, start_step: int = 0):
+        if enabled:
+            drop_rows_after(run_dir / "metrics.jsonl", start_step)
         self.jsonl = open(run_dir / "metrics.jsonl", "a") if enabled else None
         on = enabled and cfg.logging.tensorboard
         self.tensorboard = start_tensorboard(run_dir / "tensorboard", start_step) if on else None
@@ -74,11 +82,65 @@ class RunLogger:
         self.close()
 
 
+class TrainingLog:
+    """The metrics row and progress line of every `log_every`-th step and of the last: loss, learning rate,
+    gradient norm, throughput (and MFU when the device's peak is known), and what each source reports through
+    `.metrics()` (time per phase, memory, loss by noise level, skipped steps, micro-batch, checkpoint stall).
+    Reading the loss is the row's host synchronisation; steps in between read nothing."""
+
+    def __init__(self, logger: RunLogger, log_every: int, start_step: int, max_steps: int, throughput, sources: list):
+        self.logger, self.log_every, self.start_step, self.max_steps = logger, log_every, start_step, max_steps
+        self.throughput, self.sources = throughput, sources
+        self.started = self.last_time = time.perf_counter()
+        self.last_step = start_step
+
+    def step(self, done: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
+        if done % self.log_every and done != self.max_steps:
+            return
+        now = time.perf_counter()
+        steps_per_s = (done - self.last_step) / max(now - self.last_time, 1e-9)
+        self.last_time, self.last_step = now, done
+        record = {"loss": mean_over_ranks(loss).item(), "lr": lr, "grad_norm": grad_norm.item(),
+                  **self.throughput(steps_per_s)}
+        for source in self.sources:
+            record.update(source.metrics())
+        self.logger.scalars(done, record)
+        mfu = f" MFU {record['mfu']:.1%}" if "mfu" in record else ""
+        log.info("%s loss %.4f lr %.2e grad %.3f %.0f img/s%s", self.progress(done), record["loss"], lr,
+                 record["grad_norm"], record["samples_per_s"], mfu)
+
+    def progress(self, done: int, width: int = 20) -> str:
+        """A bar, the step, the time so far and an estimate of the time left."""
+        filled = round(width * done / self.max_steps)
+        elapsed = self.last_time - self.started
+        left = elapsed / max(done - self.start_step, 1) * (self.max_steps - done)
+        return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{self.max_steps} {elapsed:.0f}s <{left:.0f}s"
+
+
+def drop_rows_after(path: Path, step: int) -> None:
+    """Rewrite metrics.jsonl without the rows of steps after `step` (and lines cut by a kill), atomically."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines()
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue
+    if len(kept) == len(lines):
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(f"{line}\n" for line in kept))
+    tmp.replace(path)
+
+
 def start_tensorboard(log_dir: Path, start_step: int):
     try:
         from torch.utils.tensorboard import SummaryWriter
-        # on resume, hide what an interrupted run logged after the checkpoint: those steps are redone
-        return SummaryWriter(str(log_dir), purge_step=start_step + 1 if start_step else None)
+        # hide what an interrupted run logged after the step this start resumes from: those steps are redone
+        return SummaryWriter(str(log_dir), purge_step=start_step + 1)
     except Exception as e:  # ImportError without the tensorboard package
         log.warning("TensorBoard logging is off: %s: %s (pip install tensorboard)", type(e).__name__, e)
         return None
@@ -103,12 +165,7 @@ def start_wandb(run_dir: Path, cfg: DictConfig):
 
 def save_loss_curve(metrics_path: Path, out: Path, size: tuple[int, int] = (640, 360)) -> None:
     """The loss of every logged step (raw, and smoothed) as a PNG with a step axis."""
-    rows = []
-    for line in metrics_path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut by a kill; the resumed run logged that step again
-            continue
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines()]
     points = sorted({r["step"]: r["loss"] for r in rows if "loss" in r and np.isfinite(r["loss"])}.items())
     if len(points) < 2:
         return

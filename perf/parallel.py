@@ -78,11 +78,15 @@ def apply_parallelism(model: nn.Module, cfg: DictConfig, world: World, device: t
     if not sharded:
         return wrap_ddp(model, device, p.ddp_bucket_cap_mb)
     mesh = device_mesh(cfg, world, device)
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if t.dtype == "bf16"
-          else MixedPrecisionPolicy())
+    bf16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if t.dtype == "bf16" else {}
     for block in model.transformer.transformer_blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=p.reshard_after_forward, mp_policy=mp)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)  # its weights start the backward
+        fully_shard(block, mesh=mesh, reshard_after_forward=p.reshard_after_forward,
+                    mp_policy=MixedPrecisionPolicy(**bf16))
+    # The root leaves its inputs as they come (FSDP would cast sigma to bf16, and timesteps would move in steps
+    # of 2-4): autocast casts them where its matmuls need it, as under DDP. Its weights start the backward, so
+    # they stay gathered after the forward.
+    fully_shard(model, mesh=mesh, reshard_after_forward=False,
+                mp_policy=MixedPrecisionPolicy(**bf16, cast_forward_inputs=False))
     log.info("%s: mesh %s, %d blocks sharded + the root, reshard after forward %s, %s", p.strategy,
              dict(zip(mesh.mesh_dim_names, mesh.shape)), len(model.transformer.transformer_blocks),
              p.reshard_after_forward, "bf16 compute, fp32 reduction" if t.dtype == "bf16" else "fp32")

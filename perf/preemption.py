@@ -1,6 +1,11 @@
-"""Pre-emption: SIGTERM / SIGINT (what SLURM, Kubernetes and torchrun send) ask for a checkpoint at the next
-step boundary and a clean exit. SIGTERM may arrive more than once (a scheduler and torchrun both pass it on)
-and is always answered this way; a second SIGINT (Ctrl-C twice) falls back to the default and interrupts."""
+"""Pre-emption: SIGTERM / SIGINT (what SLURM, Kubernetes and torchrun send) ask for a checkpoint at a step
+boundary and a clean exit. SIGTERM may arrive more than once (a scheduler and torchrun both pass it on) and is
+always answered this way; a second SIGINT (Ctrl-C twice) falls back to the default and interrupts.
+
+Several ranks must stop at the same step. Each step starts an all-reduce of "was I signalled?" on a gloo group
+of host tensors and reads the result the previous step started: no step waits on the device or on the
+network, and every rank learns of a signal one step after it arrived, at the same step.
+"""
 
 import logging
 import os
@@ -10,17 +15,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from perf.distributed import is_distributed
+from perf.distributed import host_group, is_distributed
 
 log = logging.getLogger("mmdit")
-PREEMPTED_DIR = "MMDIT_PREEMPTED_DIR"  # set by the launcher: where each pre-empted worker leaves a mark
+STATUS_DIR = "MMDIT_STATUS_DIR"  # set by the launcher: where each worker leaves why it exits (see mark_exit)
 
 
 class PreemptionHandler:
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self):
+    def __init__(self, timeout_s: int = 1800):
         self.received: int | None = None
+        self.group = host_group(timeout_s) if is_distributed() else None
+        self.flag = torch.zeros(1)
+        self.agreement = None  # the all-reduce in flight
         self.previous = {sig: signal.signal(sig, self.handle) for sig in self.SIGNALS}
 
     def handle(self, signum: int, frame) -> None:
@@ -31,22 +39,39 @@ class PreemptionHandler:
         if signum == signal.SIGINT:
             signal.signal(signum, self.previous[signum])  # a second Ctrl-C interrupts
 
-    def should_stop(self, device: torch.device) -> bool:
-        """True on every rank as soon as any rank was signalled (so all ranks stop at the same step)."""
-        stop = self.received is not None
-        if is_distributed():
-            flag = torch.tensor([float(stop)], device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            stop = bool(flag.item())
+    def should_stop(self) -> bool:
+        """Once per step on every rank: True on all of them at the same step once any rank was signalled."""
+        if self.group is None:
+            return self.received is not None
+        stop = False
+        if self.agreement is not None:
+            self.agreement.wait()
+            stop = self.flag.tolist()[0] > 0  # a host tensor: no device involved
+        self.agreement = None
+        if not stop:
+            self.flag = torch.tensor([float(self.received is not None)])
+            self.agreement = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         return stop
 
     def close(self) -> None:
+        if self.agreement is not None:  # every rank has the same one in flight
+            self.agreement.wait()
+            self.agreement = None
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
+    def __enter__(self):
+        return self
 
-def mark_preempted(rank: int) -> None:
-    """Tell the launcher this worker checkpointed and exits because it was asked to (see train_mmdit_stable.sh:
-    torchrun itself reports a signal as a failure)."""
-    if os.environ.get(PREEMPTED_DIR):
-        (Path(os.environ[PREEMPTED_DIR]) / f"rank{rank}").write_text("0")
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def mark_exit(rank: int, reason: str, status: int) -> int:
+    """The exit status of a worker that stops for `reason` ("preempted", "config-error"). Under the launcher
+    (train_mmdit_stable.sh) the reason goes to its status folder and the worker exits 0: torchrun reports a
+    signal as a failure and prints a long traceback for any non-zero exit, so the launcher sets the status."""
+    if not os.environ.get(STATUS_DIR):
+        return status
+    (Path(os.environ[STATUS_DIR]) / f"rank{rank}").write_text(reason)
+    return 0

@@ -4,6 +4,8 @@ Everything here accumulates on the device between log steps and is read only whe
 written, so it adds no host synchronisation to the steps in between.
 """
 
+import logging
+import re
 import resource
 import time
 from collections import defaultdict
@@ -13,15 +15,32 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import FlopCounterMode
 
+from models.attention import attention_kernel, math_attention
 from perf.distributed import is_distributed
 
-# Dense peak TFLOP/s of known GPUs (bf16/fp16 tensor cores; TF32 for fp32 when TF32 is allowed; else fp32).
-PEAK_TFLOPS = {  # name fragment: (bf16/fp16, tf32, fp32)
-    "H200": (989.4, 494.7, 66.9), "H100 PCIe": (756.0, 378.0, 51.2), "H100 NVL": (835.0, 417.5, 60.0),
-    "H100": (989.4, 494.7, 66.9),  # SXM, which reports itself as "NVIDIA H100 80GB HBM3"
-    "A100": (312.0, 156.0, 19.5), "L40S": (362.1, 183.0, 91.6),
-    "A10G": (70.0, 35.0, 31.2), "RTX 4090": (165.2, 82.6, 82.6), "V100": (125.0, 15.7, 15.7),
-}
+log = logging.getLogger("mmdit")
+
+# Dense peak TFLOP/s of known GPUs (bf16/fp16 tensor cores with fp32 accumulation; TF32 for fp32 when TF32 is
+# allowed; else plain fp32), from NVIDIA's datasheets (sparse figures halved). The first name that appears in
+# the device's name as whole words wins, so the more specific names come first.
+PEAK_TFLOPS = [  # (name, (bf16, tf32, fp32))
+    ("GB200", (2500.0, 1250.0, 80.0)), ("B200", (2250.0, 1125.0, 75.0)),
+    ("H200 NVL", (835.5, 417.5, 60.0)), ("H200", (989.4, 494.7, 66.9)),
+    ("H100 PCIe", (756.0, 378.0, 51.2)), ("H100 NVL", (835.5, 417.5, 60.0)),
+    ("H100", (989.4, 494.7, 66.9)),  # SXM, which reports itself as "NVIDIA H100 80GB HBM3"
+    ("H800 PCIe", (756.0, 378.0, 51.2)), ("H800", (989.4, 494.7, 66.9)),
+    ("A100", (312.0, 156.0, 19.5)), ("A800", (312.0, 156.0, 19.5)),  # 40 and 80 GB, SXM and PCIe alike
+    ("L40S", (362.1, 183.0, 91.6)), ("L4", (121.0, 60.0, 30.3)), ("A10G", (70.0, 35.0, 31.2)),
+    ("RTX 4090", (165.2, 82.6, 82.6)), ("V100", (125.0, 15.7, 15.7)),
+]
+
+
+def known_peak_tflops(name: str, dtype: str, allow_tf32: bool) -> float | None:
+    """The dense peak of a GPU by its name (`torch.cuda.get_device_name`), or None for one not in the table."""
+    for fragment, (half, tf32, fp32) in PEAK_TFLOPS:
+        if re.search(rf"(?<![A-Za-z0-9]){re.escape(fragment)}(?![A-Za-z0-9])", name):
+            return half if dtype != "fp32" else tf32 if allow_tf32 else fp32
+    return None
 
 
 class SigmaBuckets:
@@ -44,7 +63,7 @@ class SigmaBuckets:
         self.sums.copy_(state[0])
         self.samples.copy_(state[1])
 
-    def read(self) -> dict[str, float]:
+    def metrics(self) -> dict[str, float]:
         """Means since the last read, over all ranks; resets."""
         totals = torch.stack([self.sums, self.samples])
         if is_distributed():
@@ -83,7 +102,7 @@ class StepTimer:
         self.last = now
         self.steps += phase == "data"
 
-    def read(self) -> dict[str, float]:
+    def metrics(self) -> dict[str, float]:
         """Mean seconds per step of each phase since the last read; resets."""
         if self.events:
             self.events[-1][2].synchronize()
@@ -112,38 +131,63 @@ def memory_stats(device: torch.device) -> dict[str, float]:
 
 def train_flops_per_sample(build, sample_inputs) -> int:
     """FLOPs of one sample's forward and backward, counted by torch's flop counter on a meta-device copy of
-    the model: no memory, no compute, and attention is counted (the CPU SDPA kernel is not)."""
+    the model: no memory, no compute. Attention is counted as the math formula's two matmuls whatever kernel
+    trains (the counter sees no FLOPs in flash-attn's custom ops, nor in the CPU SDPA kernel)."""
     with torch.device("meta"), torch.random.fork_rng(devices=[]):
         model = build()
         inputs = sample_inputs()
-    with FlopCounterMode(display=False) as counter:
+    with attention_kernel(math_attention), FlopCounterMode(display=False) as counter:
         model(*inputs).float().sum().backward()
     return counter.get_total_flops()
 
 
-def throughput_metrics(samples_per_s: float, world_size: int, tokens_per_sample: int, flops_per_sample: int,
-                       peak: float | None) -> dict[str, float]:
-    """Global and per-rank samples/s and tokens/s, achieved TFLOP/s per rank, and MFU when the peak is known."""
-    per_rank = samples_per_s / world_size
-    out = {"samples_per_s": samples_per_s, "samples_per_s_per_rank": per_rank,
-           "tokens_per_s": samples_per_s * tokens_per_sample, "tokens_per_s_per_rank": per_rank * tokens_per_sample,
-           "tflops_per_s_per_rank": per_rank * flops_per_sample / 1e12}
-    if peak:
-        out["mfu"] = per_rank * flops_per_sample / peak
-    return out
+class Throughput:
+    """Samples and tokens per second (in all and per rank), achieved TFLOP/s per rank, and MFU when the
+    device's peak is known, from optimizer steps per second."""
+
+    def __init__(self, samples_per_step: int, world_size: int, tokens_per_sample: int, flops_per_sample: int,
+                 peak: float | None):
+        self.samples_per_step, self.world_size, self.tokens_per_sample = samples_per_step, world_size, tokens_per_sample
+        self.flops_per_sample, self.peak = flops_per_sample, peak
+
+    def __call__(self, steps_per_s: float) -> dict[str, float]:
+        samples_per_s = steps_per_s * self.samples_per_step
+        per_rank = samples_per_s / self.world_size
+        out = {"samples_per_s": samples_per_s, "samples_per_s_per_rank": per_rank,
+               "tokens_per_s": samples_per_s * self.tokens_per_sample,
+               "tokens_per_s_per_rank": per_rank * self.tokens_per_sample,
+               "tflops_per_s_per_rank": per_rank * self.flops_per_sample / 1e12}
+        if self.peak:
+            out["mfu"] = per_rank * self.flops_per_sample / self.peak
+        return out
 
 
 def peak_flops(device: torch.device, dtype: str, allow_tf32: bool, configured_tflops: float) -> float | None:
-    """FLOP/s that MFU divides by: the configured figure, else a known GPU's dense peak, else None."""
+    """FLOP/s that MFU divides by: the configured figure, else a known GPU's dense peak, else None (said once)."""
     if configured_tflops > 0:
         return configured_tflops * 1e12
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    for fragment, (half, tf32, fp32) in PEAK_TFLOPS.items():
-        if fragment in name:
-            return 1e12 * (half if dtype != "fp32" else tf32 if allow_tf32 else fp32)
-    return None
+    tflops = known_peak_tflops(name, dtype, allow_tf32)
+    if tflops is None:
+        log.info("MFU is not reported: the peak FLOP/s of %s is not known here; set logging.peak_tflops to its "
+                 "dense peak for %s", name, dtype)
+        return None
+    return tflops * 1e12
+
+
+class MemoryStats:
+    """Device memory (or process RSS on the CPU) and the training state this rank holds."""
+
+    def __init__(self, device: torch.device, model, optimizer, ema):
+        self.device, self.model, self.optimizer, self.ema = device, model, optimizer, ema
+        self.state_gib = None  # constant once the optimizer has made its state (after the first step)
+
+    def metrics(self) -> dict[str, float]:
+        if self.state_gib is None:
+            self.state_gib = train_state_gib(self.model, self.optimizer, self.ema)
+        return {**memory_stats(self.device), "memory/train_state_gib": self.state_gib}
 
 
 def train_state_gib(model, optimizer: torch.optim.Optimizer, ema) -> float:

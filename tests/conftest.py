@@ -1,14 +1,124 @@
+"""Shared test helpers: tiny runs, comparisons that can fail, and ranks in real processes."""
+
 import json
+import multiprocessing
+import os
+import socket
 from pathlib import Path
 
 import pytest
 import torch
 
 torch.set_num_threads(2)
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 180  # a hung collective fails the test instead of the suite
 
 TINY = ["model.patch_size=4", "model.num_layers=2", "model.num_attention_heads=2", "model.attention_head_dim=16",
         "text_encoder.dim=32", "text_encoder.num_heads=2", "training.train_batch_size=8", "optimizer.warmup_steps=2",
         "sampling.steps=2", "sampling.grid_size=4", "logging.log_every=1", "checkpoint.every=0"]
+
+
+def assert_close(a, b, atol: float = 0.0, mean_atol: float | None = None) -> float:
+    """Two state dicts (nested dicts of tensors) hold the same keys, at least one tensor, and values equal
+    (bitwise with atol=0) or within `atol` of each other (and on average within `mean_atol`). Returns the
+    largest difference."""
+    flat_a, flat_b = flatten(a), flatten(b)
+    assert flat_a, "nothing to compare"
+    assert flat_a.keys() == flat_b.keys(), (sorted(flat_a.keys() - flat_b.keys())[:5],
+                                            sorted(flat_b.keys() - flat_a.keys())[:5])
+    worst, total, count = 0.0, 0.0, 0
+    for key, x in flat_a.items():
+        y = flat_b[key]
+        assert x.shape == y.shape and x.dtype == y.dtype, (key, x.shape, y.shape, x.dtype, y.dtype)
+        if atol == 0:
+            assert torch.equal(x, y), f"{key} differs by {(x.double() - y.double()).abs().max()}"
+            continue
+        diff = (x.double() - y.double()).abs()
+        worst, total, count = max(worst, float(diff.max()) if diff.numel() else 0.0), total + float(diff.sum()), \
+            count + diff.numel()
+    assert worst <= atol, f"largest difference {worst} > {atol}"
+    if mean_atol is not None:
+        assert total / max(count, 1) <= mean_atol, f"mean difference {total / count} > {mean_atol}"
+    return worst
+
+
+def assert_differs(a, b) -> None:
+    """Two state dicts with the same keys that differ somewhere (training moved the weights)."""
+    flat_a, flat_b = flatten(a), flatten(b)
+    assert flat_a and flat_a.keys() == flat_b.keys()
+    assert any(not torch.equal(flat_a[k], flat_b[k]) for k in flat_a), "all values are equal"
+
+
+def flatten(tree, prefix: str = "") -> dict[str, torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    if isinstance(tree, dict):
+        return {k: v for key, value in tree.items() for k, v in flatten(value, f"{prefix}{key}.").items()}
+    if isinstance(tree, (list, tuple)):
+        return {k: v for i, value in enumerate(tree) for k, v in flatten(value, f"{prefix}{i}.").items()}
+    return {}
+
+
+# ----------------------------------------------------------------------------------------------- ranks
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_main(rank: int, world_size: int, port: int, func, args: tuple, out: Path) -> None:
+    """One rank with torchrun's environment; writes its result (or error) to `out`."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        result = func(*args)
+    except Exception as e:  # reported to the test, which fails with it
+        result = f"{type(e).__name__}: {e}"
+    out.write_text(json.dumps(result))
+
+
+def forkserver():
+    """Ranks are forked from a server that imported torch and this project once: a rank starts in ~20 ms
+    instead of a few seconds of imports, and each is still a fresh process."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "train_mmdit_stable", "tests.conftest"])
+    return context
+
+
+def spawn(world_size: int, func, *args, tmp_path: Path) -> list:
+    """Run func(*args) on `world_size` gloo ranks; results in rank order. Fails (not hangs) on a timeout."""
+    context, port = forkserver(), free_port()
+    outs = [tmp_path / f"rank{r}-{port}.json" for r in range(world_size)]
+    procs = [context.Process(target=rank_main, args=(r, world_size, port, func, args, outs[r]))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(TIMEOUT_S)
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        p.kill()
+    assert not hung, f"ranks {hung} still running after {TIMEOUT_S}s"
+    return [json.loads(o.read_text()) if o.is_file() else f"rank {r} died ({procs[r].exitcode})"
+            for r, o in enumerate(outs)]
+
+
+def train(overrides: list[str]) -> dict:
+    """main() on one rank, for spawn()."""
+    from train_mmdit_stable import main
+    return {"status": main(overrides)}
+
+
+def trains(world_size: int, overrides: list[str], tmp_path: Path) -> None:
+    """A run on `world_size` ranks (in this process for one) that must succeed."""
+    if world_size == 1:
+        from train_mmdit_stable import main
+        assert main(overrides) == 0
+        return
+    results = spawn(world_size, train, overrides, tmp_path=tmp_path)
+    assert results == [{"status": 0}] * world_size, results
 
 
 def metric_rows(run_dir: Path) -> list[dict]:
@@ -20,6 +130,11 @@ def final_weights(run_dir: Path, part: str = "model") -> dict[str, torch.Tensor]
     """The trained weights (or their EMA) of a run's newest checkpoint, whole, however it was sharded."""
     from perf.checkpoint import checkpoints, read_checkpoint
     return read_checkpoint(checkpoints(run_dir)[-1], (part,))[0][part]
+
+
+def checkpoint_state(path: Path, parts=("model", "ema", "optimizer")) -> dict:
+    from perf.checkpoint import read_checkpoint
+    return read_checkpoint(path, parts)[0]
 
 
 def losses(run_dir: Path) -> list[float]:

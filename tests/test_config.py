@@ -1,3 +1,4 @@
+import json
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,12 @@ def test_the_architecture_comes_from_init_from_and_a_contradiction_names_the_key
         load_config(DEFAULT_CONFIG, ["model.init_from=base"])
     with pytest.raises(ConfigError, match=r"model\.init_from=.*nowhere.*does not exist"):
         load_config("finetune.yaml", ["model.init_from=nowhere"])
+    config = json.loads((tmp_path / "base" / "config.json").read_text())
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text(json.dumps({**config, "caption_projection_dim": 96}))
+    with pytest.raises(ConfigError, match=r"broken/config\.json is inconsistent: caption_projection_dim=96 but "
+                                          r"num_attention_heads \* attention_head_dim = 128"):
+        load_config("finetune.yaml", ["model.init_from=broken"])  # the folder is named, not the data
 
 
 def test_keys_left_to_the_user_and_renamed_keys_are_named(tmp_path):

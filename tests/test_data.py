@@ -13,8 +13,8 @@ def test_items_are_a_function_of_seed_and_index():
     first = a[17]
     torch.manual_seed(1)
     assert torch.equal(first["latents"], b[17]["latents"]) and first["caption"] == b[17]["caption"]
-    assert not torch.equal(ShapesDataset(1000, seed=4)[17]["latents"], first["latents"]) or \
-        ShapesDataset(1000, seed=4)[17]["caption"] != first["caption"]
+    other = ShapesDataset(1000, seed=4)
+    assert [a[i]["caption"] for i in range(20)] != [other[i]["caption"] for i in range(20)]
     assert first["latents"].shape == (3, 32, 32) and first["latents"].min() == -1 and first["latents"].max() == 1
 
 
@@ -87,21 +87,33 @@ def test_epochs_are_permutations_and_resume_needs_only_the_step():
     assert resumed == steps[6:]
 
 
-def test_loader_batches_carry_step_positions_and_tokens():
-    loader = step_batches(ShapesDataset(100, 0), build_tokenizer(), list(range(100)), global_batch=8, seed=0, rank=1,
-                          world_size=2, start_step=3, end_step=5, device=torch.device("cpu"))
-    batch = next(iter(loader))
-    assert batch["step"] == 3 and batch["position"].tolist() == [4, 5, 6, 7]
-    assert batch["latents"].shape == (4, 3, 32, 32) and batch["input_ids"].shape == (4, 7)
+def shapes_batches(rank: int, world_size: int, start: int, end: int, workers: int = 0) -> list[dict]:
+    from configs.build import build_collate
+    from configs.schema import load_config
+    dataset, tokenizer = ShapesDataset(100, 0), build_tokenizer()
+    collate = build_collate(load_config(overrides=["data.caption_dropout=0.5"]), dataset, tokenizer)
+    return list(step_batches(dataset, collate, list(range(100)), global_batch=8, seed=0, rank=rank,
+                             world_size=world_size, start_step=start, end_step=end, device=torch.device("cpu"),
+                             num_workers=workers))
+
+
+def test_loader_batches_carry_the_step_noise_and_dropped_captions():
+    """Noise, noise levels and caption dropout are drawn in the loader from (seed, step, position): rank 1's
+    half of the global batch holds positions 4-7, the same draws one rank would make for them."""
+    batch = shapes_batches(rank=1, world_size=2, start=3, end=5)[0]
+    whole = shapes_batches(rank=0, world_size=1, start=3, end=4)[0]
+    assert batch["step"] == 3 and batch["first_position"] == 4
+    assert batch["latents"].shape == (4, 3, 32, 32) and batch["text"]["input_ids"].shape == (4, 7)
+    for key in ("latents", "noise", "sigma"):
+        assert torch.equal(batch[key], whole[key][4:])
+    assert torch.equal(batch["text"]["input_ids"], whole["text"]["input_ids"][4:])
+    dropped = whole["text"]["input_ids"].eq(0).all(dim=1)
+    assert 0 < dropped.sum() < 8  # caption dropout 0.5: some captions became the empty caption (all padding)
 
 
 def test_worker_processes_change_nothing_in_the_batches():
-    def batches(workers):
-        loader = step_batches(ShapesDataset(100, 0), build_tokenizer(), list(range(100)), global_batch=8, seed=0,
-                              rank=0, world_size=1, start_step=0, end_step=4, device=torch.device("cpu"),
-                              num_workers=workers)
-        return list(loader)
-
-    for a, b in zip(batches(0), batches(2)):
-        assert a["step"] == b["step"] and torch.equal(a["position"], b["position"])
-        assert torch.equal(a["latents"], b["latents"]) and torch.equal(a["input_ids"], b["input_ids"])
+    from tests.conftest import assert_close
+    for a, b in zip(shapes_batches(0, 1, 0, 4), shapes_batches(0, 1, 0, 4, workers=2), strict=True):
+        assert a["step"] == b["step"] and a["first_position"] == b["first_position"]
+        assert_close({k: v for k, v in a.items() if isinstance(v, (torch.Tensor, dict))},
+                     {k: v for k, v in b.items() if isinstance(v, (torch.Tensor, dict))})

@@ -68,6 +68,19 @@ def test_export_to_diffusers(name, tmp_path):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_written_files_follow_the_umask(tmp_path):
+    """safetensors itself creates files readable by their owner only (0600); an export shared with colleagues
+    must be readable as any other file would be."""
+    import os
+    old = os.umask(0o022)
+    try:
+        export_diffusers_transformer(MMDiT(MMDiTConfig(**make_config("sd3-like"))), tmp_path / "exported")
+    finally:
+        os.umask(old)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / "exported").iterdir()}
+    assert modes == {"config.json": "0o644", "diffusion_pytorch_model.safetensors": "0o644"}
+
+
 def test_export_never_overwrites(tmp_path):
     (tmp_path / "exported").mkdir()
     (tmp_path / "exported" / "keep.txt").write_text("mine")

@@ -1,9 +1,7 @@
-"""DDP on CPU with gloo: real multi-process runs (spawned processes and torchrun through the launcher)."""
+"""DDP on CPU with gloo: real multi-process runs (forked ranks, and torchrun through the launcher)."""
 
 import json
-import multiprocessing as mp
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,17 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import TINY, final_weights, losses, metric_rows
-
-ROOT = Path(__file__).resolve().parents[1]
-TIMEOUT_S = 180  # a hung collective fails the test instead of the suite
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+from tests.conftest import (ROOT, TIMEOUT_S, TINY, assert_close, final_weights, free_port, losses, metric_rows, spawn,
+                            train)
 
 WRITE_EVENTS = {"os.mkdir", "os.rename", "os.remove", "os.rmdir", "shutil.rmtree", "os.truncate", "os.symlink"}
 
@@ -37,41 +26,6 @@ def record_writes_under(root: str, log: list) -> None:
         elif event in WRITE_EVENTS and str(args[0]).startswith(root):
             log.append((event, str(args[0])))
     sys.addaudithook(hook)
-
-
-def rank_main(rank: int, world_size: int, port: int, func, args: tuple, out: Path) -> None:
-    """One spawned rank with torchrun's environment; writes its result (or error) to `out`."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    sys.path.insert(0, str(ROOT))
-    try:
-        result = func(*args)
-    except Exception as e:  # reported to the test, which fails with it
-        result = f"{type(e).__name__}: {e}"
-    out.write_text(json.dumps(result))
-
-
-def spawn(world_size: int, func, *args, tmp_path: Path) -> list:
-    """Run func(*args) on `world_size` gloo ranks; results in rank order. Fails (not hangs) on a timeout."""
-    ctx, port = mp.get_context("spawn"), free_port()
-    outs = [tmp_path / f"rank{r}.json" for r in range(world_size)]
-    procs = [ctx.Process(target=rank_main, args=(r, world_size, port, func, args, outs[r]))
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(TIMEOUT_S)
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        p.kill()
-    assert not hung, f"ranks {hung} still running after {TIMEOUT_S}s"
-    return [json.loads(o.read_text()) for o in outs]
-
-
-def train(overrides: list[str]):
-    from train_mmdit_stable import main
-    return {"status": main(overrides)}
 
 
 def train_recording_writes(overrides: list[str], run_dir: str):
@@ -97,36 +51,46 @@ def two_ranks_and_one(tmp_path_factory):
 def test_two_ranks_equal_one_rank_with_the_same_global_batch(two_ranks_and_one):
     tmp, results = two_ranks_and_one
     assert [r["status"] for r in results] == [0, 0], results
-    ref, ddp = final_weights(tmp / "one"), final_weights(tmp / "two")
-    assert ref.keys() == ddp.keys()
     # Only the fp32 summation order differs: 8 micro-gradients summed in a row, or 4 + 4 then all-reduced.
-    diffs = torch.cat([(ddp[k] - ref[k]).abs().flatten() for k in ref])
-    assert diffs.max() < 2e-4 and diffs.mean() < 1e-7, (diffs.max(), diffs.mean())
+    assert_close(final_weights(tmp / "two"), final_weights(tmp / "one"), atol=2e-4, mean_atol=1e-7)
     assert losses(tmp / "two") == pytest.approx(losses(tmp / "one"), rel=1e-5)
 
 
-def test_only_rank_zero_writes_the_run_directory(two_ranks_and_one):
+def test_ranks_write_only_their_checkpoint_files(two_ranks_and_one):
+    """Rank 0 writes the run directory; every rank writes its own share of each checkpoint (DCP spreads the
+    replicated tensors over the ranks) into the temporary directory rank 0 then publishes."""
     tmp, results = two_ranks_and_one
     assert results[0]["writes"], "the audit hook saw no write by rank 0, so it cannot see rank 1's either"
-    assert results[1]["writes"] == []
+    others = [(event, Path(path)) for event, path in results[1]["writes"]]
+    files = [path.name for event, path in others if event == "open"]
+    assert files and all(name.startswith("__1_") for name in files), others  # only its own DCP file
+    assert all(path.parent.name == "checkpoints" and path.name.startswith(".tmp-step_") for event, path in others
+               if event != "open"), others  # and DCP's mkdir of the temporary directory rank 0 made
     rows = metric_rows(tmp / "two")
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]  # once each, not once per rank
-    assert json.loads((tmp / "two" / "world.json").read_text()) == {"world_size": 2, "strategy": "ddp"}
+    run = json.loads((tmp / "two" / "run.json").read_text())
+    assert (run["world_size"], run["strategy"]) == (2, "ddp")
 
 
-@pytest.mark.slow
+def train_counting_compiled_graphs(overrides: list[str]) -> dict:
+    from torch._dynamo.utils import counters
+    result = train(overrides)
+    return {**result, "graphs": counters["stats"]["unique_graphs"], "captured": counters["stats"]["calls_captured"]}
+
+
 def test_ddp_with_compile_activation_checkpointing_and_bf16(tmp_path):
-    """Compiled before the wrap, checkpointed blocks, bf16 autocast: 2 ranks x accumulation 2 equal 1 rank x
-    accumulation 4, since each micro-batch holds the same samples either way."""
+    """Compiled before the wrap, checkpointed blocks, bf16 autocast: the blocks run compiled on both ranks
+    (dynamo, through DDP's optimizer, captures graphs with the checkpointed regions), and 2 ranks x
+    accumulation 2 equal 1 rank x accumulation 4, since each micro-batch holds the same samples either way."""
     plugins = [*TINY, "training.max_steps=3", "training.train_batch_size=2", "compile.enabled=true",
-               "training.activation_checkpointing=1", "training.dtype=bf16"]
+               "compile.backend=aot_eager", "training.activation_checkpointing=1", "training.dtype=bf16"]
     two = [*plugins, "training.gradient_accumulation_steps=2", f"logging.output_dir={tmp_path / 'two'}"]
-    assert [r["status"] for r in spawn(2, train, two, tmp_path=tmp_path)] == [0, 0]
+    ranks = spawn(2, train_counting_compiled_graphs, two, tmp_path=tmp_path)
+    assert [r["status"] for r in ranks] == [0, 0], ranks
+    assert all(r["graphs"] >= 1 and r["captured"] >= 2 for r in ranks), ranks
     from train_mmdit_stable import main
     assert main([*plugins, "training.gradient_accumulation_steps=4", f"logging.output_dir={tmp_path / 'one'}"]) == 0
-    ref, ddp = final_weights(tmp_path / "one"), final_weights(tmp_path / "two")
-    diffs = torch.cat([(ddp[k] - ref[k]).abs().flatten() for k in ref])
-    assert diffs.max() < 2e-4 and diffs.mean() < 1e-7, (diffs.max(), diffs.mean())
+    assert_close(final_weights(tmp_path / "two"), final_weights(tmp_path / "one"), atol=2e-4, mean_atol=1e-7)
 
 
 def test_profiler_traces_one_worker_per_rank(tmp_path):
@@ -137,16 +101,16 @@ def test_profiler_traces_one_worker_per_rank(tmp_path):
 
 
 def count_gradient_all_reduces(accumulation: int, use_no_sync: bool) -> int:
-    """All-reduce calls (one per gradient bucket) during one optimizer step of `forward_backward`."""
+    """All-reduce calls (one per gradient bucket) during one optimizer step of `forward_backward`, as the
+    profiler records them."""
     from contextlib import nullcontext
 
     import train_mmdit_stable
+    from configs.build import build_model, build_tokenizer
     from configs.schema import load_config
     from data.shapes import ShapesDataset, all_prompts, caption
-    from configs.build import build_model, build_tokenizer
     from perf.distributed import World, destroy_distributed, init_distributed
     from perf.parallel import wrap_ddp
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     world = World(int(os.environ["RANK"]), 2, int(os.environ["RANK"]))
     device = init_distributed(world, torch.device("cpu"), 60)
@@ -155,28 +119,19 @@ def count_gradient_all_reduces(accumulation: int, use_no_sync: bool) -> int:
                                  f"training.gradient_accumulation_steps={accumulation}"])
     tokenizer = build_tokenizer()
     model = wrap_ddp(build_model(cfg, ShapesDataset, tokenizer), device, cfg.parallel.ddp_bucket_cap_mb)
-    calls = []
-
-    def counting_hook(state, bucket):
-        calls.append(1)
-        return allreduce_hook(None, bucket)
-
-    model.register_comm_hook(None, counting_hook)
     if not use_no_sync:  # the control: every micro-step synchronises
         train_mmdit_stable.sync_gradients = lambda model, last_micro_step: nullcontext()
     n = 2 * accumulation
-    batch = {"step": 0, "position": torch.arange(world.rank * n, (world.rank + 1) * n),
-             "latents": torch.randn(n, 3, 32, 32), "input_ids": tokenizer([caption(*all_prompts()[0])] * n)}
+    batch = {"step": 0, "first_position": world.rank * n, "latents": torch.randn(n, 3, 32, 32),
+             "noise": torch.randn(n, 3, 32, 32), "sigma": torch.rand(n),
+             "text": {"input_ids": tokenizer([caption(*all_prompts()[0])] * n)}}
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     buckets = train_mmdit_stable.SigmaBuckets(device)
-    train_mmdit_stable.forward_backward(model, batch, cfg, device, scaler, buckets, 2)  # DDP then rebuilds buckets
-    calls.clear()
-    train_mmdit_stable.forward_backward(model, batch, cfg, device, scaler, buckets, 2)
-    # Let gloo's thread drop the Python hook's last callback (it needs the GIL) before the group is torn down
-    # on this thread: tearing down first deadlocks (a torch issue with Python comm hooks on gloo, not ours).
-    torch.distributed.barrier()
+    train_mmdit_stable.forward_backward(model, batch, cfg, scaler, buckets, 2)  # DDP then rebuilds buckets
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        train_mmdit_stable.forward_backward(model, batch, cfg, scaler, buckets, 2)
     destroy_distributed()
-    return len(calls)
+    return sum(event.name == "c10d::allreduce_" for event in profile.events())
 
 
 def test_accumulation_all_reduces_once_per_optimizer_step(tmp_path):
@@ -201,8 +156,9 @@ def test_an_unused_parameter_is_named(tiny, monkeypatch, caplog):
 
 
 def test_resume_with_another_world_size_must_keep_the_global_batch(tiny, tmp_path, caplog):
+    from configs.run_dir import prepare_run_dir
     from configs.schema import ConfigError, load_config
-    from train_mmdit_stable import main, prepare_run_dir
+    from train_mmdit_stable import main
     assert main(tiny("training.max_steps=1")) == 0
     cfg = load_config(overrides=tiny("training.max_steps=2"))
     with pytest.raises(ConfigError, match=r"world size\): 8 -> 16"):
@@ -227,7 +183,6 @@ def finish(proc: subprocess.Popen) -> str:
     return output
 
 
-@pytest.mark.slow
 def test_launcher_one_node_and_two_nodes_over_loopback(tmp_path):
     """NPROC_PER_NODE=2 on one node, and NNODES=2 x 1 process as two torchrun node groups on this machine:
     the same 2-rank job, so the same weights bit for bit."""
@@ -238,6 +193,16 @@ def test_launcher_one_node_and_two_nodes_over_loopback(tmp_path):
                        "MASTER_PORT": port}, [*overrides, *two_nodes]) for r in (0, 1)]
     output = [finish(p) for p in nodes]
     assert "over 2 process(es)" in output[0]
-    single, multi = final_weights(tmp_path / "node"), final_weights(tmp_path / "nodes")
-    assert all(torch.equal(single[k], multi[k]) for k in single)
-    assert json.loads((tmp_path / "nodes" / "world.json").read_text()) == {"world_size": 2, "strategy": "ddp"}
+    assert_close(final_weights(tmp_path / "nodes"), final_weights(tmp_path / "node"))
+    assert json.loads((tmp_path / "nodes" / "run.json").read_text())["world_size"] == 2
+
+
+def test_a_config_error_under_torchrun_is_one_line_and_exit_2(tmp_path):
+    """Whatever the launcher: rank 0 prints the error once, no torchrun traceback, and the exit status of one
+    process (2)."""
+    proc = launcher({"NPROC_PER_NODE": "2"}, [*TINY, "training.max_steps=-3", f"logging.output_dir={tmp_path}"])
+    output, _ = proc.communicate(timeout=TIMEOUT_S)
+    assert proc.returncode == 2, output[-3000:]
+    assert output.count("config error: training.max_steps must be > 0, got -3") == 1, output
+    assert "Traceback" not in output and "ChildFailedError" not in output, output
+    assert not tmp_path.joinpath("config.yaml").exists()

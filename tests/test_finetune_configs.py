@@ -53,7 +53,6 @@ def test_config_with_the_released_transformer_is_the_released_architecture(name,
     assert trained == (sum(p.numel() for p in model.parameters()) if not cfg.lora.enabled else adapters)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", ["sd3_medium_lora", "sd35_medium"])
 def test_config_runs_as_written_on_a_shrunken_model(name, tmp_path):
     """Every setting of the file (bf16, activation checkpointing, batch sizer, accumulation, buckets, LoRA)

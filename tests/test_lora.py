@@ -14,7 +14,7 @@ from models.lora import apply_lora
 from configs.build import build_data, build_model
 from perf.checkpoint import checkpoints, read_checkpoint
 from sample_mmdit import load_trained
-from tests.conftest import LATENT_DIMS, LORA, final_weights, losses, randomize
+from tests.conftest import LATENT_DIMS, LORA, assert_close, final_weights, losses, randomize, spawn, train
 from train_mmdit_stable import main
 
 diffusers = pytest.importorskip("diffusers")
@@ -42,7 +42,6 @@ def test_adapters_alone_train_and_start_as_the_base(latent_run):
         assert torch.equal(model.transformer(*inputs()), before)  # B starts at zero
 
 
-@pytest.mark.slow
 def test_lora_run_keeps_the_base_checkpoints_adapters_and_resumes_exactly(lora_run, tmp_path):
     """With adapter dropout too: the global RNG it draws from is re-seeded from (seed, step, rank) each step."""
     run = lora_run("training.max_steps=6", "checkpoint.every=3", "lora.dropout=0.3")
@@ -55,8 +54,7 @@ def test_lora_run_keeps_the_base_checkpoints_adapters_and_resumes_exactly(lora_r
     whole = tensors["model"]
     shutil.rmtree(checkpoints(tmp_path / "run")[-1])
     assert main(run) == 0
-    resumed = final_weights(tmp_path / "run")
-    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    assert_close(final_weights(tmp_path / "run"), whole)
 
 
 def reference_output(run_dir, use_ema: bool):
@@ -93,16 +91,17 @@ def test_exported_adapter_loads_into_diffusers_with_the_same_outputs(lora_run, t
     assert export_mmdit.main(["--checkpoint", str(tmp_path / "run"), "--out", str(out)]) == 2  # never overwrites
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("plugin", [["compile.enabled=true"], ["training.dtype=bf16"],
-                                    ["training.activation_checkpointing=1", "checkpoint.async_save=false"]])
-def test_lora_with_a_plugin_trains_like_lora_without(lora_run, tmp_path, plugin):
-    """compile and checkpointing do the same math (fp32 reassociation only); bf16 rounds activations."""
-    assert main(lora_run("training.max_steps=4", run="plain")) == 0
-    assert main(lora_run("training.max_steps=4", *plugin, run="plugin")) == 0
+@pytest.mark.parametrize("plugin,weights_atol", [
+    (["compile.enabled=true", "compile.backend=aot_eager"], 1e-7),  # decomposed ops: fp32 rounding only
+    (["training.activation_checkpointing=1", "checkpoint.async_save=false"], 0.0),  # the same math, bitwise
+    (["training.dtype=bf16"], None)])  # bf16 rounds activations: losses within 3 %
+def test_lora_with_a_plugin_trains_like_lora_without(lora_run, tmp_path, plugin, weights_atol):
+    assert main(lora_run("training.max_steps=4", "optimizer.eps=1e-3", run="plain")) == 0
+    assert main(lora_run("training.max_steps=4", "optimizer.eps=1e-3", *plugin, run="plugin")) == 0
     plain, other = losses(tmp_path / "plain"), losses(tmp_path / "plugin")
-    tolerance = 3e-2 if "bf16" in plugin[0] else 1e-4
-    assert other == pytest.approx(plain, rel=tolerance)
+    assert other == pytest.approx(plain, rel=1e-5 if weights_atol is not None else 3e-2)
+    if weights_atol is not None:
+        assert_close(final_weights(tmp_path / "plugin"), final_weights(tmp_path / "plain"), atol=weights_atol)
 
 
 def test_lora_mistakes_are_named_before_compute(lora_run, latent_run, tmp_path, caplog):
@@ -117,15 +116,12 @@ def test_lora_mistakes_are_named_before_compute(lora_run, latent_run, tmp_path, 
     assert not (tmp_path / "run" / "checkpoints" / "step_00000003").exists()
 
 
-@pytest.mark.slow
 def test_lora_under_ddp_equals_one_process(lora_run, tmp_path):
     """2 gloo ranks x accumulation 1 equal 1 rank x accumulation 2: only the adapters' gradients are reduced."""
-    from tests.test_distributed import spawn, train
     common = ["training.max_steps=3", "training.train_batch_size=2"]
     two = lora_run(*common, run="two")
     assert [r["status"] for r in spawn(2, train, two, tmp_path=tmp_path)] == [0, 0]
     assert main(lora_run(*common, "training.gradient_accumulation_steps=2", run="one")) == 0
-    one, ddp = (read_checkpoint(checkpoints(tmp_path / r)[-1])[0]["model"] for r in ("one", "two"))
-    assert one.keys() == ddp.keys() and all(".lora_" in k for k in one)
-    diffs = torch.cat([(ddp[k] - one[k]).abs().flatten() for k in one])
-    assert diffs.max() < 2e-4 and diffs.mean() < 1e-6, (diffs.max(), diffs.mean())
+    one, ddp = final_weights(tmp_path / "one"), final_weights(tmp_path / "two")
+    assert all(".lora_" in k for k in one)
+    assert_close(ddp, one, atol=2e-4, mean_atol=1e-6)

@@ -31,7 +31,6 @@ def load_with_tb_profiler(trace_dir: Path):
     return RunLoader("run", str(trace_dir), io.Cache()).load()
 
 
-@pytest.mark.slow
 def test_profiler_trace_loads_into_the_tensorboard_profiler_views(tiny, tmp_path):
     assert main(tiny("training.max_steps=6", *PROFILE)) == 0
     traces = list((tmp_path / "run" / "tensorboard").glob("rank0*.pt.trace.json"))
@@ -43,8 +42,8 @@ def test_profiler_trace_loads_into_the_tensorboard_profiler_views(tiny, tmp_path
 
 def test_profiler_stops_itself_after_its_schedule(tmp_path):
     cfg = OmegaConf.structured(load_config().profiler)
-    cfg.skip_first, cfg.repeat = 1, 2
-    with build_profiler(True, 2, cfg, tmp_path, 0, torch.device("cpu")) as profiler:
+    cfg.enabled, cfg.active_steps, cfg.skip_first, cfg.repeat = True, 2, 1, 2
+    with build_profiler(cfg, tmp_path, 0, torch.device("cpu")) as profiler:
         for step in range(12):  # 1 skipped + 2 cycles of (1 wait + 1 warmup + 2 active) = 9 steps
             torch.ones(8).sum()
             profiler.step()
@@ -70,7 +69,8 @@ def test_metrics_reach_jsonl_and_tensorboard(tiny, tmp_path):
     assert [r["step"] for r in logged] == [2, 4]
     expected = {"loss", "lr", "grad_norm", "skipped_steps", "samples_per_s", "samples_per_s_per_rank", "tokens_per_s",
                 "tokens_per_s_per_rank", "tflops_per_s_per_rank", "mfu", "time/data_s", "time/forward_backward_s",
-                "time/optimizer_s", "time/step_s", "memory/rss_gib", "memory/peak_rss_gib"}
+                "time/optimizer_s", "time/step_s", "memory/rss_gib", "memory/peak_rss_gib", "memory/train_state_gib",
+                "checkpoint/stall_s", "checkpoint/staging_gib"}
     assert expected <= logged[-1].keys()
     assert any(k.startswith("loss_by_sigma/") for k in logged[-1])
     tokens = (32 // 4) ** 2 + build_tokenizer()([""]).shape[1]
@@ -88,9 +88,9 @@ def test_metrics_reach_jsonl_and_tensorboard(tiny, tmp_path):
 def test_sigma_buckets_average_per_noise_level():
     buckets = SigmaBuckets(torch.device("cpu"))
     buckets.add(torch.tensor([0.1, 0.2, 0.9, 0.6]), torch.tensor([1.0, 3.0, 5.0, 7.0]))
-    assert buckets.read() == {"loss_by_sigma/0.00-0.25": 2.0, "loss_by_sigma/0.50-0.75": 7.0,
-                              "loss_by_sigma/0.75-1.00": 5.0}
-    assert buckets.read() == {}  # reset after reading
+    assert buckets.metrics() == {"loss_by_sigma/0.00-0.25": 2.0, "loss_by_sigma/0.50-0.75": 7.0,
+                                 "loss_by_sigma/0.75-1.00": 5.0}
+    assert buckets.metrics() == {}  # reset after reading
 
 
 def test_flop_count_on_meta_matches_a_real_count():
@@ -106,6 +106,30 @@ def test_flop_count_on_meta_matches_a_real_count():
     with FlopCounterMode(display=False) as counter:
         build_model(cfg, ShapesDataset, tokenizer)(*inputs()).sum().backward()
     assert meta == pytest.approx(counter.get_total_flops(), rel=1e-3) and meta > 0
+
+
+def test_flop_count_does_not_depend_on_the_attention_kernel():
+    """flash-attn's kernels are custom ops in which the flop counter sees no FLOPs (and an FA2 build may have no
+    meta kernel): MFU counts attention with the math formula whatever kernel trains."""
+    from models.attention import attention_kernel, sdpa_attention
+
+    @torch.library.custom_op("mmdit_test::opaque_attention", mutates_args=())
+    def opaque_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    @opaque_attention.register_fake
+    def _(q, k, v):
+        return torch.empty_like(q)
+
+    opaque_attention.register_autograd(lambda ctx, grad: (grad, grad, grad))
+    cfg = load_config(overrides=["model.num_layers=2"])
+    tokenizer = build_tokenizer()
+    inputs = lambda: (torch.zeros(1, 3, 32, 32), torch.full((1,), 0.5), {"input_ids": torch.ones(1, 7).long()})
+    counts = []
+    for kernel in (sdpa_attention, math_attention, opaque_attention):
+        with attention_kernel(kernel):
+            counts.append(train_flops_per_sample(lambda: build_model(cfg, ShapesDataset, tokenizer), inputs))
+    assert counts[0] == counts[1] == counts[2] > 0
 
 
 def test_wandb_offline_writes_a_run_directory(tiny, tmp_path, monkeypatch):
@@ -125,7 +149,6 @@ def test_a_missing_wandb_is_a_warning(tiny, tmp_path, monkeypatch, caplog):
     assert [r["step"] for r in rows(tmp_path / "run") if "loss" in r] == [1, 2]
 
 
-@pytest.mark.slow
 def test_launcher_enable_profiling(tmp_path):
     """ENABLE_PROFILING=true ./train_mmdit_stable.sh: a trace that TensorBoard's profiler tab loads."""
     from tests.conftest import TINY
@@ -135,3 +158,28 @@ def test_launcher_enable_profiling(tmp_path):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "profiling is on" in out.stderr
     assert "Trace" in {view.display_name for view in load_with_tb_profiler(tmp_path / "tensorboard").views}
+
+
+@pytest.mark.parametrize("name,dtype,tf32,expected", [
+    ("NVIDIA H100 80GB HBM3", "bf16", True, 989.4), ("NVIDIA H100 PCIe", "bf16", True, 756.0),
+    ("NVIDIA H100 NVL", "fp16", True, 835.5), ("NVIDIA H200", "bf16", True, 989.4),
+    ("NVIDIA H200 NVL", "bf16", True, 835.5), ("NVIDIA H800", "bf16", True, 989.4),
+    ("NVIDIA A800-SXM4-80GB", "bf16", True, 312.0), ("NVIDIA A100-SXM4-40GB", "fp32", True, 156.0),
+    ("NVIDIA A100-PCIE-80GB", "fp32", False, 19.5), ("NVIDIA B200", "bf16", True, 2250.0),
+    ("NVIDIA GB200", "bf16", True, 2500.0), ("NVIDIA L40S", "bf16", True, 362.1), ("NVIDIA L4", "bf16", True, 121.0),
+    ("NVIDIA A10G", "bf16", True, 70.0), ("NVIDIA GeForce RTX 4090", "bf16", True, 165.2),
+    ("NVIDIA RTX A6000", "bf16", True, None), ("Tesla T4", "fp16", True, None)])
+def test_peak_flops_of_known_gpus(name, dtype, tf32, expected):
+    from perf.step_stats import known_peak_tflops
+    assert known_peak_tflops(name, dtype, tf32) == expected
+
+
+def test_an_unknown_gpu_gets_no_mfu_and_one_line_saying_why(monkeypatch, caplog):
+    import logging
+
+    from perf.step_stats import peak_flops
+    caplog.set_level(logging.INFO, logger="mmdit")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA RTX A6000")
+    assert peak_flops(torch.device("cuda"), "bf16", True, 0.0) is None
+    assert "MFU is not reported: the peak FLOP/s of NVIDIA RTX A6000 is not known" in caplog.text
+    assert peak_flops(torch.device("cuda"), "bf16", True, 150.0) == 150e12  # logging.peak_tflops

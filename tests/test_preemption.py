@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY, final_weights
+from tests.conftest import TINY, assert_close, final_weights
 from perf.checkpoint import checkpoints, read_checkpoint, read_meta, verify
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +35,6 @@ def wait_for_training(proc: subprocess.Popen, timeout: float = 60) -> str:
     raise AssertionError("training never started:\n" + "".join(seen))
 
 
-@pytest.mark.slow
 def test_sigterm_checkpoints_and_exits_zero(tmp_path):
     run_dir = tmp_path / "run"
     proc = start(run_dir, "training.max_steps=100000")
@@ -50,7 +49,6 @@ def test_sigterm_checkpoints_and_exits_zero(tmp_path):
     assert 0 < meta["step"] < 100000 and last.name == f"step_{meta['step']:08d}"
 
 
-@pytest.mark.slow
 def test_sigkill_at_random_moments_never_loses_the_run(tmp_path):
     steps = 150  # ~35 ms each: every kill below lands somewhere in the first 40 steps after a (re)start
     reference = start(tmp_path / "reference", f"training.max_steps={steps}")
@@ -76,11 +74,9 @@ def test_sigkill_at_random_moments_never_loses_the_run(tmp_path):
             assert verify(path) is None, path
     assert proc.returncode == 0, out
     assert kills >= 3 and resumes >= 2, f"the test must interrupt training ({kills} kills, {resumes} resumes)"
-    killed, straight = final_weights(run_dir), final_weights(tmp_path / "reference")
-    assert all(torch.equal(killed[k], straight[k]) for k in straight)
+    assert_close(final_weights(run_dir), final_weights(tmp_path / "reference"))
 
 
-@pytest.mark.slow
 def test_sigterm_to_the_launcher_of_two_processes_exits_zero_and_resumes_exactly(tmp_path):
     """What a scheduler does to a torchrun job: SIGTERM to the launcher. Both workers checkpoint and exit, the
     launcher exits 0 (not torchrun's SignalException), and the same command then finishes with the weights of
@@ -111,5 +107,4 @@ def test_sigterm_to_the_launcher_of_two_processes_exits_zero_and_resumes_exactly
     assert verify(last) is None and 0 < read_meta(last)["step"] < 60
     again = subprocess.run(launch("run"), env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and f"resumed from {last}" in again.stdout, again.stdout[-3000:] + again.stderr[-3000:]
-    resumed, reference = final_weights(tmp_path / "run"), final_weights(tmp_path / "straight")
-    assert all(torch.equal(resumed[k], reference[k]) for k in reference)
+    assert_close(final_weights(tmp_path / "run"), final_weights(tmp_path / "straight"))

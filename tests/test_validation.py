@@ -4,6 +4,7 @@ epoch, item), a missing VAE is named before training, and validation off loads a
 import pytest
 import torch
 
+import configs.build as build
 import perf.validation as validation
 from data.latents import LatentDataset
 from data.loader import StepBatchSampler, StepDataset, split_holdout
@@ -62,7 +63,7 @@ def test_validation_off_builds_and_runs_nothing(latent_run, tmp_path, monkeypatc
     def refuse(*args, **kwargs):
         raise AssertionError("validation ran while off")
     for name in ("load_vae", "vae_folder"):
-        monkeypatch.setattr(validation, name, refuse)
+        monkeypatch.setattr(build, name, refuse)
     monkeypatch.setattr(validation.Validation, "__call__", refuse)
     data = write_latent_shards(tmp_path / "data", validation_prompts=2)
     assert main(latent_run("training.max_steps=2", "data.holdout=2", data=data)) == 0

@@ -1,0 +1,104 @@
+"""The run directory and what a new start may change in it.
+
+A run directory holds the resolved config of its last start (`config.yaml`) and `run.json` (the format, world
+size and strategy). Starting again resumes it, as long as what its checkpoints and data position mean stays
+the same: the model, the data, the seed and the global batch (`RUN_IDENTITY_KEYS`). Anything else (more steps,
+another learning rate, another micro-batch split, world size or strategy) is logged and applied. A directory of
+another run, or of an earlier version of this trainer, is refused untouched, with each difference named.
+"""
+
+import json
+import logging
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from configs.schema import ConfigError, load_config
+
+log = logging.getLogger("mmdit")
+RUN_FORMAT = 2  # run.json's "format"; directories of format 1 (before run.json) are refused
+RUN_INFO = "run.json"
+# What an existing run directory's checkpoints and data position mean; a resume must not change them.
+RUN_IDENTITY_KEYS = ("model", "text_encoder", "lora", "data.name", "data.path", "data.aspect_buckets",
+                     "data.text_encoding", "data.num_items", "data.holdout", "training.seed")
+
+
+def global_batch(cfg: DictConfig, world_size: int = 1) -> int:
+    """Samples per optimizer step; the data order and noise of every step depend on it."""
+    return cfg.training.train_batch_size * cfg.training.gradient_accumulation_steps * world_size
+
+
+def prepare_run_dir(cfg: DictConfig, world_size: int) -> Path:
+    """Create the run directory, or check that an existing one belongs to this config before reusing it.
+    The resolved config is written only once the resume is known to be possible (`save_run_config`)."""
+    run_dir = Path(cfg.logging.output_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"logging.output_dir={run_dir} is a file, not a directory")
+    if (run_dir / "config.yaml").is_file():
+        check_same_run(run_dir, cfg, world_size)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as e:
+        raise ConfigError(f"logging.output_dir={run_dir} cannot be created: {e}") from None
+    return run_dir
+
+
+def check_same_run(run_dir: Path, cfg: DictConfig, world_size: int) -> None:
+    info = json.loads((run_dir / RUN_INFO).read_text()) if (run_dir / RUN_INFO).is_file() else {}
+    if info.get("format") != RUN_FORMAT:
+        raise ConfigError(f"{run_dir} was written by an earlier version of this trainer (run format "
+                          f"{info.get('format', 1)}; this version resumes format {RUN_FORMAT}); nothing was changed. "
+                          f"Train into a new logging.output_dir, or finish this run with the version that started "
+                          f"it")
+    try:
+        old = load_config(run_dir / "config.yaml", resolve=False)
+    except ConfigError as e:
+        raise ConfigError(f"{run_dir}/config.yaml does not load ({e}); fix it or choose another logging.output_dir")
+    changes = identity_changes(old, cfg)
+    if global_batch(old, info["world_size"]) != global_batch(cfg, world_size):
+        changes.append(f"global batch (training.train_batch_size * training.gradient_accumulation_steps * "
+                       f"world size): {global_batch(old, info['world_size'])} -> {global_batch(cfg, world_size)}")
+    if changes:
+        raise ConfigError(f"{run_dir} holds a run with other settings that its checkpoints depend on "
+                          f"({'; '.join(changes)}); restore them, or choose another logging.output_dir "
+                          f"(nothing was changed on disk)")
+    old_keys, new_keys = flat_keys(OmegaConf.to_container(old)), flat_keys(OmegaConf.to_container(cfg))
+    for key in sorted(k for k in new_keys if old_keys.get(k) != new_keys[k]):
+        log.info("config change since the run's last start: %s %s -> %s", key, old_keys.get(key), new_keys[key])
+
+
+def identity_part(cfg: DictConfig, key: str):
+    """The part of the config under `key` that a resume must keep. Where full training's weights started does
+    not count (checkpoints hold all weights); under LoRA it does (they hold only the adapters)."""
+    value = OmegaConf.select(cfg, key)
+    if isinstance(value, DictConfig):
+        value = OmegaConf.to_container(value)
+        if not OmegaConf.select(cfg, "lora.enabled"):
+            value.pop("init_from", None)
+    return value
+
+
+def identity_changes(old: DictConfig, new: DictConfig) -> list[str]:
+    """Each setting of the run's identity that differs, as 'key: old -> new'."""
+    changes = []
+    for key in RUN_IDENTITY_KEYS:
+        before, now = identity_part(old, key), identity_part(new, key)
+        before = flat_keys(before, f"{key}.") if isinstance(before, dict) else {key: before}
+        now = flat_keys(now, f"{key}.") if isinstance(now, dict) else {key: now}
+        changes += [f"{k}: {before.get(k)} -> {now.get(k)}" for k in sorted(before.keys() | now.keys())
+                    if before.get(k) != now.get(k)]
+    return changes
+
+
+def save_run_config(run_dir: Path, cfg: DictConfig, world_size: int) -> None:
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    (run_dir / RUN_INFO).write_text(json.dumps({"format": RUN_FORMAT, "world_size": world_size,
+                                                 "strategy": cfg.parallel.strategy}))
+
+
+def flat_keys(tree: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}"""
+    out = {}
+    for key, value in tree.items():
+        out.update(flat_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return out
