@@ -105,7 +105,7 @@ def run_row(row: Row, overrides: list[str], steps: int, out: Path) -> dict:
         if done == 2 * steps:
             window.close()
         real_log(self, done, loss, grad_norm, lr)
-        if done == 2 * steps and rank == 0:
+        if done == 2 * steps and rank == 0 and "step_s" not in window.measured:  # the row's own run only
             record = json.loads(Path(self.logger.jsonl.name).read_text().splitlines()[-1])
             window.measured.update(step_s=record["time/step_s"], images_per_s=record["samples_per_s"],
                                    mfu=record.get("mfu"), peak_memory_gib=record.get(
@@ -154,7 +154,10 @@ class SyncWindow:
         self.steps, self.counter, self.measured, self.context, self.counts = steps, HostSyncCounter(), {}, None, {}
 
     def open(self) -> None:
+        """Once: the runs a row makes after the measured one (a resume, say) are not measured."""
         from perf.host_syncs import cuda_sync_counter
+        if "host_syncs_per_step" in self.measured:
+            return
         self.context = cuda_sync_counter(self.counts) if torch.cuda.is_available() else self.counter.counting()
         self.context.__enter__()
 
