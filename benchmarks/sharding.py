@@ -5,7 +5,7 @@
 Measured (CPU, gloo, the real training loop through ./train_mmdit_stable.sh): per-rank training state
 (`memory/train_state_gib`: the rank's parameters, gradients, AdamW state and EMA) and peak RSS of rank 0, and
 step time, for 1, 2 and 4 processes under DDP, FSDP and HSDP (2 shards x 2 replicas), at the same global
-batch; and the training thread's checkpoint stall, async against synchronous, under 2-rank FSDP.
+batch. (The checkpoint stall is benchmarks/checkpoint_stall.py's.)
 
 Projected (arithmetic, plus autograd's saved tensors counted on the meta device, which allocates nothing):
 SD3.5-large full fine-tuning at 1024 px on 8, 16 and 64 GPUs of 80 GB: training state per GPU, activation
@@ -53,7 +53,7 @@ def train(processes: int, overrides: list[str], run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
 
 
-def measure(steps: int) -> tuple[list[dict], list[dict]]:
+def measure(steps: int) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, processes, overrides in RUNS:
@@ -64,14 +64,7 @@ def measure(steps: int) -> tuple[list[dict], list[dict]]:
                          "peak_rss_gib": metrics[-1]["memory/peak_rss_gib"],
                          "step_s": statistics.median(r["time/step_s"] for r in steady)})
             print(f"  {name}: {rows[-1]}", flush=True)
-        stalls = []
-        for mode in ("true", "false"):
-            metrics = train(2, ["parallel.strategy=fsdp", f"checkpoint.async_save={mode}", "checkpoint.every=2",
-                                f"training.max_steps={steps}"], Path(tmp) / f"stall_{mode}")
-            stall = [r["checkpoint_stall_s"] for r in metrics if r["step"] > 2 and r["step"] % 2 == 1]
-            stalls.append({"mode": "async" if mode == "true" else "sync", "stall_s": statistics.median(stall)})
-            print(f"  checkpoint {stalls[-1]}", flush=True)
-    return rows, stalls
+    return rows
 
 
 def sd35_large_projection(gpus: tuple[int, ...] = (8, 16, 64), gpu_gib: float = 80.0) -> dict:
@@ -149,7 +142,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "sharding_cpu.json")
     parser.add_argument("--projection-only", action="store_true")
     args = parser.parse_args()
-    rows, stalls = ([], []) if args.projection_only else measure(args.steps)
+    rows = [] if args.projection_only else measure(args.steps)
     projection = sd35_large_projection()
     if rows:
         print(f"\n{'run':<12}{'state GiB/rank':>16}{'vs 1 process':>14}{'peak RSS GiB':>14}{'step s':>9}")
@@ -157,7 +150,6 @@ def main() -> None:
         for r in rows:
             print(f"{r['run']:<12}{r['train_state_gib']:>16.3f}{r['train_state_gib'] / one:>14.2f}"
                   f"{r['peak_rss_gib']:>14.2f}{r['step_s']:>9.3f}")
-        print("checkpoint stall under FSDP x2: " + ", ".join(f"{s['mode']} {s['stall_s']:.3f} s" for s in stalls))
     p = projection
     print(f"\nSD3.5-large projection: {p['parameters'] / 1e9:.2f}B parameters, {p['image_tokens']} + "
           f"{p['text_tokens']} tokens at 1024 px")
@@ -168,7 +160,7 @@ def main() -> None:
         print(f"{r['gpus']:>5}{r['state_gib']:>11.1f}{r['activations_gib_per_sample']:>17.1f}"
               f"{r['activations_gib_per_sample_checkpointed']:>9.2f}{r['max_micro_batch']:>11}"
               f"{r['max_micro_batch_checkpointed']:>9}")
-    args.out.write_text(json.dumps({"cpu_runs": rows, "checkpoint_stall": stalls, "sd35_large": projection,
+    args.out.write_text(json.dumps({"cpu_runs": rows, "sd35_large": projection,
                                     "global_batch": GLOBAL_BATCH, "torch": torch.__version__}, indent=1) + "\n")
     print(f"wrote {args.out}")
 

@@ -7,11 +7,11 @@ The `Checkpointer` owns a run's checkpoints. It is given the parts of the traini
 when to save (`save(step)` at every `checkpoint.every`-th step; `save(step, last=True)` always), where to
 resume from (`resume()`), and which old checkpoints to delete.
 
-- Writing: `dcp.async_save` with a `DefaultStager`: on CUDA the stager copies the state into pinned host
-  buffers it keeps for the next save (pinned by registering plain host memory, so they hold exactly the
-  state's bytes, not the power-of-two blocks of the pinned caching allocator), on a side stream; the
-  optimizer waits for that copy before it next changes the weights (a step pre-hook). On the CPU the copy is
-  made before `save` returns. Every rank writes what it owns: its shards under FSDP/HSDP; under DDP DCP
+- Writing: `dcp.async_save` with a `DefaultStager`, which copies the state into host buffers it keeps for the
+  next save, in a thread of its own while training goes on: on CUDA pinned buffers (pinned by registering plain
+  host memory, so they hold exactly the state's bytes, not the power-of-two blocks of the pinned caching
+  allocator) filled on a side stream. The optimizer waits for that copy before it next changes the weights (a
+  step pre-hook, `wait_for_staging`). Every rank writes what it owns: its shards under FSDP/HSDP; under DDP DCP
   spreads the replicated tensors over the ranks, each written once.
 - Publishing: files go into `.tmp-step_XXXXXXXX`, each fsynced; each rank hashes its own files; rank 0 adds
   `state.json` (the step, and what export needs), `config.yaml` and, last, `manifest.json` (size and sha256 of
@@ -37,7 +37,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.tensor import DTensor
 
 from configs.schema import ConfigError
@@ -285,14 +284,14 @@ class Checkpointer:
         self.rank = group_rank(self.group)
         cuda = device.type == "cuda"  # pinned buffers and a side stream need an accelerator
         self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                   use_async_staging=cuda, use_non_blocking_copy=cuda))
+                                                   use_async_staging=True, use_non_blocking_copy=cuda))
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint") if cfg.async_save else None
         self.pending: Future | None = None
         self.pending_step = -1
         self.staging: Future | None = None
         self.last_complete: Path | None = None
         self.last_error: str | None = None
-        self.last_stall_s = 0.0
+        self.last_stall_s = self.last_staging_wait_s = 0.0
         self.staging_bytes = 0
 
     # ------------------------------------------------------------------------------------------- resume
@@ -381,11 +380,11 @@ class Checkpointer:
                 return
             if self.device.type == "cuda":  # the side stream's copies must not overtake the last optimizer kernels
                 torch.cuda.current_stream(self.device).synchronize()
-            states = {name: state for name, state in self.states.items() if state.state_dict()}
+            states = {name: state_dict for name, part in self.states.items() if (state_dict := part.state_dict())}
             if not self.staging_bytes:
-                self.staging_bytes = local_storage_bytes({n: s.state_dict() for n, s in states.items()})
-                log.info("checkpoint staging: %.1f MiB of host memory per rank%s", self.staging_bytes / 2**20,
-                         " (pinned, reused by every save)" if self.device.type == "cuda" else "")
+                self.staging_bytes = local_storage_bytes(states)
+                log.info("checkpoint staging: %.1f MiB of host memory per rank (%s, reused by every save)",
+                         self.staging_bytes / 2**20, "pinned" if self.device.type == "cuda" else "pageable")
             response = dcp.async_save(states, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
                                       process_group=self.group, async_stager=self.stager, no_dist=self.group is None)
         except Exception as e:  # the same path as a failed background write
@@ -395,10 +394,7 @@ class Checkpointer:
             self.pending.set_exception(e)
             self.report_errors()
             return
-        if isinstance(response, AsyncSaveResponse):  # staging goes on in the background (CUDA)
-            self.staging, upload = response.staging_completion, response.upload_completion
-        else:
-            upload = response
+        self.staging, upload = response.staging_completion, response.upload_completion  # staged in the background
         meta = json.loads(json.dumps({**self.meta, "step": step, "format": FORMAT}))  # a copy, now
         if self.executor is not None:
             self.pending = self.executor.submit(self.publish, step, tmp, upload, meta)
@@ -436,10 +432,11 @@ class Checkpointer:
 
     def wait_for_staging(self, *_) -> None:
         """Block until the background copy to host memory has finished (an optimizer step pre-hook: the step must
-        not change weights that are still being copied). Nothing to wait for on the CPU."""
+        not change weights that are still being copied)."""
         if self.staging is not None:
+            start = time.perf_counter()
             self.staging.result()
-            self.staging = None
+            self.staging, self.last_staging_wait_s = None, time.perf_counter() - start
 
     def publish(self, step: int, tmp: Path, upload: Future, meta: dict) -> Path:
         """After DCP wrote every rank's files: hash them, write state.json, config.yaml and the manifest, rename.
@@ -520,7 +517,8 @@ class Checkpointer:
         self.report_errors()
 
     def metrics(self) -> dict[str, float]:
-        return {"checkpoint/stall_s": self.last_stall_s, "checkpoint/staging_gib": self.staging_bytes / 2**30}
+        return {"checkpoint/stall_s": self.last_stall_s, "checkpoint/staging_wait_s": self.last_staging_wait_s,
+                "checkpoint/staging_gib": self.staging_bytes / 2**30}
 
     def close(self) -> None:
         """Wait for the save in flight (its outcome is reported) and release the staging buffers."""

@@ -185,18 +185,28 @@ def test_a_checkpoint_of_an_earlier_format_is_named(tmp_path):
 
 
 def test_the_snapshot_cannot_observe_a_later_optimizer_step(tmp_path, monkeypatch):
-    release, real_save = threading.Event(), dcp_saver.save
+    """The copy to host memory runs in the background (slowed down here) and the write after it; the optimizer
+    step that follows the save waits for the copy (the pre-hook the training loop registers), so the checkpoint
+    holds the weights of the step it names."""
+    from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+    release, real_save, real_stage = threading.Event(), dcp_saver.save, StateDictStager.stage
+
+    def slow_stage(self, *args, **kwargs):
+        threading.Event().wait(0.3)
+        return real_stage(self, *args, **kwargs)
 
     def held_save(*args, **kwargs):  # the background write starts only after the weights changed
         release.wait(timeout=30)
         return real_save(*args, **kwargs)
 
+    monkeypatch.setattr(StateDictStager, "stage", slow_stage)
     monkeypatch.setattr(dcp_saver, "save", held_save)
     model = torch.nn.Linear(8, 8)
     at_save = {k: v.clone() for k, v in model.state_dict().items()}
     ckpt = checkpointer(tmp_path, {"model": model}, async_save=True)
-    ckpt.save(1)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    opt.register_step_pre_hook(ckpt.wait_for_staging)
+    ckpt.save(1)
     model(torch.randn(4, 8)).sum().backward()
     opt.step()  # changes the live tensors while the write waits
     assert not torch.equal(model.weight, at_save["weight"])
