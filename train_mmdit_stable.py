@@ -14,8 +14,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.tensor import DTensor
 
-from configs.build import (build_collate, build_data, build_model, build_trained_model, build_validation,
-                           example_text, holdout_split)
+from configs.build import (InitialValues, build_collate, build_data, build_model, build_trained_model,
+                           build_validation, example_text, holdout_split)
 from configs.run_dir import global_batch, prepare_run_dir, save_run_config
 from configs.schema import DEFAULT_CONFIG, ConfigError, load_config
 from data.loader import check_batches, micro_batches, step_batches, to_device
@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout)
     try:
         cfg = load_config(args.config, args.overrides)  # every rank reads the same config and stops alike
-        device = init_distributed(world, resolve_device(cfg.training.device), cfg.parallel.timeout_s)
+        device = init_distributed(world, resolve_device(cfg.training.device), cfg.parallel.timeout_s,
+                                  group_of_one=cfg.parallel.cpu_offload)  # FSDP offloads even one process
         try:
             return train(cfg, world, device)
         finally:
@@ -83,7 +84,8 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
             prepare_run_dir(cfg, world.world_size)
     run_dir = Path(cfg.logging.output_dir)
 
-    model = apply_parallelism(model, cfg, world, device)  # on the device; checkpointing, compile, the wrap
+    # checkpointing, compile, the wrap, and the weights: each rank reads or draws only what it holds
+    model = apply_parallelism(model, cfg, world, device, InitialValues(model, training.seed, cfg.model.init_from))
     optimizer = build_adamw(unwrap(model), optim.lr, (optim.beta1, optim.beta2), optim.eps, optim.weight_decay,
                             device, optim.fused)
     ema = EMA(unwrap(model), optim.ema_decay)

@@ -16,9 +16,10 @@ from data.images import to_unit
 from data.latents import DataFormatError, LatentDataset, load_vae, vae_folder
 from data.loader import Collate, split_holdout
 from data.shapes import MAX_CAPTION_WORDS, VOCABULARY, ShapesDataset
-from models.diffusers_io import CheckpointFormatError, load_diffusers_weights, read_config
+from models.diffusers_io import CheckpointFormatError, WeightReader, read_config
 from models.lora import apply_lora
 from models.mmdit import MMDiT, MMDiTConfig
+from models.quantized import QuantizedLinear, quantize, quantize_linears
 from models.rectified_flow import training_sigmas
 from models.text_encoder import TextToImage, TinyTextEncoder, WordTokenizer
 from perf.distributed import World
@@ -83,28 +84,69 @@ def build_model(cfg: DictConfig, dataset, tokenizer: WordTokenizer | None = None
 
 
 def build_trained_model(cfg: DictConfig, dataset, tokenizer: WordTokenizer | None = None) -> TextToImage:
-    """The model as training starts it: built, loaded from model.init_from when set, then with LoRA adapters
-    (a no-op unless lora.enabled)."""
-    model = build_model(cfg, dataset, tokenizer)
+    """The model as training starts it, built on the meta device (nothing allocated yet: each rank later fills
+    only what it holds, from `InitialValues`): with LoRA adapters (lora.enabled) on a frozen base kept in the
+    compute dtype (bf16 halves fp32's memory, and autocast computes in bf16 anyway) or quantized
+    (lora.base_quantization)."""
+    with torch.device("meta"):
+        model = apply_lora(build_model(cfg, dataset, tokenizer), cfg.lora)
+    if cfg.lora.enabled:
+        if cfg.lora.base_quantization != "none":
+            quantize_linears(model.transformer, cfg.lora.base_quantization)
+        compute = DTYPES.get(cfg.training.dtype)
+        for p in model.parameters():
+            if compute is not None and not p.requires_grad and p.dtype == torch.float32:  # not the scales of codes
+                p.data = torch.empty_like(p, dtype=compute)
     if cfg.model.init_from:
-        init_from_diffusers(model.transformer, cfg.model.init_from)
-    return apply_lora(model, cfg.lora)
+        check_init_from(cfg, dataset, tokenizer, cfg.model.init_from)
+    return model
 
 
-def init_from_diffusers(transformer: MMDiT, directory: str) -> None:
-    """Load a diffusers transformer directory. Its sizes are the configured ones (`load_config` took them from
-    it); what can still differ comes from the data: latent channels and the text encoders' widths."""
+def check_init_from(cfg: DictConfig, dataset, tokenizer, directory: str) -> None:
+    """model.init_from fits the model before a byte of its weights is read: its sizes are the configured ones
+    (`load_config` took them from it); what can still differ comes from the data (latent channels and the text
+    encoders' widths); and its files hold every weight, in the right shape."""
     try:
         theirs = dataclasses.asdict(read_config(Path(directory)))
+        with torch.device("meta"):
+            transformer = build_model(cfg, dataset, tokenizer).transformer
         ours = dataclasses.asdict(transformer.cfg)
         different = {k: (theirs[k], ours[k]) for k in ours if theirs[k] != ours[k]}
         if different:
             raise CheckpointFormatError(f"the data does not fit it (its config.json, the data): {different}; "
                                         f"latent channels and text widths come from data.path, which must be "
                                         f"encoded with the VAE and text encoders of this transformer's pipeline")
-        load_diffusers_weights(transformer, Path(directory))
+        WeightReader(Path(directory)).check({k: v.shape for k, v in transformer.state_dict().items()}, directory)
     except CheckpointFormatError as e:
         raise ConfigError(f"model.init_from={directory}: {e}") from None
+
+
+class InitialValues:
+    """Where each parameter and buffer of a trained model starts, one block at a time (`(name, offsets, sizes)`:
+    the block a rank holds): the transformer's from model.init_from's files, reading only that block (its
+    quantized layers from the rows they quantize), everything else (a fresh model, the adapters, the text
+    encoder) from the model's own `initial_value`, a function of (seed, name)."""
+
+    def __init__(self, model: TextToImage, seed: int, init_from: str | None):
+        self.model, self.seed = model, seed
+        self.reader = WeightReader(Path(init_from)) if init_from else None
+        self.last_quantized = (None, None)  # the rows a quantized layer's codes came from, for its scales
+
+    def __call__(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+        block = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
+        if self.reader is None or not name.startswith("transformer.") or ".lora_" in name:
+            return self.model.initial_value(name, self.seed)[block]
+        module_name, _, kind = name.rpartition(".")
+        key = f"{module_name.removeprefix('transformer.').replace('.base_layer', '')}.{kind}"
+        module = self.model.get_submodule(module_name)
+        if not isinstance(module, QuantizedLinear) or kind == "bias":
+            return self.reader.read(key, offsets, sizes)
+        rows = (module_name, offsets[0], sizes[0])
+        if self.last_quantized[0] != rows:
+            weight = self.reader.read(key.rpartition(".")[0] + ".weight", (offsets[0], 0),
+                                      (sizes[0], module.in_features))
+            self.last_quantized = (rows, quantize(weight, module.scheme))
+        return self.last_quantized[1][kind][(slice(None), *block[1:])]
 
 
 def build_collate(cfg: DictConfig, dataset, tokenizer: WordTokenizer | None) -> Collate:

@@ -9,7 +9,8 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from models.lora import ADAPTER
 from models.mmdit import MMDiT, MMDiTConfig
@@ -69,19 +70,51 @@ def read_config(directory: Path) -> MMDiTConfig:
     return config
 
 
-def read_weights(directory: Path) -> dict[str, torch.Tensor]:
-    directory = Path(directory)
-    if (directory / WEIGHTS).is_file():
-        return load_file(directory / WEIGHTS)
-    if (directory / INDEX).is_file():
-        shards = sorted(set(json.loads((directory / INDEX).read_text())["weight_map"].values()))
-        weights = {}
-        for shard in shards:
-            if not (directory / shard).is_file():
-                raise CheckpointFormatError(f"{directory / INDEX} names the shard {shard}, which is missing")
-            weights.update(load_file(directory / shard))
-        return weights
-    raise CheckpointFormatError(f"{directory} has neither {WEIGHTS} nor {INDEX}")
+class WeightReader:
+    """A transformer directory's weights (one safetensors file, or shards with their index), read one tensor, or
+    one slice of a tensor, at a time from the memory-mapped files: a rank that holds rows 1000-1999 of a
+    weight reads just those bytes, and no reader ever holds the whole state dict."""
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+        if (self.directory / WEIGHTS).is_file():
+            files = [WEIGHTS]
+        elif (self.directory / INDEX).is_file():
+            files = sorted(set(json.loads((self.directory / INDEX).read_text())["weight_map"].values()))
+            absent = [f for f in files if not (self.directory / f).is_file()]
+            if absent:
+                raise CheckpointFormatError(f"{self.directory / INDEX} names shards that are missing: {absent[:5]}")
+        else:
+            raise CheckpointFormatError(f"{self.directory} has neither {WEIGHTS} nor {INDEX}")
+        self.file_of, self.shapes = {}, {}
+        for file in files:
+            with safe_open(self.directory / file, "pt") as f:
+                for key in f.keys():
+                    self.file_of[key], self.shapes[key] = file, tuple(f.get_slice(key).get_shape())
+        self.handles: dict[str, object] = {}
+        self.bytes_read = 0
+
+    def check(self, expected: dict[str, tuple], source) -> None:
+        """The keys and shapes of the model that will be filled: every difference named, before any read."""
+        missing, unexpected = sorted(expected.keys() - self.shapes.keys()), sorted(self.shapes.keys() - expected.keys())
+        shapes = {k: (self.shapes[k], tuple(expected[k])) for k in expected.keys() & self.shapes.keys()
+                  if self.shapes[k] != tuple(expected[k])}
+        if missing or unexpected or shapes:
+            raise CheckpointFormatError(f"{source} does not fit the MMDiT: missing {missing[:20]}, unexpected "
+                                        f"{unexpected[:20]}, shape (found, expected) {dict(list(shapes.items())[:20])}")
+
+    def read(self, key: str, offsets: tuple[int, ...] | None = None, sizes: tuple[int, ...] | None = None):
+        """Tensor `key`, or its block starting at `offsets` of `sizes`."""
+        file = self.file_of[key]
+        if file not in self.handles:
+            self.handles[file] = safe_open(self.directory / file, "pt")
+        region = self.handles[file].get_slice(key)
+        if offsets is not None:
+            region = region[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
+        else:
+            region = region[:]
+        self.bytes_read += region.numel() * region.element_size()
+        return region
 
 
 def check_state_dict(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor], source) -> None:
@@ -102,9 +135,13 @@ def load_diffusers_transformer(directory: Path, dtype: torch.dtype = torch.float
 
 
 def load_diffusers_weights(model: MMDiT, directory: Path, dtype: torch.dtype = torch.float32) -> None:
-    weights = read_weights(directory)
-    check_state_dict(model.state_dict(), weights, directory)
-    model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=True)
+    """Fill `model` (which must have exactly the directory's keys and shapes) tensor by tensor."""
+    reader = WeightReader(directory)
+    state = model.state_dict()
+    reader.check({k: v.shape for k, v in state.items()}, directory)
+    with torch.no_grad():
+        for key, tensor in state.items():
+            tensor.copy_(reader.read(key).to(dtype))
 
 
 def write_new_directory(directory: Path, write) -> Path:

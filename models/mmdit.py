@@ -7,12 +7,14 @@ sequence, text tokens second, as in the reference attention processor.
 
 import math
 from dataclasses import dataclass, field
+from itertools import chain
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from models.attention import attention
+from models.rectified_flow import INIT_STREAM, sample_key
 
 
 @dataclass
@@ -34,6 +36,29 @@ class MMDiTConfig:
     @property
     def hidden_size(self) -> int:
         return self.num_attention_heads * self.attention_head_dim
+
+
+# ----------------------------------------------------------------------------------------------- initial values
+
+
+def init_generator(seed: int, name: str) -> torch.Generator:
+    """The random stream of one parameter's initial value: keyed by (seed, its name), so a parameter starts
+    the same whatever order the model was built in and whichever rank fills which shard of it."""
+    return torch.Generator().manual_seed(sample_key(seed, INIT_STREAM, name))
+
+
+def xavier_uniform(shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
+    """Glorot-uniform over (fan_out, fan_in = the product of the other dimensions)."""
+    fan_out, fan_in = shape[0], math.prod(shape[1:])
+    bound = math.sqrt(6.0 / (fan_in + fan_out))
+    return torch.empty(shape).uniform_(-bound, bound, generator=generator)
+
+
+def initialize(module: nn.Module, seed: int) -> None:
+    """Fill every parameter and buffer of `module` with its `initial_value(name, seed)` (in place)."""
+    with torch.no_grad():
+        for name, tensor in chain(module.named_parameters(), module.named_buffers()):
+            tensor.copy_(module.initial_value(name, seed))
 
 
 # ----------------------------------------------------------------------------------------------- embeddings
@@ -58,8 +83,8 @@ class PatchEmbed(nn.Module):
         self.patch_size = cfg.patch_size
         self.max_size = cfg.pos_embed_max_size
         self.proj = nn.Conv2d(cfg.in_channels, cfg.hidden_size, cfg.patch_size, stride=cfg.patch_size)
-        table = sincos_2d_table(cfg.hidden_size, cfg.pos_embed_max_size, cfg.sample_size // cfg.patch_size)
-        self.register_buffer("pos_embed", table[None], persistent=True)
+        max_tokens = cfg.pos_embed_max_size**2  # the sin-cos table; MMDiT.initial_value computes it
+        self.register_buffer("pos_embed", torch.empty(1, max_tokens, cfg.hidden_size), persistent=True)
 
     def cropped_pos_embed(self, h: int, w: int) -> torch.Tensor:
         if h > self.max_size or w > self.max_size:
@@ -272,25 +297,31 @@ class MMDiT(nn.Module):
             for i in range(cfg.num_layers))
         self.norm_out = AdaLNContinuous(dim)
         self.proj_out = nn.Linear(dim, cfg.patch_size**2 * cfg.out_channels)
-        self.reset_parameters()
+        if not self.proj_out.weight.is_meta:  # built on the meta device, the caller fills it (shard by shard)
+            initialize(self, seed=0)
 
-    def reset_parameters(self) -> None:
-        """Xavier linears, then adaLN-Zero: every modulation and the output projection start at zero,
-        so each block is an identity map and the fresh model predicts zero velocity."""
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.xavier_uniform_(m.weight)
-                nn.init.zeros_(m.bias)
-        nn.init.xavier_uniform_(self.pos_embed.proj.weight.flatten(1))
-        nn.init.normal_(self.time_text_embed.timestep_embedder.linear_1.weight, std=0.02)
-        nn.init.normal_(self.time_text_embed.timestep_embedder.linear_2.weight, std=0.02)
-        for block in self.transformer_blocks:
-            for norm in (block.norm1, block.norm1_context):
-                nn.init.zeros_(norm.linear.weight)
-                nn.init.zeros_(norm.linear.bias)
-        for layer in (self.norm_out.linear, self.proj_out):
-            nn.init.zeros_(layer.weight)
-            nn.init.zeros_(layer.bias)
+    # adaLN-Zero: every modulation and the output projection start at zero, so each block is an identity map
+    # and the fresh model predicts zero velocity
+    ZERO_INIT = ("norm1.linear", "norm1_context.linear", "norm_out.linear", "proj_out")
+
+    def initial_value(self, name: str, seed: int) -> torch.Tensor:
+        """The initial value of parameter or buffer `name`, a function of (seed, name) alone: Xavier-uniform
+        matmul and patch weights, N(0, 0.02) timestep-embedder weights, zero biases, unit RMSNorm weights,
+        adaLN-Zero, and the fixed sin-cos position table."""
+        if name == "pos_embed.pos_embed":
+            table = sincos_2d_table(self.cfg.hidden_size, self.cfg.pos_embed_max_size,
+                                    self.cfg.sample_size // self.cfg.patch_size)
+            return table[None]
+        module_name, _, kind = name.rpartition(".")
+        module = self.get_submodule(module_name)
+        shape = getattr(module, kind).shape
+        if isinstance(module, nn.RMSNorm):
+            return torch.ones(shape)
+        if kind == "bias" or any(module_name == z or module_name.endswith(f".{z}") for z in self.ZERO_INIT):
+            return torch.zeros(shape)
+        if ".timestep_embedder." in f".{module_name}.":
+            return torch.empty(shape).normal_(0.0, 0.02, generator=init_generator(seed, name))
+        return xavier_uniform(shape, init_generator(seed, name))
 
     def unpatchify(self, x: torch.Tensor, h: int, w: int) -> torch.Tensor:
         p, c = self.cfg.patch_size, self.cfg.out_channels

@@ -7,6 +7,8 @@ Datasets of precomputed embeddings bypass it (see `TextToImage.encode`).
 import torch
 import torch.nn as nn
 
+from models.mmdit import init_generator, initialize, xavier_uniform
+
 PAD = "<pad>"
 
 
@@ -42,7 +44,21 @@ class TinyTextEncoder(nn.Module):
                                        batch_first=True, norm_first=True)
             for _ in range(num_layers))
         self.final_norm = nn.LayerNorm(dim)
-        nn.init.normal_(self.token_embedding.weight, std=0.02)
+        if not self.final_norm.weight.is_meta:  # built on the meta device, the caller fills it
+            initialize(self, seed=0)
+
+    def initial_value(self, name: str, seed: int) -> torch.Tensor:
+        """A function of (seed, name) alone, as the MMDiT's: N(0, 0.02) embeddings, Xavier-uniform matmul
+        weights, zero biases, unit LayerNorm scales."""
+        shape = self.get_parameter(name).shape
+        if name in ("position_embedding", "token_embedding.weight"):
+            return torch.empty(shape).normal_(0.0, 0.02, generator=init_generator(seed, name))
+        module_name, _, kind = name.rpartition(".")
+        if "bias" in kind:
+            return torch.zeros(shape)
+        if isinstance(self.get_submodule(module_name), nn.LayerNorm):
+            return torch.ones(shape)
+        return xavier_uniform(shape, init_generator(seed, name))
 
     def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.token_embedding(input_ids) + self.position_embedding
@@ -63,6 +79,18 @@ class TextToImage(nn.Module):
         super().__init__()
         self.transformer = transformer
         self.text_encoder = text_encoder
+
+    def initial_value(self, name: str, seed: int) -> torch.Tensor:
+        """A fresh model's value of `name` (see MMDiT.initial_value); LoRA adapters start as peft's Gaussian
+        init (A ~ N(0, 1/rank), B = 0: the adapted model starts as the base)."""
+        part, _, inner = name.partition(".")
+        if ".lora_" in inner:
+            shape = self.get_parameter(name).shape
+            if ".lora_B." in inner:
+                return torch.zeros(shape)
+            rank = shape[0]
+            return torch.empty(shape).normal_(0.0, 1.0 / rank, generator=init_generator(seed, name))
+        return getattr(self, part).initial_value(inner.replace(".base_layer.", "."), seed)
 
     def encode(self, text: dict) -> tuple[torch.Tensor, torch.Tensor]:
         if "input_ids" in text:

@@ -45,15 +45,18 @@ def world_from_env() -> World:
     return World(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
 
 
-def init_distributed(world: World, device: torch.device, timeout_s: int) -> torch.device:
-    """Join the process group (NCCL on CUDA, gloo on CPU); returns this rank's device."""
-    if not world.distributed:
+def init_distributed(world: World, device: torch.device, timeout_s: int, group_of_one: bool = False) -> torch.device:
+    """Join the process group (NCCL for CUDA tensors and gloo for host tensors on a GPU machine, gloo on the
+    CPU); returns this rank's device. One process joins no group, unless `group_of_one` asks for it (FSDP's
+    offload to host memory works through a process group, of one rank then)."""
+    if not world.distributed and not group_of_one:
         return device
     if device.type == "cuda":
         device = torch.device("cuda", world.local_rank)
         torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=world.rank, world_size=world.world_size,
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    store = None if world.distributed else dist.HashStore()  # a group of one needs no rendezvous
+    dist.init_process_group(backend, rank=world.rank, world_size=world.world_size, store=store,
                             timeout=datetime.timedelta(seconds=timeout_s),
                             device_id=device if device.type == "cuda" else None)
     log.info("distributed: %d processes, backend %s, timeout %ds", world.world_size, backend, timeout_s)

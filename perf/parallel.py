@@ -1,5 +1,7 @@
 """Data parallelism over ranks: DDP, FSDP or HSDP (`parallel.strategy`), applied in the one order that works
-for all of them: activation checkpointing, then torch.compile (per block, in place), then the wrap.
+for all of them: activation checkpointing, then torch.compile (per block, in place), then the wrap. The model
+arrives built on the meta device and is materialized here: on the device, or under FSDP only the shards this
+rank holds, so no rank ever holds the whole model (an 8B model is 32 GB in fp32).
 
 - ddp: every rank holds the whole model and optimizer; gradients are all-reduced in buckets during the last
   micro-step's backward (`no_sync` before it).
@@ -11,19 +13,23 @@ for all of them: activation checkpointing, then torch.compile (per block, in pla
   the cross-group all-reduce of the (sharded) gradients runs once per optimizer step, on the last micro-step.
 
 With training.dtype=bf16, FSDP computes in bf16 (weights are all-gathered in bf16) and reduces gradients in
-fp32; the sharded master weights, AdamW state and EMA stay fp32. One process is never wrapped.
+fp32; the sharded master weights, AdamW state and EMA stay fp32. With parallel.cpu_offload those shards, their
+gradients and the AdamW state live in host memory (FSDP2's CPUOffloadPolicy): each block's weights are copied
+to the GPU for its forward and backward, its gradients back, and the optimizer step runs on the CPU. One
+process is not wrapped, except to offload (FSDP over a group of one).
 """
 
 import inspect
 import logging
 import os
 from contextlib import contextmanager, nullcontext
+from itertools import chain
 
 import torch
 import torch.nn as nn
 from omegaconf import DictConfig
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -62,35 +68,65 @@ def device_mesh(cfg: DictConfig, world: World, device: torch.device) -> DeviceMe
     return init_device_mesh(device.type, (world.world_size // size, size), mesh_dim_names=("replicate", "shard"))
 
 
-def apply_parallelism(model: nn.Module, cfg: DictConfig, world: World, device: torch.device) -> nn.Module:
-    """The model as it trains, on the device: checkpointed, compiled, and wrapped or sharded for the strategy.
-    Sharding moves each block to the device as it shards it, so the whole model is never there at once."""
+def apply_parallelism(model: nn.Module, cfg: DictConfig, world: World, device: torch.device,
+                      initial_values) -> nn.Module:
+    """The model as it trains: checkpointed, compiled, wrapped or sharded for the strategy, and materialized
+    from `initial_values` (see `materialize`)."""
     t, p = cfg.training, cfg.parallel
-    sharded = world.distributed and p.strategy != "ddp"
-    if not sharded:
-        model.to(device)
     apply_activation_checkpointing(model, t.activation_checkpointing)
     apply_compile(model, cfg.compile)
-    if not world.distributed:
+    if not sharded(cfg, world):
+        materialize(model, device, initial_values)
+        if world.distributed:
+            return wrap_ddp(model, device, p.ddp_bucket_cap_mb)
         if p.strategy != "ddp":
             log.info("parallel.strategy=%s with one process: nothing to shard, training unsharded", p.strategy)
         return model
-    if not sharded:
-        return wrap_ddp(model, device, p.ddp_bucket_cap_mb)
     mesh = device_mesh(cfg, world, device)
     bf16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if t.dtype == "bf16" else {}
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if p.cpu_offload else OffloadPolicy()
     for block in model.transformer.transformer_blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=p.reshard_after_forward,
-                    mp_policy=MixedPrecisionPolicy(**bf16))
+                    mp_policy=MixedPrecisionPolicy(**bf16), offload_policy=offload)
     # The root leaves its inputs as they come (FSDP would cast sigma to bf16, and timesteps would move in steps
     # of 2-4): autocast casts them where its matmuls need it, as under DDP. Its weights start the backward, so
     # they stay gathered after the forward.
     fully_shard(model, mesh=mesh, reshard_after_forward=False,
-                mp_policy=MixedPrecisionPolicy(**bf16, cast_forward_inputs=False))
-    log.info("%s: mesh %s, %d blocks sharded + the root, reshard after forward %s, %s", p.strategy,
+                mp_policy=MixedPrecisionPolicy(**bf16, cast_forward_inputs=False), offload_policy=offload)
+    # offloaded shards live in host memory (FSDP copies each block's to the GPU when it runs); buffers, which FSDP
+    # does not manage, on the GPU
+    materialize(model, torch.device("cpu") if p.cpu_offload else device, initial_values, buffers=device)
+    log.info("%s: mesh %s, %d blocks sharded + the root, reshard after forward %s, %s%s", p.strategy,
              dict(zip(mesh.mesh_dim_names, mesh.shape)), len(model.transformer.transformer_blocks),
-             p.reshard_after_forward, "bf16 compute, fp32 reduction" if t.dtype == "bf16" else "fp32")
+             p.reshard_after_forward, "bf16 compute, fp32 reduction" if t.dtype == "bf16" else "fp32",
+             ", weights, gradients and AdamW state offloaded to host memory" if p.cpu_offload else "")
     return model
+
+
+def sharded(cfg: DictConfig, world: World) -> bool:
+    """FSDP/HSDP over several ranks, or over one to offload to host memory."""
+    return cfg.parallel.strategy != "ddp" and (world.distributed or cfg.parallel.cpu_offload)
+
+
+def materialize(model: nn.Module, device: torch.device, initial_values, buffers: torch.device | None = None) -> None:
+    """Allocate the parameters and buffers of a model built on the meta device on `device` (buffers on `buffers`,
+    if given) and fill each from `initial_values(name, offsets, sizes)`: the block of it this rank holds, the
+    whole tensor unless FSDP sharded it. Peak host memory: one tensor (or block) at a time."""
+    model.to_empty(device=device)
+    if buffers is not None:
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                module.register_buffer(name, torch.empty_like(buffer, device=buffers),
+                                       persistent=name not in module._non_persistent_buffers_set)
+    with torch.no_grad():
+        for name, tensor in chain(model.named_parameters(), model.named_buffers()):
+            if isinstance(tensor, DTensor):
+                chunk = tensor.__create_chunk_list__()[0]
+                offsets, sizes, local = tuple(chunk.offsets), tuple(chunk.sizes), tensor.to_local()
+            else:
+                offsets, sizes, local = (0,) * tensor.dim(), tuple(tensor.shape), tensor
+            if local.numel():
+                local.copy_(initial_values(name, offsets, sizes))
 
 
 def wrap_ddp(model: nn.Module, device: torch.device, bucket_cap_mb: float) -> nn.Module:

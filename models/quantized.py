@@ -1,0 +1,98 @@
+"""Frozen linear layers stored quantized (QLoRA-style LoRA on a big base): 4-bit NormalFloat or 8-bit integers.
+
+- nf4: each block of 64 consecutive weights of a row (fewer where the row is shorter) is scaled by its absolute
+  maximum and rounded to the nearest of the 16 NormalFloat levels (Dettmers et al. 2023, the levels are the
+  quantiles of a normal distribution); two codes per byte. 0.5 bytes per weight plus a bf16 scale per block.
+- int8: each row scaled by its absolute maximum / 127 and rounded (symmetric). 1 byte per weight plus a bf16
+  scale per row.
+The scales are bf16 so that FSDP's bf16 policy, which casts floating parameters, leaves them as they are (their
+rounding is far below the quantization's own error: on random weights the SQNR is the same with fp32 scales).
+
+The codes and scales are ordinary frozen parameters, quantized along rows only, so FSDP shards them by rows like
+any weight (integer parameters are gathered as they are, never cast), and the rows a rank holds quantize the same
+alone as within the whole matrix. Each forward dequantizes the weight to the compute dtype (one layer at a time).
+torchao's NF4 and int8 tensors were the first choice; as of torchao 0.18 NF4 shards only in whole blocks of
+16384 values, which SD3.5-large's 2432-wide projections do not divide into over 2, 4 or 8 ranks, and its int8
+tensor does not shard under FSDP2 at all (benchmarks/RESULTS.md).
+"""
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+NF4_LEVELS = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+                           -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+                           0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+                           0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0])
+NF4_BLOCK = 64
+SCHEMES = ("nf4", "int8")
+
+
+def block_size(scheme: str, in_features: int) -> int:
+    return math.gcd(in_features, NF4_BLOCK) if scheme == "nf4" else in_features
+
+
+def quantize(weight: torch.Tensor, scheme: str) -> dict[str, torch.Tensor]:
+    """{"codes", "scales"} of a weight [rows, in_features]; each row on its own."""
+    rows, columns = weight.shape
+    blocks = weight.float().reshape(rows, -1, block_size(scheme, columns))
+    absmax = blocks.abs().amax(dim=-1, keepdim=True)
+    scales = torch.where(absmax > 0, absmax, torch.ones_like(absmax)).to(torch.bfloat16)
+    normalized = blocks / scales.float()
+    if scheme == "int8":
+        codes = (normalized * 127).round().clamp(-127, 127).to(torch.int8).reshape(rows, columns)
+        return {"codes": codes, "scales": scales.reshape(rows, 1)}
+    midpoints = (NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / 2
+    index = torch.bucketize(normalized.reshape(rows, columns), midpoints).to(torch.uint8)
+    return {"codes": index[:, 0::2] << 4 | index[:, 1::2], "scales": scales.reshape(rows, -1)}
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, scheme: str, dtype: torch.dtype) -> torch.Tensor:
+    rows = codes.shape[0]
+    if scheme == "int8":
+        values = codes.to(dtype) / 127
+    else:
+        index = torch.stack([codes >> 4, codes & 0x0F], dim=-1).reshape(rows, -1).long()
+        values = NF4_LEVELS.to(codes.device, dtype)[index]
+    return (values.reshape(rows, scales.shape[1], -1) * scales.to(dtype)[..., None]).reshape(rows, -1)
+
+
+class QuantizedLinear(nn.Module):
+    """A frozen nn.Linear whose weight is held as `codes` and `scales` (see the module docstring); the bias, if
+    any, stays in full precision. Built empty (on the meta device, say); `quantize` gives the values."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, scheme: str, device=None):
+        super().__init__()
+        if scheme not in SCHEMES:
+            raise ValueError(f"unknown quantization {scheme!r}; expected one of {SCHEMES}")
+        self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
+        packed = in_features // 2 if scheme == "nf4" else in_features
+        self.codes = nn.Parameter(torch.empty(out_features, packed, dtype=torch.uint8 if scheme == "nf4" else torch.int8,
+                                              device=device), requires_grad=False)
+        self.scales = nn.Parameter(torch.empty(out_features, in_features // block_size(scheme, in_features),
+                                               dtype=torch.bfloat16, device=device), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, device=device), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        weight = dequantize(self.codes, self.scales, self.scheme, dtype)
+        return F.linear(x.to(dtype), weight, None if self.bias is None else self.bias.to(dtype))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}"
+
+
+def quantize_linears(module: nn.Module, scheme: str) -> list[str]:
+    """Replace every frozen nn.Linear below `module` (LoRA's base layers included) by an empty QuantizedLinear;
+    returns their names. The adapters (trainable) stay as they are."""
+    names = []
+    for name, child in list(module.named_modules()):
+        if isinstance(child, nn.Linear) and not child.weight.requires_grad:
+            parent_name, _, attr = name.rpartition(".")
+            parent = module.get_submodule(parent_name) if parent_name else module
+            setattr(parent, attr, QuantizedLinear(child.in_features, child.out_features, child.bias is not None,
+                                                  scheme, device=child.weight.device))
+            names.append(name)
+    return names
