@@ -20,7 +20,6 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 NF4_LEVELS = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
                            -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
@@ -59,6 +58,23 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, scheme: str, dtype: to
     return (values.reshape(rows, scales.shape[1], -1) * scales.to(dtype)[..., None]).reshape(rows, -1)
 
 
+class QuantizedMatmul(torch.autograd.Function):
+    """x @ dequantize(codes, scales).T, keeping the codes (not the dequantized weight) for the backward, which
+    dequantizes again: autograd would otherwise hold a full-precision copy of every frozen weight until the
+    backward reaches it, and the quantized base would save no memory at all."""
+
+    @staticmethod
+    def forward(ctx, x, codes, scales, scheme):
+        ctx.save_for_backward(codes, scales)
+        ctx.scheme = scheme
+        return x @ dequantize(codes, scales, scheme, x.dtype).T
+
+    @staticmethod
+    def backward(ctx, grad):
+        codes, scales = ctx.saved_tensors
+        return grad @ dequantize(codes, scales, ctx.scheme, grad.dtype), None, None, None
+
+
 class QuantizedLinear(nn.Module):
     """A frozen nn.Linear whose weight is held as `codes` and `scales` (see the module docstring); the bias, if
     any, stays in full precision. Built empty (on the meta device, say); `quantize` gives the values."""
@@ -77,8 +93,9 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        weight = dequantize(self.codes, self.scales, self.scheme, dtype)
-        return F.linear(x.to(dtype), weight, None if self.bias is None else self.bias.to(dtype))
+        with torch.autocast(x.device.type, enabled=False):  # the matmul runs in `dtype` already
+            out = QuantizedMatmul.apply(x.to(dtype), self.codes, self.scales, self.scheme)
+            return out if self.bias is None else out + self.bias.to(dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}"

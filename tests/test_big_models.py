@@ -114,8 +114,15 @@ def test_quantization_error_bytes_and_row_locality(scheme, sqnr_db):
         layer.codes.copy_(q["codes"])
         layer.scales.copy_(q["scales"])
         layer.bias.zero_()
-    x = torch.randn(3, 256)
-    torch.testing.assert_close(layer(x), x @ restored.T)
+    x = torch.randn(3, 256, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = layer(x)
+    torch.testing.assert_close(out, x @ restored.T)
+    # the backward keeps the codes, not a dequantized copy of the weight (which would undo the saving)
+    assert sum(t.numel() * t.element_size() for t in saved) == sum(t.numel() * t.element_size() for t in q.values())
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, restored.sum(0).expand(3, -1))
 
 
 @pytest.mark.parametrize("scheme", ["nf4", "int8"])
