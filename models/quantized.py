@@ -53,7 +53,8 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, scheme: str, dtype: to
     if scheme == "int8":
         values = codes.to(dtype) / 127
     else:
-        index = torch.stack([codes >> 4, codes & 0x0F], dim=-1).reshape(rows, -1).long()
+        index = torch.empty(rows, 2 * codes.shape[1], dtype=torch.int32, device=codes.device)
+        index[:, 0::2], index[:, 1::2] = codes >> 4, codes & 0x0F
         values = NF4_LEVELS.to(codes.device, dtype)[index]
     return (values.reshape(rows, scales.shape[1], -1) * scales.to(dtype)[..., None]).reshape(rows, -1)
 
@@ -92,8 +93,12 @@ class QuantizedLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, device=device), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        with torch.autocast(x.device.type, enabled=False):  # the matmul runs in `dtype` already
+        device = x.device.type
+        if not (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)):
+            out = QuantizedMatmul.apply(x, self.codes, self.scales, self.scheme)
+            return out if self.bias is None else out + self.bias.to(x.dtype)
+        dtype = torch.get_autocast_dtype(device)
+        with torch.autocast(device, enabled=False):  # the matmul runs in the autocast dtype already
             out = QuantizedMatmul.apply(x.to(dtype), self.codes, self.scales, self.scheme)
             return out if self.bias is None else out + self.bias.to(dtype)
 

@@ -29,13 +29,14 @@ SD3_INPUTS = dict(latent_channels=16, latent_sizes=[(128, 128)], joint_dim=4096,
 
 
 @pytest.mark.parametrize("name", ["sd3_medium", "sd3_medium_lora", "sd35_medium", "sd35_medium_lora", "sd35_large",
-                                  "sd35_large_lora"])
+                                  "sd35_large_lora", "sd35_medium_lora_24gb", "sd35_large_lora_24gb"])
 def test_config_with_the_released_transformer_is_the_released_architecture(name, tmp_path):
     """The configs take the MMDiT's sizes from model.init_from's config.json; pointed at (the config of) the
     released transformer, they build diffusers' SD3Transformer2DModel key for key."""
-    released = {**RELEASED[name.removesuffix("_lora")], "attention_head_dim": 64, "patch_size": 2, "in_channels": 16,
+    model_name = name.removesuffix("_24gb").removesuffix("_lora")
+    released = {**RELEASED[model_name], "attention_head_dim": 64, "patch_size": 2, "in_channels": 16,
                 "out_channels": 16, "sample_size": 128, "joint_attention_dim": 4096, "pooled_projection_dim": 2048,
-                "caption_projection_dim": 64 * RELEASED[name.removesuffix("_lora")]["num_attention_heads"]}
+                "caption_projection_dim": 64 * RELEASED[model_name]["num_attention_heads"]}
     with torch.device("meta"):
         theirs = diffusers.SD3Transformer2DModel(**released)
     theirs.save_config(tmp_path / "transformer")  # config.json only, as in the released folder
@@ -53,7 +54,7 @@ def test_config_with_the_released_transformer_is_the_released_architecture(name,
     assert trained == (sum(p.numel() for p in model.parameters()) if not cfg.lora.enabled else adapters)
 
 
-@pytest.mark.parametrize("name", ["sd3_medium_lora", "sd35_medium"])
+@pytest.mark.parametrize("name", ["sd3_medium_lora", "sd35_medium", "sd35_large_lora_24gb"])
 def test_config_runs_as_written_on_a_shrunken_model(name, tmp_path):
     """Every setting of the file (bf16, activation checkpointing, batch sizer, accumulation, buckets, LoRA)
     but the model's size, shrunk to the test data; compile off to keep the test short."""
@@ -62,7 +63,8 @@ def test_config_runs_as_written_on_a_shrunken_model(name, tmp_path):
     shrink = ["model.num_layers=2", "model.num_attention_heads=2", "model.attention_head_dim=8",
               "model.sample_size=8", "model.pos_embed_max_size=8", f"data.path={data}"]
     shrink += ["model.dual_attention_layers=[0]"] if "sd35" in name else []
-    base = export_random_base([*shrink, "lora.enabled=false"], tmp_path / "base", config=config)
+    base = export_random_base([*shrink, "lora.enabled=false", "lora.base_quantization=none"], tmp_path / "base",
+                              config=config)
     run = ["--config", str(config), *shrink, f"model.init_from={base}", "training.train_batch_size=2",
            "training.gradient_accumulation_steps=2", "training.max_steps=3", "compile.enabled=false",
            "logging.log_every=1", f"logging.output_dir={tmp_path / 'run'}"]

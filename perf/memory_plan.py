@@ -1,0 +1,214 @@
+"""A memory plan before renting GPUs: what each rank holds when training a config, component by component.
+
+Counted on the meta device for the real model (which allocates nothing): its parameters by role and dtype
+(trained, frozen, quantized) and the tensors autograd saves for the backward in one training forward at
+micro-batch 1. The rest follows stated rules:
+
+- trained weights: fp32 master (4 B), gradients fp32 (4 B), AdamW's two moments (8 B), EMA (4 B) per parameter;
+  frozen weights at their stored size (the compute dtype, or nf4 / int8 codes and scales). Under FSDP/HSDP all
+  of it is split over the shard group; with parallel.cpu_offload it lives in host memory instead.
+- DDP keeps a second copy of the gradients in its all-reduce buckets.
+- FSDP in flight: the root's weights gathered (it keeps them between forward and backward), two blocks'
+  weights gathered in the compute dtype (the running one and the prefetched one; every block when
+  parallel.reshard_after_forward is off), and one block's full fp32 gradient before its reduce-scatter.
+- activations: the saved tensors per sample times the micro-batch, attention counted as a flash kernel keeps it
+  (q, k, v, output and row statistics, never the L x L scores); with activation checkpointing every k-th block
+  keeps only its inputs, and the backward recomputes one block at a time.
+- workspace: dequantizing a quantized layer holds its 4-byte level indices and two weight-sized temporaries in
+  the compute dtype (int8: three), for the largest such layer.
+- peak: everything that persists, plus the larger of the activations and the gradients (the backward frees
+  activations as it makes gradients), plus the workspace.
+- on a GPU: the CUDA context and kernels (0.6 GiB), and 10 % of the rest for the caching allocator's
+  fragmentation.
+"""
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from models import attention
+from models.quantized import QuantizedLinear
+
+GIB = 2**30
+CUDA_CONTEXT = 0.6 * GIB
+FRAGMENTATION = 0.10
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass
+class Plan:
+    """Bytes per rank of each component; `host` what CPU offload keeps in host memory instead."""
+    weights: float = 0.0
+    gradients: float = 0.0
+    optimizer: float = 0.0
+    ema: float = 0.0
+    in_flight: float = 0.0
+    activations: float = 0.0
+    workspace: float = 0.0
+    overhead: float = 0.0
+    host: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak(self) -> float:
+        return self.weights + self.optimizer + self.ema + self.in_flight + max(self.activations, self.gradients) \
+            + self.workspace + self.overhead
+
+
+@dataclass
+class ModelCount:
+    """What the meta-device pass found."""
+    trained: int  # parameters
+    frozen_bytes: int
+    buffer_bytes: int
+    block_bytes: list[int]  # each block's parameters at their stored size
+    block_trained: list[int]  # each block's trained parameters
+    root_bytes: int  # parameters outside the blocks
+    saved_per_block: list[int]  # bytes autograd saves in each block, per sample
+    block_inputs: list[int]  # bytes of each block's inputs, per sample
+    saved_outside: int  # saved outside the blocks (embeddings, final layer, loss), per sample
+    dequantized: dict[str, int]  # the largest quantized layer's weights, by scheme
+
+
+def count_model(model, example_inputs, activation_bytes: int, frozen_bytes: int) -> ModelCount:
+    """Parameters and saved activations of `model` (built on the meta device, in fp32: the meta device has no
+    autocast) in one forward of `example_inputs` (batch 1); float activations counted at `activation_bytes`
+    per element, frozen float weights at `frozen_bytes` (the dtype training keeps them in)."""
+    blocks = list(model.transformer.transformer_blocks)
+    weights = {id(p) for p in model.parameters()}
+    saved, inputs, current = [0] * len(blocks), [0] * len(blocks), [None]
+    outside, seen = [0], {}  # one tensor saved by several ops (a block's input by q, k and v) is held once
+
+    def size(t: torch.Tensor) -> int:
+        return t.numel() * (activation_bytes if t.is_floating_point() else t.element_size())
+
+    def pack(t):
+        key = id(t._base if t._base is not None else t)
+        if key not in weights and key not in seen:  # weights (and views of them) are not activations
+            seen[key] = t  # kept alive, so that its id is not reused
+            if current[0] is None:
+                outside[0] += size(t)
+            else:
+                saved[current[0]] += size(t)
+        return t
+
+    def flash_attention(q, k, v):  # what a flash kernel keeps for the backward: inputs, output, row statistics
+        with torch.no_grad():
+            out = attention.math_attention(q, k, v)
+        for t in (q, k, v, out, torch.empty(q.shape[:3], dtype=torch.float32, device="meta")):
+            pack(t)
+        return out.requires_grad_(q.requires_grad or k.requires_grad or v.requires_grad)
+
+    def enter(index):
+        def hook(module, args):
+            current[0] = index
+            inputs[index] = sum(size(a) for a in args if isinstance(a, torch.Tensor))
+        return hook
+
+    handles = [b.register_forward_pre_hook(enter(i)) for i, b in enumerate(blocks)]
+    handles += [b.register_forward_hook(lambda *_: current.__setitem__(0, None)) for b in blocks]
+    try:
+        with attention.attention_kernel(flash_attention), saved_tensors_hooks(pack, lambda t: t):
+            model(*example_inputs).float().square().mean()
+    finally:
+        for handle in handles:
+            handle.remove()
+
+    def stored_size(p) -> int:
+        frozen_float = not p.requires_grad and p.is_floating_point() and p.dtype == torch.float32
+        return p.numel() * (frozen_bytes if frozen_float else p.element_size())
+
+    def stored(module) -> int:
+        return sum(stored_size(p) for p in module.parameters())
+
+    return ModelCount(
+        trained=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        frozen_bytes=sum(stored_size(p) for p in model.parameters() if not p.requires_grad),
+        buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
+        block_bytes=[stored(b) for b in blocks],
+        block_trained=[sum(p.numel() for p in b.parameters() if p.requires_grad) for b in blocks],
+        root_bytes=stored(model) - sum(stored(b) for b in blocks),
+        saved_per_block=saved, block_inputs=inputs, saved_outside=outside[0],
+        dequantized=largest_quantized(model))
+
+
+def largest_quantized(model) -> dict[str, int]:
+    """The weights of the largest quantized layer, by scheme."""
+    largest: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, QuantizedLinear):
+            largest[m.scheme] = max(largest.get(m.scheme, 0), m.in_features * m.out_features)
+    return largest
+
+
+def plan(count: ModelCount, *, strategy: str, ranks: int, micro_batch: int, checkpoint_every: int,
+         dtype: str, reshard_after_forward: bool = True, cpu_offload: bool = False, gpu: bool = True) -> Plan:
+    """Bytes per rank for training with these settings (`ranks`: the shard group under FSDP/HSDP)."""
+    p = Plan()
+    split = ranks if strategy in ("fsdp", "hsdp") else 1
+    compute = DTYPE_BYTES[dtype]
+    p.weights = (4 * count.trained + count.frozen_bytes) / split + count.buffer_bytes
+    p.gradients = 4 * count.trained / split
+    p.optimizer = 8 * count.trained / split
+    p.ema = 4 * count.trained / split
+    if strategy == "ddp" and ranks > 1:
+        p.in_flight = 4 * count.trained  # DDP's all-reduce buckets
+        p.notes.append("DDP buckets: a second copy of the gradients")
+    if split > 1 or cpu_offload:
+        blocks = len(count.block_bytes)
+        gathered = sorted(count.block_bytes, reverse=True)[: blocks if not reshard_after_forward else 2]
+        as_computed = compute / 4  # fp32 weights are gathered in the compute dtype; frozen ones as stored
+        p.in_flight = count.root_bytes * as_computed + sum(gathered) * as_computed + 4 * max(count.block_trained)
+    if cpu_offload:
+        p.host = p.weights - count.buffer_bytes + p.gradients + p.optimizer + p.ema
+        p.weights, p.gradients, p.optimizer, p.ema = count.buffer_bytes, 0.0, 0.0, 0.0
+        p.notes.append("weights, gradients, AdamW state and EMA in host memory; the optimizer step runs there")
+    saved = list(count.saved_per_block)
+    if checkpoint_every > 0:
+        recomputed = max(saved[i] for i in range(0, len(saved), checkpoint_every))
+        for i in range(0, len(saved), checkpoint_every):
+            saved[i] = count.block_inputs[i]
+        saved.append(recomputed)  # the block the backward recomputes
+    p.activations = micro_batch * (sum(saved) + count.saved_outside)
+    p.workspace = max([n * (4 + 2 * compute) for s, n in count.dequantized.items() if s == "nf4"] +
+                      [n * 3 * compute for s, n in count.dequantized.items() if s == "int8"] + [0])
+    if gpu:
+        p.overhead = CUDA_CONTEXT + FRAGMENTATION * (p.peak - p.overhead)
+    return p
+
+
+class PeakMemory(TorchDispatchMode):
+    """Measures what the plan estimates, on any device: the peak of the bytes held by live tensors (their
+    storages, each counted once) from `tensors` alive at the start plus every tensor an op makes while the mode
+    is on, each until it is freed."""
+
+    def __init__(self, tensors=()):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.current = self.peak = 0
+        for tensor in tensors:
+            self.hold(tensor)
+
+    def hold(self, tensor) -> None:
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+            return
+        storage = tensor.untyped_storage()
+        if storage._cdata in self.live:
+            return
+        self.live[storage._cdata] = storage.nbytes()
+        self.current += storage.nbytes()
+        self.peak = max(self.peak, self.current)
+        weakref.finalize(storage, self.release, storage._cdata)
+
+    def release(self, key: int) -> None:
+        self.current -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_flatten(out)[0]:
+            self.hold(tensor)
+        return out

@@ -1,0 +1,214 @@
+"""Will this config fit on these GPUs? A memory plan per rank, before renting them.
+
+    python plan_memory.py --config configs/sd35_large_lora.yaml --gpus 1 --gpu-gib 24 [key=value ...]
+    python plan_memory.py --table      # the README's table: SD3-medium, SD3.5-medium, SD3.5-large on 24/48/80 GB
+
+For the config as given and for the choices near it (activation checkpointing, a quantized base, FSDP over the
+GPUs, CPU offload, another micro-batch) it prints, per rank, the weights, gradients, optimizer state, EMA,
+weights in flight, activations and overhead, the total, and whether it fits (perf/memory_plan.py says how each
+is counted). The architecture comes from model.init_from when that folder exists, else from the released model
+the config is named after (or --model); the data's sizes from SD3's encoders at --resolution.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from omegaconf import OmegaConf
+
+from configs.build import build_data, build_model
+from configs.schema import ARCHITECTURE_KEYS, Config
+from models.diffusers_io import read_config
+from models.lora import apply_lora
+from models.quantized import quantize_linears
+from perf.memory_plan import GIB, count_model, plan
+
+# The released transformers' sizes (../shared/reference/sd3-mmdit-facts.md); text from CLIP-L + CLIP-G + T5
+RELEASED = {
+    "sd3-medium": {"num_layers": 24, "num_attention_heads": 24, "attention_head_dim": 64, "patch_size": 2,
+                   "sample_size": 128, "pos_embed_max_size": 192, "qk_norm": None, "dual_attention_layers": []},
+    "sd35-medium": {"num_layers": 24, "num_attention_heads": 24, "attention_head_dim": 64, "patch_size": 2,
+                    "sample_size": 128, "pos_embed_max_size": 384, "qk_norm": "rms_norm",
+                    "dual_attention_layers": list(range(13))},
+    "sd35-large": {"num_layers": 38, "num_attention_heads": 38, "attention_head_dim": 64, "patch_size": 2,
+                   "sample_size": 128, "pos_embed_max_size": 192, "qk_norm": "rms_norm", "dual_attention_layers": []},
+}
+SD3_TEXT = {"tokens": 77 + 256, "joint": 4096, "pooled": 2048, "latent_channels": 16, "vae_factor": 8}
+
+
+def planning_config(path: str, overrides: list[str], model: str | None):
+    """The config as training would read it, with what planning cannot know left open (a dataset or checkpoint
+    that is not here yet), and the architecture of model.init_from or of a released model."""
+    cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path), OmegaConf.from_dotlist(overrides))
+    for key in OmegaConf.missing_keys(cfg):
+        OmegaConf.update(cfg, key, None)
+    name = model or next((m for m in RELEASED if path.split("/")[-1].replace("_", "-").startswith(m + "-")
+                          or path.split("/")[-1].replace("_", "-").startswith(m + ".")), None)
+    if cfg.model.init_from and read_config_or_none(cfg.model.init_from):
+        architecture = {k: getattr(read_config_or_none(cfg.model.init_from), k) for k in ARCHITECTURE_KEYS}
+    elif name:
+        architecture = RELEASED[name]
+    elif cfg.data.name == "shapes":
+        architecture = {}
+    else:
+        raise SystemExit(f"{path}: no model.init_from here to read the architecture from; name one with --model "
+                         f"({', '.join(RELEASED)})")
+    for key, value in architecture.items():
+        OmegaConf.update(cfg, f"model.{key}", value)
+    return cfg, name
+
+
+def read_config_or_none(folder: str):
+    try:
+        return read_config(folder)
+    except (ValueError, OSError):
+        return None
+
+
+def data_like(cfg, resolution: int):
+    """What the model needs to know of the data: the dataset when it is here, else SD3 latents at `resolution`
+    (its largest latent size sets the activations)."""
+    if cfg.data.name == "shapes" or (cfg.data.path and Path(cfg.data.path, "dataset.json").is_file()):
+        return build_data(cfg)
+    side = resolution // SD3_TEXT["vae_factor"]
+    return SimpleNamespace(latent_channels=SD3_TEXT["latent_channels"], latent_sizes=[(side, side)],
+                           text_dims=(SD3_TEXT["joint"], SD3_TEXT["pooled"]), text_tokens=SD3_TEXT["tokens"]), None
+
+
+def count(cfg, dataset, tokenizer, quantization: str):
+    """The meta-device count of the model as training builds it (LoRA, frozen base in the compute dtype or
+    quantized)."""
+    lora = OmegaConf.merge(cfg.lora, {"base_quantization": quantization})
+    with torch.device("meta"):
+        model = apply_lora(build_model(cfg, dataset, tokenizer), lora)
+        if lora.enabled and quantization != "none":
+            quantize_linears(model.transformer, quantization)
+        shape = (dataset.latent_channels, *dataset.latent_sizes[-1])
+        if tokenizer is not None:
+            text = {"input_ids": torch.zeros(1, tokenizer.max_length, dtype=torch.long)}
+        else:
+            joint, pooled = dataset.text_dims
+            text = {"prompt_embeds": torch.empty(1, dataset.text_tokens, joint),
+                    "pooled_prompt_embeds": torch.empty(1, pooled)}
+        inputs = (torch.empty(1, *shape), torch.empty(1), text)
+    compute = 4 if cfg.training.dtype == "fp32" else 2
+    return count_model(model, inputs, activation_bytes=compute, frozen_bytes=compute if lora.enabled else 4)
+
+
+def choices(cfg, gpus: int) -> list[tuple[str, dict]]:
+    """The config as given, then one change at a time."""
+    t, p = cfg.training, cfg.parallel
+    given = {"strategy": p.strategy if gpus > 1 or p.cpu_offload else "ddp", "micro_batch": t.train_batch_size,
+             "checkpoint_every": t.activation_checkpointing, "quantization": cfg.lora.base_quantization,
+             "cpu_offload": p.cpu_offload}
+    rows = [("as configured", given)]
+    if not given["checkpoint_every"]:
+        rows.append(("+ activation checkpointing", {**given, "checkpoint_every": 1}))
+    if cfg.lora.enabled:
+        rows += [(f"base {q}", {**given, "quantization": q}) for q in ("none", "int8", "nf4") if q != given["quantization"]]
+    if gpus > 1 and given["strategy"] == "ddp":
+        rows.append((f"FSDP over {gpus}", {**given, "strategy": "fsdp"}))
+    if not given["cpu_offload"]:
+        rows.append(("FSDP + CPU offload", {**given, "strategy": "fsdp", "cpu_offload": True}))
+    if given["micro_batch"] > 1:
+        rows.append((f"micro-batch {given['micro_batch'] // 2}", {**given, "micro_batch": given["micro_batch"] // 2}))
+    rows.append((f"micro-batch {given['micro_batch'] * 2}", {**given, "micro_batch": given["micro_batch"] * 2}))
+    return rows
+
+
+def plan_rows(cfg, dataset, tokenizer, gpus: int, gpu_gib: float) -> list[dict]:
+    counts = {}
+    rows = []
+    for name, choice in choices(cfg, gpus):
+        quantization = choice["quantization"]
+        if quantization not in counts:
+            counts[quantization] = count(cfg, dataset, tokenizer, quantization)
+        shard_group = (cfg.parallel.shard_size or gpus) if choice["strategy"] == "hsdp" else gpus
+        result = plan(counts[quantization], strategy=choice["strategy"], ranks=shard_group,
+                      micro_batch=choice["micro_batch"], checkpoint_every=choice["checkpoint_every"],
+                      dtype=cfg.training.dtype, reshard_after_forward=cfg.parallel.reshard_after_forward,
+                      cpu_offload=choice["cpu_offload"])
+        rows.append({"choice": name, **{k: getattr(result, k) / GIB for k in
+                                        ("weights", "gradients", "optimizer", "ema", "in_flight", "activations",
+                                         "workspace", "overhead", "host")},
+                     "total": result.peak / GIB, "fits": result.peak / GIB <= gpu_gib})
+    return rows
+
+
+def print_rows(rows: list[dict], gpu_gib: float) -> None:
+    columns = ("weights", "gradients", "optimizer", "ema", "in_flight", "activations", "workspace", "overhead", "total",
+               "host")
+    print(f"{'per rank, GiB':<28}" + "".join(f"{c:>12}" for c in columns) + f"{'fits ' + format(gpu_gib, 'g') + ' GiB':>14}")
+    for r in rows:
+        print(f"{r['choice']:<28}" + "".join(f"{r[c]:>12.2f}" for c in columns) + f"{'yes' if r['fits'] else 'NO':>14}")
+
+
+def readme_table(resolution: int) -> str:
+    """For each released model, full and LoRA, at micro-batch 1 in bf16: the lightest setting that fits one GPU
+    of 24, 48 and 80 GiB, and the per-GPU figure of FSDP over 8 GPUs of 80 GiB."""
+    settings = [  # tried in order: the first that fits is shown
+        ("bf16", {}), ("bf16 + AC", {"checkpoint_every": 1}),
+        ("bf16 + AC, int8 base", {"checkpoint_every": 1, "quantization": "int8"}),
+        ("bf16 + AC, nf4 base", {"checkpoint_every": 1, "quantization": "nf4"}),
+        ("bf16 + AC + CPU offload", {"checkpoint_every": 1, "cpu_offload": True, "strategy": "fsdp"})]
+    lines = [f"| model ({resolution} px) | training | 1 x 24 GiB | 1 x 48 GiB | 1 x 80 GiB | 8 x 80 GiB, FSDP |",
+             "|---|---|---|---|---|---|"]
+    for model in RELEASED:
+        for lora in (False, True):
+            path = f"configs/{model.replace('-', '_')}{'_lora' if lora else ''}.yaml"
+            cfg, _ = planning_config(path, ["training.train_batch_size=1", "training.activation_checkpointing=0"], model)
+            dataset, tokenizer = data_like(cfg, resolution)
+            counts = {}
+
+            def peak(quantization="none", ranks=1, **change):
+                if quantization not in counts:
+                    counts[quantization] = count(cfg, dataset, tokenizer, quantization)
+                return plan(counts[quantization], ranks=ranks, micro_batch=1, dtype="bf16",
+                            **{"strategy": "ddp", "checkpoint_every": 0, **change})
+
+            cells = []
+            for gib in (24, 48, 80):
+                cell = "no single-GPU setting fits"
+                for label, change in settings:
+                    if change.get("quantization", "none") != "none" and not lora:
+                        continue
+                    result = peak(**change)
+                    if result.peak / GIB <= gib:
+                        host = f" (+{result.host / GIB:.0f} GiB host)" if result.host else ""
+                        cell = f"{label}: {result.peak / GIB:.1f} GiB{host}"
+                        break
+                cells.append(cell)
+            sharded = peak(strategy="fsdp", ranks=8)
+            checkpointed = peak(strategy="fsdp", ranks=8, checkpoint_every=1)
+            cells.append(f"{sharded.peak / GIB:.1f} GiB ({checkpointed.peak / GIB:.1f} with AC)")
+            lines.append(f"| {model} | {'LoRA r16' if lora else 'full'} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="the YAML config to plan")
+    parser.add_argument("--gpus", type=int, default=1, help="GPUs the run will use (FSDP's shard group)")
+    parser.add_argument("--gpu-gib", type=float, default=80.0, help="memory of one GPU")
+    parser.add_argument("--model", choices=list(RELEASED), help="the architecture, when model.init_from is not here")
+    parser.add_argument("--resolution", type=int, default=1024, help="image side in pixels (latents: /8)")
+    parser.add_argument("--table", action="store_true", help="print the README's table of released models")
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
+    args = parser.parse_args(argv)
+    if args.table:
+        print(readme_table(args.resolution))
+        return 0
+    if not args.config:
+        parser.error("--config is required (or --table)")
+    cfg, name = planning_config(args.config, args.overrides, args.model)
+    dataset, tokenizer = data_like(cfg, args.resolution)
+    print(f"{args.config}: {name or 'the configured architecture'}, {cfg.training.dtype}, {args.gpus} GPU(s) of "
+          f"{args.gpu_gib:g} GiB" + (f", {args.resolution} px" if tokenizer is None else ""))
+    print_rows(plan_rows(cfg, dataset, tokenizer, args.gpus, args.gpu_gib), args.gpu_gib)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""The memory plan (plan_memory.py, perf/memory_plan.py) against what a training step really holds: the peak
+of live tensor bytes through one step on this CPU, for a full fine-tune and a LoRA on an nf4 base with
+activation checkpointing, within 15 %."""
+
+import pytest
+import torch
+
+import plan_memory
+import train_mmdit_stable
+from configs.build import InitialValues, build_collate, build_data, build_trained_model
+from configs.schema import load_config
+from data.loader import step_batches
+from optim.adamw import build_adamw
+from optim.ema import EMA
+from perf.distributed import World
+from perf.memory_plan import PeakMemory, plan
+from perf.nonfinite import NonFiniteGuard
+from perf.parallel import apply_parallelism
+from perf.step_stats import SigmaBuckets
+from tests.conftest import LORA, export_random_base
+
+CPU = torch.device("cpu")
+SIZE = ["model.num_layers=4", "model.num_attention_heads=4", "model.attention_head_dim=32",
+        "training.train_batch_size=16"]
+
+
+def measured_peak(overrides: list[str]) -> float:
+    """Peak bytes of live tensors during the second training step (the first made the optimizer's state)."""
+    cfg = load_config(overrides=overrides)
+    dataset, tokenizer = build_data(cfg)
+    model = build_trained_model(cfg, dataset, tokenizer)
+    model = apply_parallelism(model, cfg, World(), CPU, InitialValues(model, 0, cfg.model.init_from))
+    optimizer = build_adamw(model, 1e-3, (0.9, 0.99), 1e-8, 0.0, CPU)
+    ema, scaler, guard = EMA(model, 0.99), torch.amp.GradScaler("cpu", enabled=False), NonFiniteGuard(0, 100)
+    batches = iter(step_batches(dataset, build_collate(cfg, dataset, tokenizer), list(range(len(dataset))),
+                                cfg.training.train_batch_size, 0, 0, 1, 0, 2, CPU))
+
+    def step(batch):
+        train_mmdit_stable.forward_backward(model, batch, cfg, scaler, SigmaBuckets(CPU), cfg.training.train_batch_size)
+        train_mmdit_stable.optimizer_step(model, optimizer, scaler, ema, guard, batch["step"], 1.0)
+
+    step(next(batches))
+    batch = next(batches)
+    state = [*model.parameters(), *model.buffers(), *ema.shadow.values(),
+             *[t for s in optimizer.state.values() for t in s.values()]]
+    with PeakMemory(state) as memory:
+        step(batch)
+    return memory.peak
+
+
+def planned_peak(overrides: list[str]) -> float:
+    cfg = load_config(overrides=overrides)
+    dataset, tokenizer = plan_memory.data_like(cfg, 0)
+    count = plan_memory.count(cfg, dataset, tokenizer, cfg.lora.base_quantization)
+    return plan(count, strategy="ddp", ranks=1, micro_batch=cfg.training.train_batch_size,
+                checkpoint_every=cfg.training.activation_checkpointing, dtype=cfg.training.dtype, gpu=False).peak
+
+
+@pytest.mark.parametrize("kind", ["full fine-tune", "LoRA, nf4 base, activation checkpointing"])
+def test_the_plan_is_within_15_percent_of_the_measured_peak(kind, tiny, lora_run, latent_run, tmp_path):
+    if kind == "full fine-tune":
+        overrides = tiny(*SIZE, "model.patch_size=2")
+    else:
+        from tests.conftest import write_latent_shards
+        data = write_latent_shards(tmp_path / "data", per_shard=32)
+        base = export_random_base(latent_run(*SIZE, data=data), tmp_path / "bigger-base")
+        overrides = latent_run(*SIZE, *LORA, f"model.init_from={base}", "lora.base_quantization=nf4",
+                               "training.activation_checkpointing=1", data=data)
+    measured, planned = measured_peak(overrides), planned_peak(overrides)
+    assert abs(planned - measured) <= 0.15 * measured, (planned / 2**20, measured / 2**20)
+
+
+def test_the_command_plans_a_released_model_without_its_files(capsys):
+    """The README's example: SD3.5-large LoRA on one 24 GB GPU, planned from the config's name alone."""
+    assert plan_memory.main(["--config", "configs/sd35_large_lora.yaml", "--gpus", "1", "--gpu-gib", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "sd35-large" in out and "as configured" in out and "base nf4" in out and "FSDP + CPU offload" in out
+    rows = {line.split("  ")[0]: line.split() for line in out.splitlines()[2:]}
+    assert rows["base nf4"][-1] == "yes"  # 4-bit weights fit where bf16 ones are tight
