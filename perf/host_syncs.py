@@ -37,12 +37,15 @@ class HostSyncCounter(TorchFunctionMode):
         self.on_device = WeakTensorKeyDictionary()
         self.counts: dict[str, int] = {}
         self.tracker = DeviceTracker(self)
+        # Nothing is tracked before the first mark (the trained parameters): the set-up before it swaps
+        # parameters (FSDP's materialization), which a weak reference to them would forbid.
+        self.armed = False
         self.mark(device_tensors)
 
     def mark(self, tensors) -> None:
         for t in tree_flatten(list(tensors))[0]:
             if isinstance(t, torch.Tensor):
-                self.on_device[t] = True
+                self.on_device[t] = self.armed = True
 
     def count(self, kind: str) -> None:
         self.counts[kind] = self.counts.get(kind, 0) + 1
@@ -58,8 +61,8 @@ class HostSyncCounter(TorchFunctionMode):
         elif self.is_blocking_upload(func, args, kwargs):
             self.count("blocking copy to the device")
         result = func(*args, **kwargs)
-        if func in (torch.Tensor.to, torch.Tensor.cuda) and isinstance(result, torch.Tensor) and \
-                (func is torch.Tensor.cuda or "device" in kwargs or any(is_place(a) for a in args[1:])):
+        if func in (torch.Tensor.to, torch.Tensor.cuda) and isinstance(result, torch.Tensor) and self.armed \
+                and (func is torch.Tensor.cuda or "device" in kwargs or any(is_place(a) for a in args[1:])):
             self.on_device[result] = True  # the batch, once copied, lives on the device
         return result
 
@@ -77,7 +80,8 @@ class HostSyncCounter(TorchFunctionMode):
 
     def on_the_device(self, value) -> bool:
         """A device value: marked, or a DTensor (sharded parameters and their gradients, made by FSDP)."""
-        return isinstance(value, torch.Tensor) and (value in self.on_device or isinstance(value, DTensor))
+        return self.armed and isinstance(value, torch.Tensor) and (value in self.on_device or
+                                                                   isinstance(value, DTensor))
 
     @contextmanager
     def counting(self):
