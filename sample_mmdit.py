@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg_scale = cfg.sampling.cfg_scale if args.cfg is None else args.cfg
     shape = (ShapesDataset.latent_channels, *ShapesDataset.latent_sizes[0])
     noise = initial_noise(args.seed, list(range(len(prompts))), shape)
-    x = generate(model, {"input_ids": tokenizer(prompts)}, {"input_ids": tokenizer([""])}, noise, steps, cfg_scale,
+    x = generate(model, tokenizer(prompts), tokenizer([""]), noise, steps, cfg_scale,
                  cfg.sampling.shift, tuple(cfg.sampling.guidance_interval))
     images = to_unit(x)
     for i, image in enumerate(images):

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.tensor import DTensor
 
 from configs.build import (InitialValues, build_collate, build_data, build_model, build_trained_model,
-                           build_validation, example_text, holdout_split)
+                           build_validation, example_text, holdout_split, text_tokens)
 from configs.run_dir import global_batch, prepare_run_dir, save_run_config
 from configs.schema import DEFAULT_CONFIG, ConfigError, load_config
 from data.loader import check_batches, micro_batches, step_batches, to_device
@@ -95,7 +95,7 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
     sizer = build_batch_sizer(cfg, training.train_batch_size, device, world.rank, model)
     guard = NonFiniteGuard(training.max_nonfinite_steps, cfg.logging.log_every)
     checkpointer = Checkpointer(run_dir, cfg.checkpoint, {
-        "model": TrainedWeights(model), "ema": ema, "optimizer": OptimizerState(model, optimizer),
+        "model": TrainedWeights(model, adapters_only=cfg.lora.enabled), "ema": ema, "optimizer": OptimizerState(model, optimizer),
         "scaler": scaler, "batch_sizer": sizer, "nonfinite_guard": guard}, checkpoint_meta(cfg, model, world),
         {"config.yaml": OmegaConf.to_yaml(cfg)}, device, cfg.parallel.timeout_s)
     optimizer.register_step_pre_hook(checkpointer.wait_for_staging)  # weights change only once staged
@@ -219,8 +219,7 @@ def checkpoint_meta(cfg: DictConfig, model, world: World) -> dict:
 def throughput(cfg: DictConfig, dataset, tokenizer, batch_size: int, world: World, device: torch.device) -> Throughput:
     """Samples, tokens and FLOPs per second; FLOPs counted once on a meta-device copy of the model."""
     shape = (dataset.latent_channels, *dataset.latent_sizes[-1])  # the largest size
-    text = example_text(dataset, tokenizer)
-    tokens = (shape[1] // cfg.model.patch_size) * (shape[2] // cfg.model.patch_size) + next(iter(text.values())).shape[1]
+    tokens = (shape[1] // cfg.model.patch_size) * (shape[2] // cfg.model.patch_size) + text_tokens(dataset, tokenizer)
     flops = train_flops_per_sample(lambda: apply_lora(build_model(cfg, dataset, tokenizer), cfg.lora),
                                    lambda: (torch.zeros(1, *shape), torch.full((1,), 0.5), example_text(dataset, tokenizer)))
     peak = peak_flops(device, cfg.training.dtype, cfg.training.allow_tf32, cfg.logging.peak_tflops)

@@ -27,7 +27,7 @@ from sample_mmdit import load_for_sampling  # noqa: E402
 def fidelity(model, tokenizer, seed: int, steps: int, cfg: float, shift: float, interval: tuple) -> dict:
     prompts = all_prompts()
     shape = (ShapesDataset.latent_channels, *ShapesDataset.latent_sizes[0])
-    x = generate(model, {"input_ids": tokenizer([caption(*p) for p in prompts])}, {"input_ids": tokenizer([""])},
+    x = generate(model, tokenizer([caption(*p) for p in prompts]), tokenizer([""]),
                  initial_noise(seed, list(range(len(prompts))), shape), steps, cfg, shift, interval)
     return prompt_fidelity(to_unit(x), prompts)
 

@@ -31,6 +31,7 @@ ARCHITECTURE = dict(sample_size=16, patch_size=2, in_channels=16, out_channels=1
 def make_inputs(work: Path) -> tuple[Path, Path]:
     from safetensors.torch import save_file
 
+    from data.latents import shard_record, write_index
     from models.diffusers_io import export_diffusers_transformer
     from models.mmdit import MMDiT, MMDiTConfig
     base, data = work / "base", work / "data"
@@ -46,12 +47,15 @@ def make_inputs(work: Path) -> tuple[Path, Path]:
         data.mkdir(parents=True)
         generator = torch.Generator().manual_seed(0)
         n = 16
+        name, captions = "shard-00000-16x16.safetensors", [f"c{i}" for i in range(n)]
         save_file({"latents": torch.randn(n, 16, 16, 16, generator=generator).half(),
                    "prompt_embeds": torch.randn(n, 16, 4096, generator=generator).half(),
                    "pooled_prompt_embeds": torch.randn(n, 2048, generator=generator).half()},
-                  data / "shard-00000-16x16.safetensors", metadata={"captions": json.dumps([f"c{i}" for i in range(n)])})
-        (data / "dataset.json").write_text(json.dumps({"shards": [{"file": "shard-00000-16x16.safetensors",
-                                                                   "count": n, "latent_size": [16, 16]}]}))
+                  data / name, metadata={"captions": json.dumps(captions)})
+        # dataset.json lists the shards (what earlier versions read) beside this version's index
+        write_index(data, [shard_record(data, name, n, (16, 16))], [captions],
+                    {"channels": 16, "text_embeddings": True, "text_tokens": 16, "text_dims": [4096, 2048],
+                     "flipped": False})
     return base, data
 
 

@@ -45,6 +45,7 @@ def train_base(work: Path, steps: int) -> Path:
 def latent_dataset(checkpoint: Path, out: Path, items: int = 2048) -> Path:
     """The shapes items as a latent dataset whose text is the base's text encoder's output."""
     from configs.build import build_tokenizer
+    from data.latents import shard_record, write_index
     from data.shapes import ShapesDataset
     from sample_mmdit import load_trained
     if (out / "dataset.json").is_file():
@@ -52,20 +53,22 @@ def latent_dataset(checkpoint: Path, out: Path, items: int = 2048) -> Path:
     model, _ = load_trained(checkpoint)
     tokenizer, dataset = build_tokenizer(), ShapesDataset(items, seed=11)
     out.mkdir(parents=True)
-    shards = []
+    shards, captions = [], []
     for start in range(0, items, 512):
         rows = [dataset[i] for i in range(start, min(start + 512, items))]
         with torch.no_grad():
-            hidden, pooled = model.text_encoder(tokenizer([r["caption"] for r in rows]))
+            hidden, pooled = model.text_encoder(**tokenizer([r["caption"] for r in rows]))
         name = f"shard-{start // 512:05d}-32x32.safetensors"
         save_safetensors({"latents": torch.stack([r["latents"] for r in rows]), "prompt_embeds": hidden,
                           "pooled_prompt_embeds": pooled}, out / name,
                          {"captions": json.dumps([r["caption"] for r in rows])})
-        shards.append({"file": name, "count": len(rows), "latent_size": [32, 32]})
+        shards.append(shard_record(out, name, len(rows), (32, 32)))
+        captions.append([r["caption"] for r in rows])
     with torch.no_grad():
-        hidden, pooled = model.text_encoder(tokenizer([""]))
+        hidden, pooled = model.text_encoder(**tokenizer([""]))
     save_safetensors({"prompt_embeds": hidden, "pooled_prompt_embeds": pooled}, out / "empty_prompt.safetensors")
-    (out / "dataset.json").write_text(json.dumps({"shards": shards}))
+    write_index(out, shards, captions, {"channels": 3, "text_embeddings": True, "text_tokens": hidden.shape[1],
+                                        "text_dims": [hidden.shape[2], pooled.shape[1]], "flipped": False})
     export_diffusers_transformer(model.transformer, out.parent / "base")
     return out
 

@@ -4,7 +4,6 @@ and of each other's specifics (this is where a dataset's prompts meet the valida
 
 import dataclasses
 import logging
-from collections import Counter
 from functools import partial
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from models.lora import apply_lora
 from models.mmdit import MMDiT, MMDiTConfig
 from models.quantized import QuantizedLinear, quantize, quantize_linears
 from models.rectified_flow import training_sigmas
+from models.sd3_text import SD3TextEncoders, SD3Tokenizers, check_pipeline
 from models.text_encoder import TextToImage, TinyTextEncoder, WordTokenizer
 from perf.distributed import World
 from perf.precision import DTYPES
@@ -51,17 +51,34 @@ def mmdit_config(cfg: DictConfig, latent_channels: int, latent_sizes: list[tuple
                        dual_attention_layers=list(m.dual_attention_layers))
 
 
-def build_data(cfg: DictConfig) -> tuple[torch.utils.data.Dataset, WordTokenizer | None]:
-    """The dataset, and the tokenizer of the jointly trained text encoder (None for precomputed embeddings)."""
+def build_data(cfg: DictConfig) -> tuple[torch.utils.data.Dataset, WordTokenizer | SD3Tokenizers | None]:
+    """The dataset, and the tokenizer of the text encoder in the model: the one trained jointly for the shapes
+    data, SD3's for latents whose captions are encoded in the step (data.text_encoding=on_the_fly), None for
+    precomputed embeddings."""
     if cfg.data.name == "shapes":
         return ShapesDataset(cfg.data.num_items, cfg.training.seed), build_tokenizer()
     if not cfg.data.path:
         raise ConfigError("data.name=latents needs data.path, a directory written by "
                           "python precompute_latents.py")
+    on_the_fly = cfg.data.text_encoding == "on_the_fly"
     try:
-        return LatentDataset(cfg.data.path, cfg.data.aspect_buckets), None
+        dataset = LatentDataset(cfg.data.path, cfg.data.aspect_buckets, text_embeddings=not on_the_fly)
     except DataFormatError as e:
         raise ConfigError(str(e)) from None
+    return dataset, sd3_tokenizers(cfg, dataset) if on_the_fly else None
+
+
+def sd3_tokenizers(cfg: DictConfig, dataset: LatentDataset) -> SD3Tokenizers:
+    """The tokenizers of the pipeline whose text encoders run in the step: data.text_encoders_from, else the
+    pipeline the dataset's precompute recorded."""
+    folder, source = cfg.data.text_encoders_from, "data.text_encoders_from"
+    if not folder:
+        folder, source = dataset.index.get("model"), f"the pipeline recorded in {dataset.directory}/dataset.json"
+    try:
+        check_pipeline(Path(folder or ""), source)
+    except CheckpointFormatError as e:
+        raise ConfigError(f"data.text_encoding=on_the_fly needs SD3's text encoders: {e}") from None
+    return SD3Tokenizers(Path(folder), dataset.index["max_sequence_length"])
 
 
 def holdout_split(cfg: DictConfig, dataset) -> tuple[list[int], list[int]]:
@@ -72,31 +89,38 @@ def holdout_split(cfg: DictConfig, dataset) -> tuple[list[int], list[int]]:
         raise ConfigError(str(e)) from None
 
 
-def build_model(cfg: DictConfig, dataset, tokenizer: WordTokenizer | None = None) -> TextToImage:
-    """The MMDiT sized for the dataset; with a tokenizer, also the text encoder trained jointly with it.
-    Datasets of precomputed embeddings bring their own text widths (`text_dims`)."""
+def build_model(cfg: DictConfig, dataset, tokenizer: WordTokenizer | SD3Tokenizers | None = None) -> TextToImage:
+    """The MMDiT sized for the dataset, with the text encoder `tokenizer` belongs to: SD3's frozen encoders, or
+    one trained jointly with it. Datasets of precomputed embeddings bring their own text widths (`text_dims`)."""
     channels, sizes = dataset.latent_channels, dataset.latent_sizes
     if tokenizer is None:
         return TextToImage(MMDiT(mmdit_config(cfg, channels, sizes, *dataset.text_dims)))
+    if isinstance(tokenizer, SD3Tokenizers):
+        encoders = SD3TextEncoders(tokenizer.folder, tokenizer.max_sequence_length)
+        return TextToImage(MMDiT(mmdit_config(cfg, channels, sizes, encoders.joint_dim, encoders.pooled_dim)), encoders)
     t = cfg.text_encoder
     text_encoder = TinyTextEncoder(len(tokenizer.vocab), tokenizer.max_length, t.dim, t.num_layers, t.num_heads)
     return TextToImage(MMDiT(mmdit_config(cfg, channels, sizes, t.dim, t.dim)), text_encoder)
 
 
-def build_trained_model(cfg: DictConfig, dataset, tokenizer: WordTokenizer | None = None) -> TextToImage:
+def build_trained_model(cfg: DictConfig, dataset, tokenizer: WordTokenizer | SD3Tokenizers | None = None) -> TextToImage:
     """The model as training starts it, built on the meta device (nothing allocated yet: each rank later fills
-    only what it holds, from `InitialValues`): with LoRA adapters (lora.enabled) on a frozen base kept in the
-    compute dtype (bf16 halves fp32's memory, and autocast computes in bf16 anyway) or quantized
-    (lora.base_quantization)."""
+    only what it holds, from `InitialValues`): with LoRA adapters (lora.enabled) on a base quantized
+    (lora.base_quantization) or not. What is frozen (a LoRA base, SD3's text encoders) is kept in the compute
+    dtype: bf16 halves fp32's memory, and autocast computes in bf16 anyway."""
     with torch.device("meta"):
         model = apply_lora(build_model(cfg, dataset, tokenizer), cfg.lora)
-    if cfg.lora.enabled:
-        if cfg.lora.base_quantization != "none":
-            quantize_linears(model.transformer, cfg.lora.base_quantization)
-        compute = DTYPES.get(cfg.training.dtype)
-        for p in model.parameters():
-            if compute is not None and not p.requires_grad and p.dtype == torch.float32:  # not the scales of codes
-                p.data = torch.empty_like(p, dtype=compute)
+    if cfg.lora.enabled and cfg.lora.base_quantization != "none":
+        quantize_linears(model.transformer, cfg.lora.base_quantization)
+    compute = DTYPES.get(cfg.training.dtype)
+    for p in model.parameters():
+        if compute is not None and not p.requires_grad and p.dtype == torch.float32:  # not the scales of codes
+            p.data = torch.empty_like(p, dtype=compute)
+    if isinstance(model.text_encoder, SD3TextEncoders):
+        try:
+            model.text_encoder.check(f"data.text_encoding=on_the_fly: {model.text_encoder.folder}")
+        except CheckpointFormatError as e:
+            raise ConfigError(str(e)) from None
     if cfg.model.init_from:
         check_init_from(cfg, dataset, tokenizer, cfg.model.init_from)
     return model
@@ -124,8 +148,9 @@ def check_init_from(cfg: DictConfig, dataset, tokenizer, directory: str) -> None
 class InitialValues:
     """Where each parameter and buffer of a trained model starts, one block at a time (`(name, offsets, sizes)`:
     the block a rank holds): the transformer's from model.init_from's files, reading only that block (its
-    quantized layers from the rows they quantize), everything else (a fresh model, the adapters, the text
-    encoder) from the model's own `initial_value`, a function of (seed, name)."""
+    quantized layers from the rows they quantize), SD3's frozen text encoders' from their pipeline's files,
+    everything else (a fresh model, the adapters, a jointly trained text encoder) from the model's own
+    `initial_value`, a function of (seed, name)."""
 
     def __init__(self, model: TextToImage, seed: int, init_from: str | None):
         self.model, self.seed = model, seed
@@ -133,6 +158,8 @@ class InitialValues:
         self.last_quantized = (None, None)  # the rows a quantized layer's codes came from, for its scales
 
     def __call__(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+        if name.startswith("text_encoder.") and isinstance(self.model.text_encoder, SD3TextEncoders):
+            return self.model.text_encoder.read(name.removeprefix("text_encoder."), offsets, sizes)
         block = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
         if self.reader is None or not name.startswith("transformer.") or ".lora_" in name:
             return self.model.initial_value(name, self.seed)[block]
@@ -157,24 +184,27 @@ def build_collate(cfg: DictConfig, dataset, tokenizer: WordTokenizer | None) -> 
     return Collate(cfg.training.seed, sigmas, cfg.data.caption_dropout, tokenizer, getattr(dataset, "empty_prompt", None))
 
 
-def build_validation(cfg: DictConfig, dataset, tokenizer: WordTokenizer | None, holdout: list[int], world: World,
-                     device: torch.device) -> Validation:
+def build_validation(cfg: DictConfig, dataset, tokenizer: WordTokenizer | SD3Tokenizers | None, holdout: list[int],
+                     world: World, device: torch.device) -> Validation:
     """What validation runs for this config: the dataset's prompts (scored for the shapes data, decoded by a VAE
     loaded on rank 0 for latents) and the held-out loss. Nothing is built when it would not run; a VAE that
     cannot be found is an error here, before any training."""
     v, on = cfg.validation, cfg.validation.every > 0
     images = None
-    if tokenizer is not None:  # the shapes data: scored at the end even with validation off
+    if isinstance(dataset, ShapesDataset):  # scored at the end even with validation off
         captions = dataset.validation_captions()
         shown = torch.linspace(0, len(captions) - 1, cfg.sampling.grid_size).long().tolist()
-        images = prompt_images(cfg, dataset, captions, {"input_ids": tokenizer(captions)},
-                               {"input_ids": tokenizer([""])}, to_unit, dataset.score_images, shown)
-    elif on and dataset.validation_prompts is not None:
-        decode = latent_decoder(cfg, dataset, world, device)
-        uncond = dataset.empty_prompt or {k: torch.zeros_like(t[:1]) for k, t in dataset.validation_prompts.items()}
+        images = prompt_images(cfg, dataset, captions, tokenizer(captions), tokenizer([""]), to_unit,
+                               dataset.score_images, shown)
+    elif on and dataset.validation_captions is not None:
         captions = dataset.validation_captions
-        images = prompt_images(cfg, dataset, captions, dataset.validation_prompts, uncond, decode, None,
-                               list(range(len(captions))))
+        if tokenizer is not None:  # encoded by the model
+            text, uncond = tokenizer(captions), tokenizer([""])
+        else:
+            text = dataset.validation_prompts
+            uncond = dataset.empty_prompt or {k: torch.zeros_like(t[:1]) for k, t in text.items()}
+        images = prompt_images(cfg, dataset, captions, text, uncond, latent_decoder(cfg, dataset, world, device),
+                               None, list(range(len(captions))))
     elif on:
         log.warning("%s holds no validation prompts (precompute_latents.py --validation-prompts FILE): no "
                     "validation images", cfg.data.path)
@@ -186,7 +216,7 @@ def build_validation(cfg: DictConfig, dataset, tokenizer: WordTokenizer | None, 
 
 
 def prompt_images(cfg: DictConfig, dataset, captions, text, uncond, decode, score, shown) -> PromptImages:
-    shape = (dataset.latent_channels, *Counter(getattr(dataset, "sizes", dataset.latent_sizes)).most_common(1)[0][0])
+    shape = (dataset.latent_channels, *dataset.commonest_size)
     return PromptImages(captions, text, uncond, shape, decode, score, shown, cfg.sampling, cfg.training.seed,
                         cfg.training.dtype, cfg.training.train_batch_size)
 
@@ -210,16 +240,21 @@ def latent_decoder(cfg: DictConfig, dataset, world: World, device: torch.device)
     return decode
 
 
-def item_text(tokenizer: WordTokenizer | None, item: dict, rows: int) -> dict[str, torch.Tensor]:
+def item_text(tokenizer: WordTokenizer | SD3Tokenizers | None, item: dict, rows: int) -> dict[str, torch.Tensor]:
     """A dataset item's text input of the model, repeated `rows` times."""
     if tokenizer is not None:
-        return {"input_ids": tokenizer([item["caption"]] * rows)}
+        return tokenizer([item["caption"]] * rows)
     return {k: item[k][None].expand(rows, *item[k].shape) for k in ("prompt_embeds", "pooled_prompt_embeds")}
 
 
-def example_text(dataset, tokenizer: WordTokenizer | None) -> dict[str, torch.Tensor]:
-    """One sample's text input of the model (the empty caption), to count its tokens and FLOPs."""
+def example_text(dataset, tokenizer: WordTokenizer | SD3Tokenizers | None) -> dict[str, torch.Tensor]:
+    """One sample's text input of the model (the empty caption), to count its FLOPs."""
     if tokenizer is not None:
-        return {"input_ids": tokenizer([""])}
+        return tokenizer([""])
     joint, pooled = dataset.text_dims
     return {"prompt_embeds": torch.zeros(1, dataset.text_tokens, joint), "pooled_prompt_embeds": torch.zeros(1, pooled)}
+
+
+def text_tokens(dataset, tokenizer: WordTokenizer | SD3Tokenizers | None) -> int:
+    """The text tokens the MMDiT attends to per sample."""
+    return tokenizer.tokens if tokenizer is not None else dataset.text_tokens

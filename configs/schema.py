@@ -366,6 +366,9 @@ def check_combinations(cfg: DictConfig) -> None:
     if cfg.data.text_encoding == "on_the_fly" and cfg.data.name != "latents":
         raise ConfigError("data.text_encoding=on_the_fly runs SD3's text encoders over a latent dataset's captions; "
                           "the shapes data trains its own text encoder (data.name=latents to use it)")
+    if cfg.data.text_encoders_from and cfg.data.text_encoding != "on_the_fly":
+        raise ConfigError("data.text_encoders_from names the text encoders of data.text_encoding=on_the_fly; "
+                          "set that too, or leave data.text_encoders_from unset")
     if cfg.training.dtype == "fp16" and cfg.parallel.strategy != "ddp":
         raise ConfigError(f"training.dtype=fp16 is not supported with parallel.strategy={cfg.parallel.strategy} "
                           f"(its gradient scaler does not handle sharded gradients); use training.dtype=bf16")

@@ -1,39 +1,253 @@
-"""Precomputed latents and text embeddings in safetensors shards, read through memory maps.
+"""Latent datasets: VAE latents (and precomputed text embeddings, or only captions) in safetensors shards, with
+an index that opens in constant memory.
 
-A dataset directory (written by `python precompute_latents.py`) holds shards, each a safetensors file with
-    latents               [N, C, h, w]  VAE latents, already shifted and scaled for the MMDiT
-    prompt_embeds         [N, L, J]     text-token embeddings (SD3: CLIP-L ++ CLIP-G, padded, then T5)
-    pooled_prompt_embeds  [N, P]        pooled text embeddings
-    latents_flipped       [N, C, h, w]  optional (--random-flip): the latents of the image mirrored left-right
-and the captions as a JSON list under the header key "captions" (optional). `dataset.json` lists the shards
-in order (and records the VAE that encoded them); without it every `*.safetensors` file is a shard, in name
-order. `empty_prompt.safetensors` (one row of each text tensor) is the encoding of "", used for caption
-dropout as SD3 pipelines use it for the unconditional branch; `validation_prompts.safetensors` holds the
-encodings of the validation prompts. Every header is checked when the dataset opens, before any compute.
+A dataset directory (written by precompute_latents.py) holds
+- shards, each a safetensors file with
+      latents               [N, C, h, w]  VAE latents, already shifted and scaled for the MMDiT
+      latents_flipped       [N, C, h, w]  optional (--random-flip): the latents of the image mirrored left-right
+      prompt_embeds         [N, L, J]     text-token embeddings (SD3: CLIP-L ++ CLIP-G, padded, then T5)
+      pooled_prompt_embeds  [N, P]        pooled text embeddings
+  (the two text fields are absent from datasets of `--text-embeddings none`, whose captions training encodes:
+  data.text_encoding=on_the_fly), and the captions as a JSON list under the header key "captions";
+- `dataset.json`: the format, the shards in order with their item count, latent size, bytes and sha256 (what a
+  published shard must still be), the fields' sizes, whether text embeddings are stored, the VAE and pipeline
+  that encoded it (and its T5 sequence length);
+- `index/`: the per-item table as arrays, memory-mapped when the dataset opens (no shard is read for it, and
+  loader workers share the pages): each item's shard, row and latent-size bucket, and where its caption lies
+  in `index/captions.bin`;
+- `empty_prompt.safetensors`: the encoding of "" (caption dropout's input, as SD3 pipelines use it for the
+  unconditional branch), and `validation_prompts.safetensors`: the validation prompts' encodings (their
+  captions alone in dataset.json for datasets encoded during training).
+
+Opening a dataset checks every shard's byte size against dataset.json, so a damaged or missing shard is named
+before a run directory is touched; each shard's header is checked when a loader first reads it.
 """
 
+import hashlib
 import json
 import logging
 from functools import cached_property
 from pathlib import Path
+from typing import Iterable
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
-FIELDS = {"latents": 4, "prompt_embeds": 3, "pooled_prompt_embeds": 2}  # name -> number of dimensions
-# sizes every shard must share, and the field each is read from
-SHARED_DIMS = {"channels": "latents channels", "text_tokens": "prompt_embeds length",
-               "joint_dim": "prompt_embeds width", "pooled_dim": "pooled_prompt_embeds width"}
+FORMAT = 2  # dataset.json's "format"
+INDEX = "dataset.json"
+INDEX_DIR = "index"
 EMPTY_PROMPT = "empty_prompt.safetensors"
 VALIDATION_PROMPTS = "validation_prompts.safetensors"  # encodings of --validation-prompts (optional)
-INDEX = "dataset.json"
-PRECOMPUTE_SETTINGS = "precompute.json"  # written first by data.precompute; dataset.json is written last
+PRECOMPUTE_SETTINGS = "precompute.json"  # written first by precompute; dataset.json is written last
+TEXT_FIELDS = ("prompt_embeds", "pooled_prompt_embeds")
 log = logging.getLogger("mmdit")
-FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
 class DataFormatError(ValueError):
     pass
+
+
+def sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def shard_record(directory: Path, file: str, count: int, latent_size) -> dict:
+    """What dataset.json records of a published shard: what it holds, and the bytes and sha256 it must keep."""
+    return {"file": file, "count": count, "latent_size": list(latent_size), "bytes": (directory / file).stat().st_size,
+            "sha256": sha256(directory / file)}
+
+
+def write_index(directory: Path, shards: list[dict], captions: Iterable[list[str]], info: dict) -> None:
+    """Publish a dataset: the per-item arrays of `shards` (dicts with file, count, latent_size, bytes, sha256; in
+    order) and their `captions` (a list per shard, streamed to disk), then dataset.json (with `info`: the fields'
+    sizes, the encoders), last."""
+    sizes = sorted({tuple(s["latent_size"]) for s in shards})
+    counts = np.array([s["count"] for s in shards], dtype=np.int64)
+    index = directory / INDEX_DIR
+    index.mkdir(exist_ok=True)
+    lengths = np.zeros(int(counts.sum()), dtype=np.int64)
+    with open(index / "captions.bin", "wb") as blob:
+        for shard, start, texts in zip(shards, np.cumsum(counts) - counts, captions, strict=True):
+            if len(texts) != shard["count"]:
+                raise ValueError(f"{shard['file']}: {len(texts)} captions for {shard['count']} items")
+            encoded = [text.encode() for text in texts]
+            lengths[start : start + len(encoded)] = [len(e) for e in encoded]
+            blob.write(b"".join(encoded))
+    arrays = {"shard": np.repeat(np.arange(len(shards), dtype=np.int32), counts),
+              "row": np.arange(len(lengths), dtype=np.int32) - np.repeat((np.cumsum(counts) - counts).astype(np.int32),
+                                                                         counts),
+              "bucket": np.repeat(np.array([sizes.index(tuple(s["latent_size"])) for s in shards], dtype=np.int16),
+                                  counts),
+              "caption_start": np.concatenate([[0], np.cumsum(lengths)])}
+    for name, array in arrays.items():
+        np.save(index / f"{name}.npy", array)
+    record = {"format": FORMAT, **info, "latent_sizes": [list(s) for s in sizes], "items": int(counts.sum()),
+              "shards": shards}
+    tmp = directory / f".{INDEX}.tmp"  # the finished-dataset marker: published whole
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(directory / INDEX)
+
+
+def read_index(directory: Path) -> dict:
+    """dataset.json, refusing an unfinished precompute or an earlier format."""
+    if not directory.is_dir():
+        raise DataFormatError(f"data.path={directory} is not a directory of latent shards")
+    if not (directory / INDEX).is_file():
+        if (directory / PRECOMPUTE_SETTINGS).is_file():
+            raise DataFormatError(f"data.path={directory}: its precompute has not finished (no {INDEX}); rerun the "
+                                  f"same precompute_latents.py command to complete it")
+        raise DataFormatError(f"data.path={directory} holds no {INDEX} (run precompute_latents.py)")
+    try:
+        record = json.loads((directory / INDEX).read_text())
+        record["shards"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise DataFormatError(f"{directory / INDEX} is not a dataset index ({type(e).__name__}: {e})") from None
+    if record.get("format") != FORMAT:
+        raise DataFormatError(f"{directory} was written by an earlier version of precompute_latents.py (format "
+                              f"{record.get('format', 1)}; this version reads {FORMAT}): rerun it into a new --out")
+    return record
+
+
+def check_shards(directory: Path, shards: list[dict]) -> None:
+    """Every shard exists with the byte size it was published with; all the damaged ones named at once."""
+    problems = []
+    for shard in shards:
+        path = directory / shard["file"]
+        if not path.is_file():
+            problems.append(f"{shard['file']} is missing")
+        elif path.stat().st_size != shard["bytes"]:
+            problems.append(f"{shard['file']} has {path.stat().st_size} bytes, {shard['bytes']} were published")
+    if problems:
+        raise DataFormatError(f"data.path={directory}: {len(problems)} damaged shard(s): {'; '.join(problems[:10])}"
+                              f"; rerun the same precompute_latents.py command: it redoes them")
+
+
+class LatentDataset(torch.utils.data.Dataset):
+    """Items: `latents` (float32), `caption`, and `prompt_embeds` / `pooled_prompt_embeds` (float32) with
+    `text_embeddings` (the dataset must store them; without, training encodes the captions)."""
+
+    def __init__(self, directory: str | Path, aspect_buckets: bool = False, text_embeddings: bool = True):
+        self.directory = Path(directory)
+        self.index = read_index(self.directory)
+        check_shards(self.directory, self.index["shards"])
+        self.latent_sizes = [tuple(s) for s in self.index["latent_sizes"]]
+        if len(self.latent_sizes) > 1 and not aspect_buckets:
+            raise DataFormatError(f"data.path={self.directory} holds latents of {len(self.latent_sizes)} sizes "
+                                  f"{self.latent_sizes}; set data.aspect_buckets=true to train on several sizes")
+        self.latent_channels = self.index["channels"]
+        if text_embeddings and not self.index["text_embeddings"]:
+            raise DataFormatError(f"data.path={self.directory} stores captions without text embeddings "
+                                  f"(precompute_latents.py --text-embeddings none): set data.text_encoding=on_the_fly")
+        self.text_encoded = text_embeddings  # else the captions are encoded in the training step
+        self.text_tokens, self.text_dims = self.index.get("text_tokens"), tuple(self.index.get("text_dims") or ())
+        self.fields = ["latents", *(["latents_flipped"] if self.index["flipped"] else []),
+                       *(TEXT_FIELDS if self.text_encoded else [])]
+        arrays = {name: np.load(self.directory / INDEX_DIR / f"{name}.npy", mmap_mode="r")
+                  for name in ("shard", "row", "bucket", "caption_start")}
+        self.shard_of, self.row_of, self.bucket_of, self.caption_start = (arrays[k] for k in
+                                                                          ("shard", "row", "bucket", "caption_start"))
+        if len(self.shard_of) != self.index["items"]:
+            raise DataFormatError(f"{self.directory / INDEX_DIR} holds {len(self.shard_of)} items, {INDEX} "
+                                  f"{self.index['items']}; rerun precompute_latents.py")
+        self.empty_prompt = self.read_prompts(EMPTY_PROMPT)[0] if self.text_encoded else None
+        if self.text_encoded and self.empty_prompt is None:
+            log.warning("%s has no %s: caption dropout feeds zeros instead of the encoding of \"\"", self.directory,
+                        EMPTY_PROMPT)
+        self.handles = {}
+
+    @cached_property
+    def captions_blob(self) -> np.memmap:
+        return np.memmap(self.directory / INDEX_DIR / "captions.bin", dtype=np.uint8, mode="r") \
+            if self.caption_start[-1] else np.zeros(0, dtype=np.uint8)
+
+    def caption(self, index: int) -> str:
+        return bytes(self.captions_blob[self.caption_start[index]:self.caption_start[index + 1]]).decode()
+
+    @cached_property
+    def commonest_size(self) -> tuple[int, int]:
+        return self.latent_sizes[int(np.bincount(self.bucket_of).argmax())]
+
+    def items_by_size(self, items: np.ndarray) -> dict[tuple[int, int], np.ndarray]:
+        """The given items grouped by latent size (each group in the order given)."""
+        buckets = self.bucket_of[items]
+        return {size: items[buckets == b] for b, size in enumerate(self.latent_sizes)}
+
+    @cached_property
+    def validation_set(self) -> tuple[dict | None, list[str] | None]:
+        """The validation prompts' encodings (None for datasets encoded during training) and captions, read when
+        validation first asks (they are large, and every rank and loader worker holds the dataset)."""
+        if not self.index["text_embeddings"]:
+            return None, self.index.get("validation_prompts")
+        prompts, captions = self.read_prompts(VALIDATION_PROMPTS)
+        return (prompts if self.text_encoded else None), captions
+
+    @property
+    def validation_prompts(self) -> dict | None:
+        return self.validation_set[0]
+
+    @property
+    def validation_captions(self) -> list[str] | None:
+        return self.validation_set[1]
+
+    def read_prompts(self, name: str) -> tuple[dict | None, list[str] | None]:
+        """An encoded-prompt file of the dataset (the encoding of "", or the validation prompts): its text
+        tensors (float32) and captions; (None, None) if the file is absent."""
+        path = self.directory / name
+        if not path.is_file():
+            return None, None
+        with self.open(path) as f:
+            count = f.get_slice("prompt_embeds").get_shape()[0]
+            expected = {"prompt_embeds": [count, self.text_tokens, self.text_dims[0]],
+                        "pooled_prompt_embeds": [count, self.text_dims[1]]}
+            found = {field: f.get_slice(field).get_shape() if field in f.keys() else "nothing" for field in expected}
+            if found != expected:
+                raise DataFormatError(f"{path}: fields should have shapes {expected}, found {found}")
+            prompts = {field: f.get_tensor(field).float() for field in expected}
+            captions = json.loads((f.metadata() or {}).get("captions", "null"))
+        return prompts, captions or [""] * count
+
+    def open(self, path: Path):
+        try:
+            return safe_open(path, "pt")
+        except Exception as e:  # safetensors reports a truncated or corrupt header without the file's name
+            raise DataFormatError(f"{path}: not a readable safetensors file ({e}); rerun the same "
+                                  f"precompute_latents.py command: it redoes damaged shards") from None
+
+    def __len__(self) -> int:
+        return len(self.shard_of)
+
+    def handle(self, shard: int):
+        """A memory-mapped view of a shard, opened once per process (loader workers open their own), its fields
+        checked against dataset.json then."""
+        if shard not in self.handles:
+            record = self.index["shards"][shard]
+            path = self.directory / record["file"]
+            f = self.open(path)
+            (n, (h, w)), c = (record["count"], record["latent_size"]), self.latent_channels
+            expected = {"latents": [n, c, h, w], "latents_flipped": [n, c, h, w],
+                        "prompt_embeds": [n, self.text_tokens, *self.text_dims[:1]],
+                        "pooled_prompt_embeds": [n, *self.text_dims[1:]]}
+            expected = {field: expected[field] for field in self.fields}
+            found = {field: (f.get_slice(field).get_shape() if field in f.keys() else "missing") for field in expected}
+            wrong_type = [field for field in expected if field in f.keys()
+                          and f.get_slice(field).get_dtype() not in ("F16", "BF16", "F32")]
+            if found != expected or wrong_type:
+                raise DataFormatError(f"{path}: its fields {found}{f' (not floating point: {wrong_type})' if wrong_type else ''}"
+                                      f" are not what {INDEX} records {expected}; rerun the same precompute_latents.py "
+                                      f"command: it redoes damaged shards")
+            self.handles[shard] = f
+        return self.handles[shard]
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "handles": {}}
+
+    def __getitem__(self, index: int) -> dict:
+        shard, row = int(self.shard_of[index]), int(self.row_of[index])
+        f = self.handle(shard)
+        item = {name: f.get_slice(name)[row : row + 1][0].float() for name in self.fields}
+        return {**item, "caption": self.caption(index)}
 
 
 def vae_folder(dataset: "LatentDataset", override: str | None) -> Path:
@@ -68,155 +282,3 @@ def load_vae(folder: Path, device: torch.device, dtype: torch.dtype):
         raise DataFormatError(f"the VAE in {folder} does not load: {e}") from None
     log.info("latents decoded by the VAE in %s", folder)
     return vae.to(device).eval()
-
-
-def read_header(path: Path) -> tuple[dict[str, tuple[str, list[int]]], dict[str, str]]:
-    """{field: (dtype, shape)} and the string metadata of one safetensors file, without reading tensors."""
-    try:
-        with open(path, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            if not 2 <= size <= 100_000_000:
-                raise ValueError(f"header length {size}")
-            header = json.loads(f.read(size))
-    except (OSError, ValueError) as e:
-        raise DataFormatError(f"{path}: not a readable safetensors file ({e})") from None
-    metadata = header.pop("__metadata__", None) or {}
-    return {k: (v["dtype"], v["shape"]) for k, v in header.items()}, metadata
-
-
-def shard_paths(directory: Path) -> list[Path]:
-    if not directory.is_dir():
-        raise DataFormatError(f"data.path={directory} is not a directory of latent shards")
-    if (directory / PRECOMPUTE_SETTINGS).is_file() and not (directory / INDEX).is_file():
-        raise DataFormatError(f"data.path={directory}: its precompute has not finished (no {INDEX}); rerun the "
-                              f"same python precompute_latents.py command to complete it")
-    if (directory / INDEX).is_file():
-        try:
-            names = [s["file"] for s in json.loads((directory / INDEX).read_text())["shards"]]
-        except (ValueError, KeyError, TypeError) as e:
-            raise DataFormatError(f"{directory / INDEX}: expected {{'shards': [{{'file': ...}}, ...]}} ({e})") from None
-        paths = [directory / n for n in names]
-        absent = [str(p) for p in paths if not p.is_file()]
-        if absent:
-            raise DataFormatError(f"{directory / INDEX} lists shards that do not exist: {absent[:5]}")
-        return paths
-    paths = sorted(p for p in directory.glob("*.safetensors") if p.name not in (EMPTY_PROMPT, VALIDATION_PROMPTS))
-    if not paths:
-        raise DataFormatError(f"data.path={directory} holds no *.safetensors shards "
-                              f"(run python precompute_latents.py)")
-    return paths
-
-
-class LatentDataset(torch.utils.data.Dataset):
-    """Items: `latents`, `prompt_embeds`, `pooled_prompt_embeds` (float32) and `caption`."""
-
-    def __init__(self, directory: str | Path, aspect_buckets: bool = False):
-        self.directory = Path(directory)
-        self.paths = shard_paths(self.directory)
-        self.rows, self.sizes, self.captions, first = [], [], [], None
-        for shard, path in enumerate(self.paths):
-            fields, metadata = read_header(path)
-            dims = self.check_shard(path, fields)
-            first = first or (path, dims)
-            for name, field in SHARED_DIMS.items():
-                if dims[name] != first[1][name]:
-                    raise DataFormatError(f"{path}: {field} is {dims[name]} but {first[0]} has {first[1][name]}; "
-                                          f"all shards must come from the same VAE and text encoders")
-            if dims["size"] != first[1]["size"] and not aspect_buckets:
-                raise DataFormatError(f"{path}: latents are {dims['size'][0]}x{dims['size'][1]} but {first[0]} has "
-                                      f"{first[1]['size'][0]}x{first[1]['size'][1]}; set data.aspect_buckets=true "
-                                      f"to train on several sizes")
-            captions = json.loads(metadata.get("captions", "null")) or [""] * dims["count"]
-            if len(captions) != dims["count"]:
-                raise DataFormatError(f"{path}: {len(captions)} captions for {dims['count']} latents")
-            if dims["flipped"] != first[1]["flipped"]:
-                raise DataFormatError(f"{path}: {'has' if dims['flipped'] else 'lacks'} latents_flipped but {first[0]} "
-                                      f"does not; precompute the whole dataset with or without --random-flip")
-            self.rows += [(shard, row) for row in range(dims["count"])]
-            self.sizes += [dims["size"]] * dims["count"]
-            self.captions += captions
-        d = first[1]
-        self.latent_channels, self.text_tokens = d["channels"], d["text_tokens"]
-        self.text_dims = (d["joint_dim"], d["pooled_dim"])
-        self.latent_sizes = sorted(set(self.sizes))
-        self.fields = [*FIELDS, *(["latents_flipped"] if d["flipped"] else [])]
-        self.empty_prompt, _ = self.read_prompts(EMPTY_PROMPT, rows=1)
-        if self.empty_prompt is None:
-            log.warning("%s has no %s: caption dropout feeds zeros instead of the encoding of \"\"",
-                        self.directory, EMPTY_PROMPT)
-        self.index = json.loads((self.directory / INDEX).read_text()) if (self.directory / INDEX).is_file() else {}
-        self.handles = {}
-
-    @staticmethod
-    def check_shard(path: Path, fields: dict) -> dict:
-        for name, ndim in FIELDS.items():
-            if name not in fields:
-                raise DataFormatError(f"{path}: field {name!r} is missing (found {sorted(fields)}); "
-                                      f"expected {sorted(FIELDS)}")
-            dtype, shape = fields[name]
-            if len(shape) != ndim:
-                raise DataFormatError(f"{path}: field {name!r} has shape {shape}, expected {ndim} dimensions")
-            if dtype not in FLOAT_DTYPES:
-                raise DataFormatError(f"{path}: field {name!r} has dtype {dtype}, expected one of {FLOAT_DTYPES}")
-        counts = {name: fields[name][1][0] for name in FIELDS}
-        if len(set(counts.values())) != 1:
-            raise DataFormatError(f"{path}: fields have different numbers of rows {counts}")
-        (count, channels, h, w), (_, tokens, joint), (_, pooled) = (fields[n][1] for n in FIELDS)
-        if count == 0:
-            raise DataFormatError(f"{path}: the shard is empty")
-        flipped = "latents_flipped" in fields
-        if flipped and fields["latents_flipped"][1] != fields["latents"][1]:
-            raise DataFormatError(f"{path}: field 'latents_flipped' has shape {fields['latents_flipped'][1]}, "
-                                  f"expected that of latents {fields['latents'][1]}")
-        return {"count": count, "channels": channels, "size": (h, w), "text_tokens": tokens,
-                "joint_dim": joint, "pooled_dim": pooled, "flipped": flipped}
-
-    @cached_property
-    def validation_set(self) -> tuple[dict | None, list[str] | None]:
-        """The validation prompts' encodings and captions, read when validation first asks (they are large, and
-        every rank and loader worker holds the dataset)."""
-        return self.read_prompts(VALIDATION_PROMPTS)
-
-    @property
-    def validation_prompts(self) -> dict | None:
-        return self.validation_set[0]
-
-    @property
-    def validation_captions(self) -> list[str] | None:
-        return self.validation_set[1]
-
-    def read_prompts(self, name: str, rows: int | None = None) -> tuple[dict | None, list[str] | None]:
-        """An encoded-prompt file of the dataset (the encoding of "", or the validation prompts): its text
-        tensors (float32) and captions; (None, None) if the file is absent."""
-        path = self.directory / name
-        if not path.is_file():
-            return None, None
-        fields, metadata = read_header(path)
-        count = rows or fields.get("prompt_embeds", (None, [0]))[1][0]
-        expected = {"prompt_embeds": [count, self.text_tokens, self.text_dims[0]],
-                    "pooled_prompt_embeds": [count, self.text_dims[1]]}
-        for field, shape in expected.items():
-            if field not in fields or fields[field][1] != shape or not count:
-                raise DataFormatError(f"{path}: field {field!r} should have shape {shape}, found "
-                                      f"{fields.get(field, (None, 'nothing'))[1]}")
-        with safe_open(path, "pt") as f:
-            prompts = {field: f.get_tensor(field).float() for field in expected}
-        return prompts, json.loads(metadata.get("captions", "null")) or [""] * count
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def handle(self, shard: int):
-        """A memory-mapped view of a shard, opened once per process (loader workers open their own)."""
-        if shard not in self.handles:
-            self.handles[shard] = safe_open(self.paths[shard], "pt")
-        return self.handles[shard]
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "handles": {}}
-
-    def __getitem__(self, index: int) -> dict:
-        shard, row = self.rows[index]
-        f = self.handle(shard)
-        item = {name: f.get_slice(name)[row : row + 1][0].float() for name in self.fields}
-        return {**item, "caption": self.captions[index]}

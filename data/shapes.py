@@ -57,6 +57,7 @@ class ShapesDataset(torch.utils.data.Dataset):
 
     latent_channels = 3
     latent_sizes = [(IMAGE_SIZE, IMAGE_SIZE)]
+    commonest_size = (IMAGE_SIZE, IMAGE_SIZE)
 
     def __init__(self, num_items: int, seed: int):
         self.num_items = num_items

@@ -71,21 +71,23 @@ def read_config(directory: Path) -> MMDiTConfig:
 
 
 class WeightReader:
-    """A transformer directory's weights (one safetensors file, or shards with their index), read one tensor, or
-    one slice of a tensor, at a time from the memory-mapped files: a rank that holds rows 1000-1999 of a
+    """A model directory's weights (one safetensors file, or shards with their index; `stem` names them:
+    diffusers' transformers use diffusion_pytorch_model, transformers' text encoders model), read one tensor,
+    or one slice of a tensor, at a time from the memory-mapped files: a rank that holds rows 1000-1999 of a
     weight reads just those bytes, and no reader ever holds the whole state dict."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, stem: str = "diffusion_pytorch_model"):
         self.directory = Path(directory)
-        if (self.directory / WEIGHTS).is_file():
-            files = [WEIGHTS]
-        elif (self.directory / INDEX).is_file():
-            files = sorted(set(json.loads((self.directory / INDEX).read_text())["weight_map"].values()))
+        weights, index = f"{stem}.safetensors", f"{stem}.safetensors.index.json"
+        if (self.directory / weights).is_file():
+            files = [weights]
+        elif (self.directory / index).is_file():
+            files = sorted(set(json.loads((self.directory / index).read_text())["weight_map"].values()))
             absent = [f for f in files if not (self.directory / f).is_file()]
             if absent:
-                raise CheckpointFormatError(f"{self.directory / INDEX} names shards that are missing: {absent[:5]}")
+                raise CheckpointFormatError(f"{self.directory / index} names shards that are missing: {absent[:5]}")
         else:
-            raise CheckpointFormatError(f"{self.directory} has neither {WEIGHTS} nor {INDEX}")
+            raise CheckpointFormatError(f"{self.directory} has neither {weights} nor {index}")
         self.file_of, self.shapes = {}, {}
         for file in files:
             with safe_open(self.directory / file, "pt") as f:
@@ -96,12 +98,7 @@ class WeightReader:
 
     def check(self, expected: dict[str, tuple], source) -> None:
         """The keys and shapes of the model that will be filled: every difference named, before any read."""
-        missing, unexpected = sorted(expected.keys() - self.shapes.keys()), sorted(self.shapes.keys() - expected.keys())
-        shapes = {k: (self.shapes[k], tuple(expected[k])) for k in expected.keys() & self.shapes.keys()
-                  if self.shapes[k] != tuple(expected[k])}
-        if missing or unexpected or shapes:
-            raise CheckpointFormatError(f"{source} does not fit the MMDiT: missing {missing[:20]}, unexpected "
-                                        f"{unexpected[:20]}, shape (found, expected) {dict(list(shapes.items())[:20])}")
+        check_shapes(expected, self.shapes, source)
 
     def read(self, key: str, offsets: tuple[int, ...] | None = None, sizes: tuple[int, ...] | None = None):
         """Tensor `key`, or its block starting at `offsets` of `sizes`."""
@@ -117,14 +114,17 @@ class WeightReader:
         return region
 
 
-def check_state_dict(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor], source) -> None:
-    missing = sorted(expected.keys() - found.keys())
-    unexpected = sorted(found.keys() - expected.keys())
-    shapes = {k: (tuple(found[k].shape), tuple(expected[k].shape)) for k in expected.keys() & found.keys()
-              if found[k].shape != expected[k].shape}
+def check_shapes(expected: dict[str, tuple], found: dict[str, tuple], source) -> None:
+    missing, unexpected = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
+    shapes = {k: (tuple(found[k]), tuple(expected[k])) for k in expected.keys() & found.keys()
+              if tuple(found[k]) != tuple(expected[k])}
     if missing or unexpected or shapes:
-        raise CheckpointFormatError(f"{source} does not fit the MMDiT: missing {missing[:20]}, unexpected "
+        raise CheckpointFormatError(f"{source} does not fit the model: missing {missing[:20]}, unexpected "
                                     f"{unexpected[:20]}, shape (found, expected) {dict(list(shapes.items())[:20])}")
+
+
+def check_state_dict(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor], source) -> None:
+    check_shapes({k: v.shape for k, v in expected.items()}, {k: v.shape for k, v in found.items()}, source)
 
 
 def load_diffusers_transformer(directory: Path, dtype: torch.dtype = torch.float32) -> MMDiT:

@@ -1,7 +1,7 @@
 """A small text encoder trained jointly with the MMDiT, for caption datasets with a closed vocabulary.
 
-It stands in for SD3's CLIP/T5 stack: it yields a token sequence [B, L, dim] and a pooled vector [B, dim].
-Datasets of precomputed embeddings bypass it (see `TextToImage.encode`).
+It stands in for SD3's CLIP/T5 stack (models/sd3_text.py): it yields a token sequence [B, L, dim] and a pooled
+vector [B, dim]. Datasets of precomputed embeddings bypass both (see `TextToImage.encode`).
 """
 
 import torch
@@ -13,14 +13,18 @@ PAD = "<pad>"
 
 
 class WordTokenizer:
-    """Whitespace word tokenizer over a fixed vocabulary; the empty caption is all padding."""
+    """Whitespace word tokenizer over a fixed vocabulary; the empty caption is all padding. Like every
+    tokenizer here, it turns captions into the model's text input: {"input_ids": [B, max_length]}."""
 
     def __init__(self, words: list[str], max_length: int):
         self.vocab = [PAD] + sorted(set(words))
         self.ids = {w: i for i, w in enumerate(self.vocab)}
-        self.max_length = max_length
+        self.max_length = self.tokens = max_length
 
-    def __call__(self, captions: list[str]) -> torch.Tensor:
+    def __call__(self, captions: list[str]) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.input_ids(captions)}
+
+    def input_ids(self, captions: list[str]) -> torch.Tensor:
         out = torch.zeros(len(captions), self.max_length, dtype=torch.long)
         for row, caption in enumerate(captions):
             words = caption.lower().split()
@@ -69,7 +73,8 @@ class TinyTextEncoder(nn.Module):
 
 
 class TextToImage(nn.Module):
-    """The trained unit: the MMDiT (`transformer`) and, for caption datasets, its text encoder.
+    """The trained unit: the MMDiT (`transformer`) and, for caption datasets, its text encoder (trained with it,
+    or SD3's frozen encoders).
 
     `forward` encodes the text itself, so a DDP or FSDP wrapper around this module sees every trained parameter
     (sampling goes through `forward` too).
@@ -93,11 +98,12 @@ class TextToImage(nn.Module):
         return getattr(self, part).initial_value(inner.replace(".base_layer.", "."), seed)
 
     def encode(self, text: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        if "input_ids" in text:
-            return self.text_encoder(text["input_ids"])
-        return text["prompt_embeds"], text["pooled_prompt_embeds"]
+        if "prompt_embeds" in text:
+            return text["prompt_embeds"], text["pooled_prompt_embeds"]
+        return self.text_encoder(**text)
 
     def forward(self, x_t: torch.Tensor, sigma: torch.Tensor, text: dict) -> torch.Tensor:
-        """The velocity at noise level sigma, from the text (token ids, or precomputed embeddings)."""
+        """The velocity at noise level sigma, from the text (token ids of the text encoder, or precomputed
+        embeddings)."""
         context, pooled = self.encode(text)
         return self.transformer(x_t, context, pooled, sigma * 1000)

@@ -57,11 +57,8 @@ def checkpoint_root(run_dir: Path) -> Path:
 
 
 def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def fsync_path(path: Path) -> None:
@@ -233,16 +230,18 @@ class CheckpointWriteError(RuntimeError):
 
 
 class TrainedWeights:
-    """A model's part of a checkpoint: all its weights, or under LoRA only the trained adapters (the frozen
-    base comes from model.init_from). Sharded weights are DTensors: each rank holds and writes its part."""
+    """A model's part of a checkpoint: its weights and buffers but for frozen parts that come from elsewhere
+    (SD3's text encoders from their pipeline), or with `adapters_only` (LoRA) only the trained adapters (the
+    frozen base comes from model.init_from). Sharded weights are DTensors: each rank holds and writes its part."""
 
-    def __init__(self, model: torch.nn.Module):
-        self.model = unwrap(model)
+    def __init__(self, model: torch.nn.Module, adapters_only: bool = False):
+        self.model, self.adapters_only = unwrap(model), adapters_only
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        if all(p.requires_grad for p in self.model.parameters()):
-            return self.model.state_dict()
-        return {name: p for name, p in self.model.named_parameters() if p.requires_grad}
+        if self.adapters_only:
+            return {name: p for name, p in self.model.named_parameters() if p.requires_grad}
+        frozen = {name for name, p in self.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        return {name: t for name, t in self.model.state_dict().items() if name not in frozen}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         result = self.model.load_state_dict(state, strict=False)

@@ -5,7 +5,8 @@ rank holds, so no rank ever holds the whole model (an 8B model is 32 GB in fp32)
 
 - ddp: every rank holds the whole model and optimizer; gradients are all-reduced in buckets during the last
   micro-step's backward (`no_sync` before it).
-- fsdp: FSDP2 `fully_shard` on every transformer block, then on the root. Each rank keeps 1/N of the fp32
+- fsdp: FSDP2 `fully_shard` on every transformer block (and on every layer, then every encoder, of SD3's frozen
+  text encoders when they run in the step), then on the root. Each rank keeps 1/N of the fp32
   weights, gradients, AdamW state and EMA; a block's weights are all-gathered for its forward (and again for
   its backward when `parallel.reshard_after_forward`), its gradients reduce-scattered after its backward, every
   micro-step, so gradients never exist unsharded for more than one block at a time.
@@ -33,6 +34,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from models.sd3_text import SD3TextEncoders
 from perf.activation_checkpointing import apply_activation_checkpointing
 from perf.compile import apply_compile
 from perf.distributed import World
@@ -88,6 +90,10 @@ def apply_parallelism(model: nn.Module, cfg: DictConfig, world: World, device: t
     for block in model.transformer.transformer_blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=p.reshard_after_forward,
                     mp_policy=MixedPrecisionPolicy(**bf16), offload_policy=offload)
+    frozen = ([*model.text_encoder.blocks(), *model.text_encoder.encoders()]
+              if isinstance(model.text_encoder, SD3TextEncoders) else [])
+    for module in frozen:  # forward only: gathered for it, freed after it
+        fully_shard(module, mesh=mesh, mp_policy=MixedPrecisionPolicy(**bf16), offload_policy=offload)
     # The root leaves its inputs as they come (FSDP would cast sigma to bf16, and timesteps would move in steps
     # of 2-4): autocast casts them where its matmuls need it, as under DDP. Its weights start the backward, so
     # they stay gathered after the forward.
@@ -96,8 +102,9 @@ def apply_parallelism(model: nn.Module, cfg: DictConfig, world: World, device: t
     # offloaded shards live in host memory (FSDP copies each block's to the GPU when it runs); buffers, which FSDP
     # does not manage, on the GPU
     materialize(model, torch.device("cpu") if p.cpu_offload else device, initial_values, buffers=device)
-    log.info("%s: mesh %s, %d blocks sharded + the root, reshard after forward %s, %s%s", p.strategy,
+    log.info("%s: mesh %s, %d blocks%s sharded + the root, reshard after forward %s, %s%s", p.strategy,
              dict(zip(mesh.mesh_dim_names, mesh.shape)), len(model.transformer.transformer_blocks),
+             f" and {len(frozen)} modules of the frozen text encoders" if frozen else "",
              p.reshard_after_forward, "bf16 compute, fp32 reduction" if t.dtype == "bf16" else "fp32",
              ", weights, gradients and AdamW state offloaded to host memory" if p.cpu_offload else "")
     return model

@@ -171,14 +171,16 @@ LATENT_DIMS = {"channels": 4, "tokens": 6, "joint": 24, "pooled": 16}
 
 def write_latent_shards(directory: Path, sizes=((8, 8),), per_shard: int = 12, seed: int = 0,
                         empty_prompt: bool = True, flipped: bool = False, validation_prompts: int = 0) -> Path:
-    """A small latent dataset as `python precompute_latents.py` lays it out: one shard per latent size,
-    random tensors (fp16 latents, as precompute writes them in half precision), captions in the header; with
+    """A small latent dataset as precompute_latents.py lays it out: one shard per latent size, random tensors
+    (fp16 latents, as precompute writes them in half precision), captions in the header and the index; with
     `flipped`, mirrored latents too, and `validation_prompts` encoded prompts."""
     from safetensors.torch import save_file
+
+    from data.latents import shard_record, write_index
     gen = torch.Generator().manual_seed(seed)
     d = LATENT_DIMS
     directory.mkdir(parents=True, exist_ok=True)
-    shards = []
+    shards, captions = [], []
     for i, (h, w) in enumerate(sizes):
         name = f"shard-{i:05d}-{h}x{w}.safetensors"
         tensors = {"latents": torch.randn(per_shard, d["channels"], h, w, generator=gen).half(),
@@ -186,9 +188,9 @@ def write_latent_shards(directory: Path, sizes=((8, 8),), per_shard: int = 12, s
                    "pooled_prompt_embeds": torch.randn(per_shard, d["pooled"], generator=gen)}
         if flipped:
             tensors["latents_flipped"] = tensors["latents"].flip(-1)
-        captions = [f"item {i}/{j}" for j in range(per_shard)]
-        save_file(tensors, directory / name, metadata={"captions": json.dumps(captions)})
-        shards.append({"file": name, "count": per_shard, "latent_size": [h, w]})
+        captions.append([f"item {i}/{j}" for j in range(per_shard)])
+        save_file(tensors, directory / name, metadata={"captions": json.dumps(captions[-1])})
+        shards.append(shard_record(directory, name, per_shard, (h, w)))
     if empty_prompt:
         save_file({"prompt_embeds": torch.randn(1, d["tokens"], d["joint"], generator=gen),
                    "pooled_prompt_embeds": torch.randn(1, d["pooled"], generator=gen)},
@@ -198,7 +200,9 @@ def write_latent_shards(directory: Path, sizes=((8, 8),), per_shard: int = 12, s
                    "pooled_prompt_embeds": torch.randn(validation_prompts, d["pooled"], generator=gen)},
                   directory / "validation_prompts.safetensors",
                   metadata={"captions": json.dumps([f"prompt {i}" for i in range(validation_prompts)])})
-    (directory / "dataset.json").write_text(json.dumps({"shards": shards}))
+    write_index(directory, shards, captions, {"channels": d["channels"], "text_tokens": d["tokens"],
+                                              "text_dims": [d["joint"], d["pooled"]], "text_embeddings": True,
+                                              "flipped": flipped})
     return directory
 
 
@@ -244,3 +248,62 @@ def lora_run(latent_run, tmp_path):
     def make(*extra: str, run: str = "run") -> list[str]:
         return latent_run(*LORA, f"model.init_from={base}", *extra, run=run)
     return make
+
+
+# ----------------------------------------------------------------------------------------------- SD3 pipeline
+
+WORDS = "a red blue green circle square cat dog on the grass in snow photo of".split()
+CLIP_TOKENS, T5_TOKENS = 8, 6
+
+
+def word_tokenizer(max_length: int):
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {w: i for i, w in enumerate(["<pad>", "<unk>", "<eos>", *WORDS])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>",
+                                                eos_token="<eos>", model_max_length=max_length)
+
+
+def clip(hidden: int):
+    import transformers
+    config = transformers.CLIPTextConfig(vocab_size=len(WORDS) + 3, hidden_size=hidden, intermediate_size=2 * hidden,
+                                         num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=CLIP_TOKENS,
+                                         projection_dim=8, pad_token_id=0, eos_token_id=2)
+    return transformers.CLIPTextModelWithProjection(config)
+
+
+@pytest.fixture(scope="session")
+def sd3_dir(tmp_path_factory):
+    """A tiny, random SD3 pipeline directory in diffusers' layout (nothing is downloaded): a 4-channel VAE with
+    one downsampling, CLIP-L (8 wide), CLIP-G (16 wide), T5 (24 wide): joint dim 24, pooled dim 8 + 8."""
+    import diffusers
+    import transformers
+    root = tmp_path_factory.mktemp("sd3")
+    torch.manual_seed(0)
+    diffusers.AutoencoderKL(in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 2,
+                            up_block_types=["UpDecoderBlock2D"] * 2, block_out_channels=[8, 16], layers_per_block=1,
+                            latent_channels=4, norm_num_groups=4, shift_factor=0.0609,
+                            scaling_factor=1.5305).save_pretrained(root / "vae")
+    clip(8).save_pretrained(root / "text_encoder")
+    clip(16).save_pretrained(root / "text_encoder_2")
+    t5 = transformers.T5Config(vocab_size=len(WORDS) + 3, d_model=24, d_kv=4, d_ff=32, num_layers=1, num_heads=2,
+                               relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=2)
+    transformers.T5EncoderModel(t5).save_pretrained(root / "text_encoder_3")
+    for folder, length in (("tokenizer", CLIP_TOKENS), ("tokenizer_2", CLIP_TOKENS), ("tokenizer_3", T5_TOKENS)):
+        word_tokenizer(length).save_pretrained(root / folder)
+    return root
+
+
+def image_folder(directory: Path, sizes) -> Path:
+    """Random-coloured images of the given (width, height) with captions from the tokenizers' vocabulary."""
+    from PIL import Image
+    directory.mkdir()
+    gen = torch.Generator().manual_seed(0)
+    for i, (w, h) in enumerate(sizes):
+        pixels = torch.randint(0, 256, (h, w, 3), generator=gen, dtype=torch.uint8).numpy()
+        Image.fromarray(pixels).save(directory / f"img{i:02d}.png")
+        words = [WORDS[j] for j in torch.randint(len(WORDS), (4 + i % 5,), generator=gen)]
+        (directory / f"img{i:02d}.txt").write_text(" ".join(words))
+    return directory

@@ -94,7 +94,7 @@ def test_mismatches_are_named(tmp_path):
     diffusers.SD3Transformer2DModel(**config).save_pretrained(tmp_path / "t")
     raw = json.loads((tmp_path / "t" / "config.json").read_text())
     (tmp_path / "t" / "config.json").write_text(json.dumps({**raw, "num_layers": 3}))
-    missing_block = r"does not fit the MMDiT: missing \[.*'transformer_blocks.2.attn.to_q.weight'"
+    missing_block = r"does not fit the model: missing \[.*'transformer_blocks.2.attn.to_q.weight'"
     with pytest.raises(CheckpointFormatError, match=missing_block):
         load_diffusers_transformer(tmp_path / "t")
     (tmp_path / "t" / "config.json").write_text(json.dumps({**raw, "_class_name": "AutoencoderKL"}))

@@ -1,5 +1,6 @@
 """Latent shards: reading, checks that name the file and field, bucketed deterministic order, training."""
 
+import json
 import re
 import shutil
 
@@ -22,43 +23,54 @@ def test_items_are_the_written_rows(tmp_path):
     assert torch.equal(item["latents"], shard["latents"][2].float()) and item["latents"].dtype == torch.float32
     assert torch.equal(item["prompt_embeds"], shard["prompt_embeds"][2])
     assert item["caption"] == "item 1/2"
-    assert len(ds) == 10 and ds.latent_sizes == [(8, 8), (8, 12)] and ds.sizes == [(8, 8)] * 5 + [(8, 12)] * 5
+    assert len(ds) == 10 and ds.latent_sizes == [(8, 8), (8, 12)] and ds.bucket_of.tolist() == [0] * 5 + [1] * 5
     assert ds.text_dims == (LATENT_DIMS["joint"], LATENT_DIMS["pooled"]) and ds.empty_prompt["prompt_embeds"].shape[0] == 1
+    captions_only = LatentDataset(tmp_path / "d", aspect_buckets=True, text_embeddings=False)
+    assert set(captions_only[7]) == {"latents", "caption"}
 
 
-def corrupt(directory, name, tensors=None, raw=None):
-    path = directory / "shard-00000-8x8.safetensors"
-    if raw is not None:
-        path.write_bytes(raw)
-        return path
-    good = load_file(path)
-    good.update(tensors)
-    save_file({k: v for k, v in good.items() if v is not None}, path)
-    return path
-
-
-@pytest.mark.parametrize("case, change, message", [
-    ("missing field", {"pooled_prompt_embeds": None}, "field 'pooled_prompt_embeds' is missing"),
-    ("wrong rank", {"latents": torch.zeros(12, 4, 8)}, "field 'latents' has shape [12, 4, 8], expected 4 dimensions"),
-    ("integer dtype", {"prompt_embeds": torch.zeros(12, 6, 24, dtype=torch.int32)}, "field 'prompt_embeds' has dtype I32"),
-    ("row counts", {"latents": torch.zeros(11, 4, 8, 8)}, "different numbers of rows"),
-    ("channels", {"latents": torch.zeros(12, 3, 8, 8)}, "latents channels is 4 but"),
-    ("size", {"latents": torch.zeros(12, 4, 16, 16)}, "set data.aspect_buckets=true"),
-    ("not safetensors", None, "not a readable safetensors file"),
-])
-def test_a_bad_shard_is_named_with_its_field(tmp_path, case, change, message):
+def test_a_damaged_shard_is_named_when_the_dataset_opens(tmp_path):
+    """Sizes are checked against dataset.json when the dataset opens (no shard is read); every damaged shard
+    is named, with what to do."""
     directory = write_latent_shards(tmp_path / "d", sizes=[(8, 8), (8, 8)])
-    path = corrupt(directory, case, change, raw=b"\x00" * 64 if change is None else None)
-    with pytest.raises(DataFormatError, match=re.escape(message)) as error:
+    first, second = directory / "shard-00000-8x8.safetensors", directory / "shard-00001-8x8.safetensors"
+    first.write_bytes(first.read_bytes()[: first.stat().st_size * 2 // 3])  # truncated to 2/3
+    second.unlink()
+    with pytest.raises(DataFormatError, match="2 damaged shard") as error:
         LatentDataset(directory)
-    assert str(path) in str(error.value) or "shard-00001" in str(error.value)
+    message = str(error.value)
+    assert f"{first.name} has {first.stat().st_size} bytes" in message and f"{second.name} is missing" in message
+    assert "rerun the same precompute_latents.py command" in message
 
 
-def test_a_bad_dataset_stops_training_before_compute(latent_run, tmp_path, caplog):
+@pytest.mark.parametrize("change, message", [
+    ({"pooled_prompt_embeds": None}, "'pooled_prompt_embeds': 'missing'"),
+    ({"latents": torch.zeros(12, 4, 8)}, "'latents': [12, 4, 8]"),
+    ({"prompt_embeds": torch.zeros(12, 6, 24, dtype=torch.int32)}, "not floating point: ['prompt_embeds']"),
+    ({"latents": torch.zeros(12, 3, 8, 8)}, "'latents': [12, 3, 8, 8]"),
+])
+def test_a_shard_whose_fields_differ_from_the_index_is_named_when_read(tmp_path, change, message):
+    """A shard of the published size whose header says something else (not written by precompute, or altered
+    in place) is named with its field when a loader first opens it."""
+    directory = write_latent_shards(tmp_path / "d")
+    path = directory / "shard-00000-8x8.safetensors"
+    tensors = {**load_file(path), **change}
+    save_file({k: v for k, v in tensors.items() if v is not None}, path)
+    index = json.loads((directory / "dataset.json").read_text())
+    index["shards"][0]["bytes"] = path.stat().st_size
+    (directory / "dataset.json").write_text(json.dumps(index))
+    ds = LatentDataset(directory)
+    with pytest.raises(DataFormatError, match=re.escape(message)) as error:
+        ds[0]
+    assert str(path) in str(error.value)
+
+
+def test_a_damaged_dataset_stops_training_before_the_run_directory(latent_run, tmp_path, caplog):
     data = write_latent_shards(tmp_path / "d")
-    corrupt(data, "missing", {"prompt_embeds": None})
+    shard = data / "shard-00000-8x8.safetensors"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size * 2 // 3])
     assert main(latent_run("training.max_steps=2", data=data)) == 2
-    assert "shard-00000-8x8.safetensors: field 'prompt_embeds' is missing" in caplog.text
+    assert "shard-00000-8x8.safetensors has" in caplog.text and "bytes" in caplog.text
     assert not (tmp_path / "run").exists()
     assert main(latent_run("training.max_steps=2", data=tmp_path / "nowhere")) == 2
     assert "nowhere is not a directory of latent shards" in caplog.text

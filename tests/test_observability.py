@@ -73,7 +73,7 @@ def test_metrics_reach_jsonl_and_tensorboard(tiny, tmp_path):
                 "checkpoint/stall_s", "checkpoint/staging_gib"}
     assert expected <= logged[-1].keys()
     assert any(k.startswith("loss_by_sigma/") for k in logged[-1])
-    tokens = (32 // 4) ** 2 + build_tokenizer()([""]).shape[1]
+    tokens = (32 // 4) ** 2 + build_tokenizer().tokens
     assert logged[-1]["tokens_per_s"] == pytest.approx(logged[-1]["samples_per_s"] * tokens)
     assert logged[-1]["mfu"] == pytest.approx(logged[-1]["tflops_per_s_per_rank"] / 0.1)
     events = EventAccumulator(str(run_dir / "tensorboard")).Reload()

@@ -17,64 +17,12 @@ import export_mmdit
 from data import precompute
 from data.latents import LatentDataset
 from models.diffusers_io import LORA_WEIGHTS
-from tests.conftest import assert_close, export_random_base, metric_rows
+from tests.conftest import CLIP_TOKENS, T5_TOKENS, export_random_base, image_folder, metric_rows
 from train_mmdit_stable import main
 
 diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
-WORDS = "a red blue green circle square cat dog on the grass in snow photo of".split()
-CLIP_TOKENS, T5_TOKENS = 8, 6
-
-
-def tokenizer(max_length: int):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    vocab = {w: i for i, w in enumerate(["<pad>", "<unk>", "<eos>", *WORDS])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>",
-                                                eos_token="<eos>", model_max_length=max_length)
-
-
-def clip(hidden: int):
-    config = transformers.CLIPTextConfig(vocab_size=len(WORDS) + 3, hidden_size=hidden, intermediate_size=2 * hidden,
-                                         num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=CLIP_TOKENS,
-                                         projection_dim=8, pad_token_id=0, eos_token_id=2)
-    return transformers.CLIPTextModelWithProjection(config)
-
-
-@pytest.fixture(scope="module")
-def sd3_dir(tmp_path_factory):
-    """An SD3 pipeline directory in diffusers' layout: 16-channel... here 4-channel VAE with one downsampling,
-    CLIP-L (8 wide), CLIP-G (16 wide), T5 (24 wide): joint dim 24, pooled dim 8 + 8."""
-    root = tmp_path_factory.mktemp("sd3")
-    torch.manual_seed(0)
-    diffusers.AutoencoderKL(in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 2,
-                            up_block_types=["UpDecoderBlock2D"] * 2, block_out_channels=[8, 16], layers_per_block=1,
-                            latent_channels=4, norm_num_groups=4, shift_factor=0.0609,
-                            scaling_factor=1.5305).save_pretrained(root / "vae")
-    clip(8).save_pretrained(root / "text_encoder")
-    clip(16).save_pretrained(root / "text_encoder_2")
-    t5 = transformers.T5Config(vocab_size=len(WORDS) + 3, d_model=24, d_kv=4, d_ff=32, num_layers=1, num_heads=2,
-                               relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=2)
-    transformers.T5EncoderModel(t5).save_pretrained(root / "text_encoder_3")
-    for folder, length in (("tokenizer", CLIP_TOKENS), ("tokenizer_2", CLIP_TOKENS), ("tokenizer_3", T5_TOKENS)):
-        tokenizer(length).save_pretrained(root / folder)
-    return root
-
-
-def image_folder(directory, sizes):
-    """Random-coloured images of the given (width, height) with captions from the tokenizers' vocabulary."""
-    directory.mkdir()
-    gen = torch.Generator().manual_seed(0)
-    for i, (w, h) in enumerate(sizes):
-        pixels = torch.randint(0, 256, (h, w, 3), generator=gen, dtype=torch.uint8).numpy()
-        Image.fromarray(pixels).save(directory / f"img{i:02d}.png")
-        words = [WORDS[j] for j in torch.randint(len(WORDS), (4 + i % 5,), generator=gen)]
-        (directory / f"img{i:02d}.txt").write_text(" ".join(words))
-    return directory
-
-
 def run_precompute(sd3_dir, images, out, *extra):
     return precompute.main(["--model", str(sd3_dir), "--images", str(images), "--out", str(out), "--resolution", "16",
                             "--bucket-step", "8", "--batch-size", "3", "--shard-size", "4", "--dtype", "fp32",
@@ -123,21 +71,28 @@ def test_aspect_buckets_and_resume(sd3_dir, tmp_path):
     assert run_precompute(sd3_dir, images, tmp_path / "whole", *buckets) == 0
     whole = LatentDataset(tmp_path / "whole", aspect_buckets=True)
     assert whole.latent_sizes == [(12, 20), (12, 24), (16, 16), (24, 12)]  # the VAE halves each side
-    assert [whole.sizes[i] for i in range(4)] == [(12, 24), (16, 16), (16, 16), (24, 12)]  # chunk 0, by size
-    # Interrupted after the first chunk: the rerun skips it and finishes with the same shards.
+    first_unit = [whole.latent_sizes[b] for b in whole.bucket_of[:4]]
+    assert first_unit == [(12, 24), (16, 16), (16, 16), (24, 12)]  # unit 0, by size
+    # Interrupted after the first unit: the rerun skips it and finishes with the same shards.
     assert run_precompute(sd3_dir, images, tmp_path / "part", *buckets) == 0
-    for path in [tmp_path / "part" / "dataset.json", *(tmp_path / "part").glob("chunk-0000[12].json")]:
+    for path in [tmp_path / "part" / "dataset.json", *(tmp_path / "part" / "reports").glob("0000[12].json")]:
         path.unlink()
     with pytest.raises(ValueError, match="its precompute has not finished"):
         LatentDataset(tmp_path / "part", aspect_buckets=True)
     kept = sorted((tmp_path / "part").glob("shard-00000-*"))
     mtimes = [p.stat().st_mtime_ns for p in kept]
     assert run_precompute(sd3_dir, images, tmp_path / "part", *buckets) == 0
-    assert [p.stat().st_mtime_ns for p in kept] == mtimes  # chunk 0 was not redone
-    assert json.loads((tmp_path / "part" / "dataset.json").read_text())["shards"] == \
-        json.loads((tmp_path / "whole" / "dataset.json").read_text())["shards"]
-    for name in [s["file"] for s in json.loads((tmp_path / "whole" / "dataset.json").read_text())["shards"]]:
-        assert_close(load_file(tmp_path / "part" / name), load_file(tmp_path / "whole" / name))
+    assert [p.stat().st_mtime_ns for p in kept] == mtimes  # unit 0 was not redone
+    assert same_files(tmp_path / "part", tmp_path / "whole")
+
+
+def same_files(a: Path, b: Path) -> bool:
+    """Two dataset directories hold the same files, byte for byte."""
+    names = lambda d: sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file())
+    assert names(a) == names(b)
+    different = [n for n in names(a) if (a / n).read_bytes() != (b / n).read_bytes()]
+    assert not different, different
+    return True
 
 
 def test_bad_inputs_are_named_before_compute(sd3_dir, tmp_path, caplog):
@@ -184,19 +139,19 @@ def test_a_corrupt_image_is_named_before_anything_is_written_and_removing_it_let
 def test_an_interrupted_precompute_says_the_rerun_resumes(sd3_dir, tmp_path, monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger="mmdit")
     images = image_folder(tmp_path / "images", [(16, 16)] * 6)
-    real = precompute.encode_chunk
+    real = precompute.encode_unit
 
-    def interrupt_second_chunk(number, *args):
+    def interrupt_second_unit(number, *args):
         if number == 1:
             raise KeyboardInterrupt
         return real(number, *args)
 
-    monkeypatch.setattr(precompute, "encode_chunk", interrupt_second_chunk)
+    monkeypatch.setattr(precompute, "encode_unit", interrupt_second_unit)
     assert run_precompute(sd3_dir, images, tmp_path / "out") == 130
-    assert "interrupted with 4 of 6 items encoded; the same command resumes from there" in caplog.text
+    assert "interrupted with 1 unit(s) finished; the same command resumes from there" in caplog.text
     monkeypatch.undo()
     assert run_precompute(sd3_dir, images, tmp_path / "out") == 0
-    assert "resuming: 4 of 6 items already encoded" in caplog.text
+    assert "resuming: 1 of 2 units already finished" in caplog.text
 
 
 def test_flipped_copies_and_validation_prompts_are_stored(sd3_dir, tmp_path):

@@ -29,7 +29,7 @@ def test_loss_falls_when_overfitting_one_batch():
     ds = ShapesDataset(100, seed=0)
     items = [ds[i] for i in range(8)]
     x0 = torch.stack([it["latents"] for it in items])
-    text = {"input_ids": tokenizer([it["caption"] for it in items])}
+    text = tokenizer([it["caption"] for it in items])
     draws = draw_sample_noise(0, 0, torch.arange(8), (3, 32, 32))  # one fixed batch: same noise every step
     sigma = torch.full((8,), 0.5)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)

@@ -14,10 +14,11 @@ from train_mmdit_stable import main
 
 def test_held_out_items_are_never_drawn_for_training():
     train, held = split_holdout(100, 10, seed=0)
-    assert len(held) == 10 and not set(train) & set(held) and sorted(train + held) == list(range(100))
-    assert split_holdout(100, 10, seed=0) == (train, held) and split_holdout(100, 10, seed=1)[1] != held
+    assert len(held) == 10 and not set(train) & set(held) and sorted([*train.tolist(), *held]) == list(range(100))
+    again = split_holdout(100, 10, seed=0)
+    assert again[0].tolist() == train.tolist() and again[1] == held and split_holdout(100, 10, seed=1)[1] != held
     drawn = {i for batch in StepBatchSampler(train, 9, 0, 0, 1, 0, 40) for _, _, i, _ in batch}
-    assert drawn == set(train)
+    assert drawn == set(train.tolist())
     with pytest.raises(ValueError, match="data.holdout=100 leaves nothing to train on"):
         split_holdout(100, 100, seed=0)
 

@@ -1,0 +1,189 @@
+"""Samples from webdataset tar shards, as img2dataset writes them: `KEY.jpg` (or .png/.webp), `KEY.txt` (the
+caption), `KEY.json` (metadata), files of one sample next to each other in the tar.
+
+Read with the standard library's `tarfile` in streaming mode: one pass over a local file or over the output of
+a `pipe:` command (`pipe:aws s3 cp s3://bucket/00000.tar -`, as webdataset spells object-store URLs), each
+sample named by its shard and key, so a bad one can be reported and skipped. Shard lists are given as
+webdataset gives them: brace ranges (`data/{00000..00999}.tar`), lists (`{a,b}`) and, for local paths, globs.
+"""
+
+import glob
+import json
+import re
+import subprocess
+import tarfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "bmp")  # in order of preference when a sample has several
+UNSUPPORTED_IMAGES = ("gif", "tif", "tiff", "avif", "heic", "heif", "jxl", "svg")
+PIPE = "pipe:"
+
+
+class ShardError(ValueError):
+    """A whole input shard cannot be read (missing, truncated, or its command failed)."""
+
+
+@dataclass
+class Sample:
+    key: str  # names it in reports: the image file, or the tar shard and the sample's key
+    image: bytes | Path | None  # None when the sample has no usable image (`problem` says why)
+    caption: str | None
+    problem: str | None = None  # why it cannot be used, known before decoding
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """Brace expansion as the shell and webdataset do it: `{000..003}` (zero-padded like its bounds), `{a,b}`."""
+    match = re.search(r"\{([^{}]*)\}", pattern)
+    if not match:
+        return [pattern]
+    head, body, tail = pattern[: match.start()], match.group(1), pattern[match.end():]
+    bounds = re.fullmatch(r"(\d+)\.\.(\d+)", body)
+    if bounds:
+        first, last = bounds.groups()
+        width = max(len(first), len(last)) if (first[0] == "0" and len(first) > 1) or \
+            (last[0] == "0" and len(last) > 1) else 0
+        step = 1 if int(last) >= int(first) else -1
+        choices = [str(n).zfill(width) for n in range(int(first), int(last) + step, step)]
+    elif "," in body:
+        choices = body.split(",")
+    else:
+        return [head + "{" + body + "}" + item for item in expand_braces(tail)]
+    return [item for choice in choices for item in expand_braces(head + choice + tail)]
+
+
+def expand_shards(patterns: list[str]) -> list[str]:
+    """The input shards, in the order given: local paths (globs expanded, sorted) or `pipe:` commands. Local
+    files must exist; a pattern that names nothing, or a shard named twice, is an error."""
+    sources = []
+    for pattern in patterns:
+        expanded = expand_braces(pattern)
+        for source in expanded:
+            if source.startswith(PIPE):
+                sources.append(source)
+            elif glob.has_magic(source):
+                matches = sorted(glob.glob(source))
+                if not matches:
+                    raise ShardError(f"--shards {pattern}: {source} matches no file")
+                sources += matches
+            elif not Path(source).is_file():
+                raise ShardError(f"--shards {pattern}: {source} does not exist")
+            else:
+                sources.append(source)
+    repeated = sorted({s for s in sources if sources.count(s) > 1})
+    if repeated:
+        raise ShardError(f"--shards names these shards more than once: {repeated[:5]}")
+    if not sources:
+        raise ShardError(f"--shards {patterns} names no shard")
+    return sources
+
+
+@contextmanager
+def open_shard(source: str):
+    """A readable byte stream of the shard; a `pipe:` command must exit 0 once read, or the shard is not
+    trusted (a failed download can look like a short tar)."""
+    if not source.startswith(PIPE):
+        with open(source, "rb") as stream:
+            yield stream
+        return
+    process = subprocess.Popen(source[len(PIPE):], shell=True, stdout=subprocess.PIPE)
+    try:
+        yield process.stdout
+    except BaseException:
+        process.kill()
+        raise
+    finally:
+        process.stdout.close()
+        status = process.wait()
+    if status:
+        raise ShardError(f"{source}: the command exited with status {status}")
+
+
+def split_name(name: str) -> tuple[str, str] | None:
+    """webdataset's rule: the key is the path up to the first dot of the file name, the suffix the rest."""
+    match = re.fullmatch(r"((?:.*/)?[^./][^/]*?)\.([^/]*)", name)
+    return (match.group(1), match.group(2).lower()) if match else None
+
+
+class Tail:
+    """A byte stream, counting what it gives and keeping its end: to tell a whole tar from a cut one (tarfile
+    takes an archive that stops between members for a finished one)."""
+
+    KEEP = 1 << 16
+
+    def __init__(self, stream):
+        self.stream, self.total, self.tail = stream, 0, b""
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.stream.read(size)
+        self.total += len(data)
+        self.tail = (self.tail + data)[-self.KEEP:]
+        return data
+
+    def ends_archive_at(self, offset: int) -> bool:
+        """The stream ends in tar's end-of-archive marker (at least two zero blocks) right after `offset`."""
+        while self.read(1 << 20):
+            pass
+        rest = self.total - offset
+        return rest >= 2 * tarfile.BLOCKSIZE and not any(self.tail[-min(rest, self.KEEP):])
+
+
+def read_samples(source: str, caption_field: str | None = None) -> Iterator[Sample]:
+    """The shard's samples in order, their files grouped by key as webdataset groups them; a shard cut short
+    (a failed download) is an error, not a shorter shard."""
+    try:
+        with open_shard(source) as raw:
+            stream = Tail(raw)
+            with tarfile.open(fileobj=stream, mode="r|*") as tar:
+                key, files = None, {}
+                for member in tar:
+                    parts = split_name(member.name) if member.isfile() else None
+                    if parts is None:
+                        continue
+                    if parts[0] != key and files:
+                        yield make_sample(source, key, files, caption_field)
+                        files = {}
+                    key = parts[0]
+                    files[parts[1]] = tar.extractfile(member).read()
+                    if len(files[parts[1]]) != member.size:
+                        raise EOFError(f"{member.name} is cut short")
+                compressed = tar.fileobj.comptype != "tar"  # then the decompressor checks the stream's end
+                if not compressed and not stream.ends_archive_at(tar.offset):
+                    raise EOFError("the archive stops without its end marker")
+                if files:
+                    yield make_sample(source, key, files, caption_field)
+    except (tarfile.TarError, OSError, EOFError) as e:
+        raise ShardError(f"{source}: not a readable tar shard ({type(e).__name__}: {e})") from None
+
+
+def make_sample(source: str, key: str, files: dict[str, bytes], caption_field: str | None) -> Sample:
+    name = f"{Path(source).name if not source.startswith(PIPE) else source}:{key}"
+    image = next((files[s] for s in IMAGE_SUFFIXES if s in files), None)
+    caption, problem = caption_of(files, caption_field)
+    if image is None:
+        unsupported = [s for s in files if s in UNSUPPORTED_IMAGES]
+        problem = (f"unsupported format: .{unsupported[0]} (read: {', '.join(IMAGE_SUFFIXES)})" if unsupported else
+                   f"no image: only {', '.join('.' + s for s in sorted(files))}")
+    return Sample(name, image, caption, problem)
+
+
+def caption_of(files: dict[str, bytes], field: str | None) -> tuple[str | None, str | None]:
+    """(caption, problem): from `.txt`, or from `field` of `.json`."""
+    if field is None:
+        if "txt" not in files:
+            return None, "no caption: no .txt"
+        text = files["txt"]
+    else:
+        try:
+            text = json.loads(files["json"])[field] if "json" in files else None
+        except (ValueError, KeyError, TypeError):
+            text = None
+        if not isinstance(text, (str, bytes)):
+            return None, f"no caption: no string field {field!r} in .json"
+    try:
+        caption = (text.decode("utf-8") if isinstance(text, bytes) else text).strip()
+    except UnicodeDecodeError:
+        return None, "no caption: .txt is not UTF-8"
+    return (caption, None) if caption else (None, "no caption: empty")

@@ -1,0 +1,105 @@
+"""data.text_encoding=on_the_fly: SD3's frozen text encoders run in the training step on the dataset's captions
+instead of reading stored embeddings; training equals training on the precomputed embeddings of the same
+captions, in one process and under FSDP (where the encoders are sharded like the MMDiT), and resumes exactly."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from data import precompute
+from perf.checkpoint import checkpoints
+from tests.conftest import (LATENT_RUN, ROOT, T5_TOKENS, assert_close, final_weights, image_folder, metric_rows,
+                            spawn, trains)
+from train_mmdit_stable import main
+
+pytest.importorskip("diffusers")
+
+
+@pytest.fixture(scope="module")
+def sd3_data(sd3_dir, tmp_path_factory):
+    """Latents and fp32 embeddings of eight captioned images, with validation prompts."""
+    root = tmp_path_factory.mktemp("text")
+    images = image_folder(root / "images", [(16, 16), (20, 18), (16, 16), (24, 24)] * 2)
+    (root / "prompts.txt").write_text("a red cat\na dog on the grass\n")
+    assert precompute.main(["--model", str(sd3_dir), "--images", str(images), "--out", str(root / "data"),
+                            "--resolution", "16", "--dtype", "fp32", "--max-sequence-length", str(T5_TOKENS),
+                            "--validation-prompts", str(root / "prompts.txt")]) == 0
+    return root / "data"
+
+
+@pytest.fixture
+def run(sd3_data, tmp_path):
+    def make(*extra: str, name: str = "run") -> list[str]:
+        return [*LATENT_RUN, f"data.path={sd3_data}", "data.caption_dropout=0.3", "training.max_steps=4",
+                "optimizer.eps=1e-3", f"logging.output_dir={tmp_path / name}", *extra]
+    return make
+
+
+def test_encoding_in_the_step_equals_precomputed_embeddings(run, tmp_path):
+    """Four steps with caption dropout (the encoding of "" either way), validation images and held-out loss."""
+    validation = ["data.holdout=2", "validation.every=2", "validation.loss_sigmas=2", "sampling.steps=2"]
+    assert main(run(*validation, name="stored")) == 0
+    assert main(run(*validation, "data.text_encoding=on_the_fly", name="fly")) == 0
+    fly, stored = final_weights(tmp_path / "fly"), final_weights(tmp_path / "stored")
+    assert not [k for k in fly if k.startswith("text_encoder.")]  # frozen, read from the pipeline: not saved
+    assert_close(fly, stored, atol=1e-5)
+    rows = lambda name: [r for r in metric_rows(tmp_path / name) if "val/loss" in r]
+    assert [r["step"] for r in rows("fly")] == [2, 4]
+    assert abs(rows("fly")[-1]["val/loss"] - rows("stored")[-1]["val/loss"]) < 1e-5
+    assert sorted(p.name for p in (tmp_path / "fly" / "samples").glob("*.png")) == \
+        ["step_00000002.png", "step_00000004.png"]
+
+
+def local_share(overrides: list[str]) -> dict:
+    """Under FSDP: the elements of the text encoders this rank holds, and their total."""
+    from configs.build import InitialValues, build_data, build_trained_model
+    from configs.schema import load_config
+    from perf.distributed import init_distributed, world_from_env
+    from perf.parallel import apply_parallelism
+    cfg = load_config(overrides=overrides)
+    world = world_from_env()
+    device = init_distributed(world, torch.device("cpu"), 60)
+    model = build_trained_model(cfg, *build_data(cfg))
+    total = sum(p.numel() for p in model.text_encoder.parameters())
+    model = apply_parallelism(model, cfg, world, device, InitialValues(model, 0, None))
+    return {"local": sum(p.to_local().numel() for p in model.text_encoder.parameters()), "total": total}
+
+
+def test_under_fsdp_the_encoders_are_sharded_and_train_like_precomputed(run, tmp_path):
+    fsdp = ["parallel.strategy=fsdp", "training.train_batch_size=2"]
+    trains(2, run(*fsdp, name="stored"), tmp_path)
+    trains(2, run(*fsdp, "data.text_encoding=on_the_fly", name="fly"), tmp_path)
+    assert_close(final_weights(tmp_path / "fly"), final_weights(tmp_path / "stored"), atol=1e-5)
+    shares = spawn(2, local_share, run(*fsdp, "data.text_encoding=on_the_fly"), tmp_path=tmp_path)
+    assert all(s["local"] <= s["total"] // 2 + 64 for s in shares) and sum(s["local"] for s in shares) == \
+        shares[0]["total"], shares
+
+
+def test_a_run_killed_with_sigkill_resumes_bit_for_bit(run, tmp_path):
+    common = ["data.text_encoding=on_the_fly", "training.max_steps=40", "checkpoint.every=10", "logging.log_every=10"]
+    killed = run(*common, name="killed")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "train_mmdit_stable.py", *killed], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:  # killed right after its second checkpoint, somewhere in the next steps
+        if "step_00000020 complete" in line:
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait(timeout=120)
+    assert proc.returncode == -signal.SIGKILL and checkpoints(tmp_path / "killed")
+    assert main(killed) == 0
+    assert main(run(*common, name="straight")) == 0
+    assert_close(final_weights(tmp_path / "killed"), final_weights(tmp_path / "straight"))
+    assert_close(final_weights(tmp_path / "killed", "ema"), final_weights(tmp_path / "straight", "ema"))
+
+
+def test_missing_text_encoders_are_named_before_the_run_directory(run, sd3_data, tmp_path, caplog):
+    assert main(run("data.text_encoding=on_the_fly", f"data.text_encoders_from={tmp_path / 'nowhere'}")) == 2
+    assert "data.text_encoders_from=" in caplog.text and "no text_encoder/ folder" in caplog.text
+    assert not (tmp_path / "run").exists()
+    assert main(run("data.text_encoders_from=/x")) == 2
+    assert "names the text encoders of data.text_encoding=on_the_fly" in caplog.text

@@ -1,0 +1,254 @@
+"""Precompute at scale: webdataset tar shards in (with bad samples), the same dataset out on one rank or two,
+after a SIGKILL, and after damage; the index opens in constant memory and trains like any latent dataset."""
+
+import io
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from data import precompute
+from data.latents import LatentDataset
+from data.webdataset import expand_braces
+from tests.conftest import LATENT_RUN, ROOT, T5_TOKENS, WORDS, assert_close, final_weights, free_port, trains
+from train_mmdit_stable import main
+
+pytest.importorskip("diffusers")
+SHARDS, PER_SHARD = 4, 3
+BAD = {"00001.tar:000010001": "corrupt image", "00002.tar:000020000": "no caption",
+       "00003.tar:000030002": "unsupported format"}  # report keys: the shard and the sample's key
+# every process computes with one thread: the VAE's convolutions sum in another order with another thread count
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
+
+
+def write_tar_shards(directory: Path) -> Path:
+    """img2dataset-style shards: KEY.jpg / KEY.png, KEY.txt and KEY.json per sample, with one corrupt image,
+    one sample without a caption and one GIF among them (BAD)."""
+    directory.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(1)
+    for s in range(SHARDS):
+        with tarfile.open(directory / f"{s:05d}.tar", "w") as tar:
+            for i in range(PER_SHARD):
+                key = f"{s:05d}{i:04d}"
+                why = BAD.get(f"{s:05d}.tar:{key}")
+                w, h = [(16, 16), (24, 16), (16, 20)][i]
+                pixels = torch.randint(0, 256, (h, w, 3), generator=gen, dtype=torch.uint8).numpy()
+                image = io.BytesIO()
+                Image.fromarray(pixels).save(image, format="GIF" if why == "unsupported format" else
+                                             "PNG" if i % 2 else "JPEG")
+                suffix = {"unsupported format": "gif", None: "png" if i % 2 else "jpg"}.get(why, "jpg")
+                data = image.getvalue()[:40] if why == "corrupt image" else image.getvalue()
+                add(tar, f"{key}.{suffix}", data)
+                caption = " ".join(WORDS[j] for j in torch.randint(len(WORDS), (3 + i,), generator=gen))
+                if why != "no caption":
+                    add(tar, f"{key}.txt", caption.encode())
+                add(tar, f"{key}.json", json.dumps({"key": key, "caption": caption, "status": "success"}).encode())
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tars(tmp_path_factory):
+    return write_tar_shards(tmp_path_factory.mktemp("wds") / "shards")
+
+
+def arguments(sd3_dir, out, *inputs, extra=()) -> list[str]:
+    return ["--model", str(sd3_dir), "--shards", *inputs, "--out", str(out), "--resolution", "16",
+            "--aspect-buckets", "--bucket-step", "4", "--batch-size", "2", "--shard-size", "2", "--dtype", "fp32",
+            "--max-sequence-length", str(T5_TOKENS), "--max-bad-fraction", "0.3", *extra]
+
+
+def run_in_process(sd3_dir, out, *inputs, extra=()) -> int:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return precompute.main(arguments(sd3_dir, out, *inputs, extra=extra))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def torchrun(nproc: int, args: list[str], **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                             f"--master_port={free_port()}", str(ROOT / "precompute_latents.py"), *args], cwd=ROOT, env=ONE_THREAD,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+
+
+def files(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def assert_same_dataset(a: Path, b: Path) -> None:
+    ours, theirs = files(a), files(b)
+    assert ours.keys() == theirs.keys()
+    assert [name for name in ours if ours[name] != theirs[name]] == []
+
+
+@pytest.fixture(scope="module")
+def one_rank(sd3_dir, tars, tmp_path_factory):
+    """The reference: the four shards on one rank, in this process."""
+    out = tmp_path_factory.mktemp("one") / "data"
+    assert run_in_process(sd3_dir, out, f"{tars}/{{00000..00003}}.tar") == 0
+    return out
+
+
+def test_shards_give_their_good_samples_and_name_the_bad_ones(one_rank, tars):
+    ds = LatentDataset(one_rank, aspect_buckets=True)
+    assert len(ds) == SHARDS * PER_SHARD - len(BAD) and len(ds.latent_sizes) == 2
+    reports = [json.loads((one_rank / "reports" / f"{s:05d}.json").read_text()) for s in range(SHARDS)]
+    skipped = {r["key"]: r["why"] for report in reports for r in report["skipped"]}
+    assert {key: why.split(":")[0] for key, why in skipped.items()} == BAD
+    assert skipped["00003.tar:000030002"].startswith("unsupported format: .gif")
+    assert reports[1]["input"] == f"{tars}/00001.tar" and reports[1]["samples"] == PER_SHARD
+    with tarfile.open(tars / "00000.tar") as tar:
+        captions = [tar.extractfile(m).read().decode() for m in tar if m.name.endswith(".txt")]
+    assert sorted(ds.caption(i) for i in range(PER_SHARD)) == sorted(captions)  # unit 0 comes first
+    index = json.loads((one_rank / "dataset.json").read_text())
+    assert index["skipped"] == len(BAD) and index["text_embeddings"] and index["items"] == len(ds)
+    assert all(s["sha256"] and s["bytes"] == (one_rank / s["file"]).stat().st_size for s in index["shards"])
+
+
+def test_captions_from_a_json_field_give_the_same_dataset(sd3_dir, tars, one_rank, tmp_path):
+    assert run_in_process(sd3_dir, tmp_path / "json", f"{tars}/0000[0-3].tar", extra=["--caption-field", "caption"]) == 0
+    ds, reference = LatentDataset(tmp_path / "json", aspect_buckets=True), LatentDataset(one_rank, aspect_buckets=True)
+    assert len(ds) == len(reference) + 1  # the sample without a .txt has its caption in the .json
+    assert set(ds.caption(i) for i in range(len(ds))) >= set(reference.caption(i) for i in range(len(reference)))
+
+
+def test_two_ranks_write_the_same_dataset_as_one(sd3_dir, tars, one_rank, tmp_path):
+    proc = torchrun(2, arguments(sd3_dir, tmp_path / "two", f"{tars}/{{00000..00003}}.tar"))
+    output = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, output[-3000:]
+    assert "per rank" in output and "img/s" in output
+    assert_same_dataset(tmp_path / "two", one_rank)
+
+
+def test_a_precompute_killed_with_sigkill_reruns_to_the_same_dataset(sd3_dir, tars, tmp_path):
+    """The same `pipe:` commands each time; the last shard's stalls while a flag file exists, so that the kill
+    lands with three units finished and the fourth read but not published. The rerun is on two ranks."""
+    stall = tmp_path / "stall"
+    shards = [f"pipe:cat {tars}/{s:05d}.tar" + (f"; [ ! -e {stall} ] || sleep 120" if s == SHARDS - 1 else "")
+              for s in range(SHARDS)]
+    assert run_in_process(sd3_dir, tmp_path / "clean", *shards) == 0
+    stall.touch()
+    args = arguments(sd3_dir, tmp_path / "killed", *shards)
+    proc = subprocess.Popen([sys.executable, str(ROOT / "precompute_latents.py"), *args], cwd=ROOT, env=ONE_THREAD,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    reports, deadline = tmp_path / "killed" / "reports", time.monotonic() + 120
+    while len(list(reports.glob("*.json"))) < SHARDS - 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)  # the tool and its pipe command
+    proc.wait()
+    assert sorted(p.name for p in reports.glob("*.json")) == ["00000.json", "00001.json", "00002.json"]
+    stall.unlink()
+    rerun = torchrun(2, args)
+    output = rerun.communicate(timeout=300)[0]
+    assert rerun.returncode == 0, output[-3000:]
+    assert "resuming: 3 of 4 units already finished" in output
+    assert_same_dataset(tmp_path / "killed", tmp_path / "clean")
+
+
+def test_too_many_bad_samples_stop_the_job_and_a_higher_limit_accepts_them(sd3_dir, tars, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="mmdit")
+    out = tmp_path / "data"
+    assert run_in_process(sd3_dir, out, f"{tars}/*.tar", extra=["--max-bad-fraction", "0.1"]) == 1
+    said = caplog.text
+    assert "3 of 12 samples (25.0 %) were bad, more than --max-bad-fraction 0.1" in said
+    assert "corrupt image 1" in said and "no caption 1" in said and "unsupported format 1" in said
+    assert not (out / "dataset.json").exists()
+    mtimes = {p: p.stat().st_mtime_ns for p in out.glob("shard-*")}
+    assert run_in_process(sd3_dir, out, f"{tars}/*.tar", extra=["--max-bad-fraction", "0.3"]) == 0
+    assert {p: p.stat().st_mtime_ns for p in out.glob("shard-*")} == mtimes  # nothing re-encoded
+    assert len(LatentDataset(out, aspect_buckets=True)) == 9
+
+
+def test_an_unreadable_input_shard_fails_the_job_and_is_redone_once_fixed(sd3_dir, tars, tmp_path, caplog):
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    for s in range(SHARDS):
+        (inputs / f"{s:05d}.tar").write_bytes((tars / f"{s:05d}.tar").read_bytes())
+    whole = (inputs / "00002.tar").read_bytes()
+    (inputs / "00002.tar").write_bytes(whole[: len(whole) // 2])  # a download cut short
+    out = tmp_path / "data"
+    assert run_in_process(sd3_dir, out, f"{inputs}/*.tar") == 1
+    said = caplog.text
+    assert "1 input shard(s) could not be read" in said and "00002.tar: not a readable tar shard" in said
+    assert sorted(p.name for p in (out / "reports").glob("*.json")) == ["00000.json", "00001.json", "00003.json"]
+    finished = {p: p.stat().st_mtime_ns for p in out.glob("shard-*")}
+    (inputs / "00002.tar").write_bytes(whole)  # downloaded again
+    assert run_in_process(sd3_dir, out, f"{inputs}/*.tar") == 0
+    assert {p: p.stat().st_mtime_ns for p in finished} == finished  # only the failed shard was encoded
+    assert len(LatentDataset(out, aspect_buckets=True)) == SHARDS * PER_SHARD - len(BAD)
+
+
+def test_a_damaged_output_shard_is_named_by_training_and_redone_by_the_rerun(sd3_dir, tars, one_rank, tmp_path,
+                                                                              caplog):
+    out = tmp_path / "data"
+    os.system(f"cp -rp {one_rank} {out}")
+    index = json.loads((out / "dataset.json").read_text())
+    shard = out / index["shards"][1]["file"]
+    good = shard.read_bytes()
+    shard.write_bytes(good[: len(good) * 2 // 3])
+    with pytest.raises(ValueError, match=f"{shard.name} has {len(good) * 2 // 3} bytes, {len(good)} were published"):
+        LatentDataset(out, aspect_buckets=True)
+    assert run_in_process(sd3_dir, out, f"{tars}/{{00000..00003}}.tar") == 0
+    assert "1 finished unit(s) have damaged or missing shards and are redone: [0]" in caplog.text
+    assert shard.read_bytes() == good
+    assert_same_dataset(out, one_rank)
+
+
+def test_a_dataset_of_captions_without_text_embeddings(sd3_dir, tars, one_rank, tmp_path):
+    assert run_in_process(sd3_dir, tmp_path / "captions", f"{tars}/{{00000..00003}}.tar",
+                          extra=["--text-embeddings", "none", "--validation-prompts", str(tars / "00000.tar")]) == 2
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red cat\n")
+    assert run_in_process(sd3_dir, tmp_path / "captions", f"{tars}/{{00000..00003}}.tar",
+                          extra=["--text-embeddings", "none", "--validation-prompts", str(prompts)]) == 0
+    size = lambda d: sum(s["bytes"] for s in json.loads((d / "dataset.json").read_text())["shards"])
+    assert size(tmp_path / "captions") < size(one_rank) / 2
+    with pytest.raises(ValueError, match="set data.text_encoding=on_the_fly"):
+        LatentDataset(tmp_path / "captions", aspect_buckets=True)
+    ds = LatentDataset(tmp_path / "captions", aspect_buckets=True, text_embeddings=False)
+    reference = LatentDataset(one_rank, aspect_buckets=True)
+    assert ds.validation_captions == ["a red cat"] and ds.validation_prompts is None
+    for i in range(len(ds)):
+        assert ds.caption(i) == reference.caption(i) and torch.equal(ds[i]["latents"], reference[i]["latents"])
+
+
+def test_brace_ranges_lists_and_globs_expand_in_order(tmp_path):
+    assert expand_braces("s3/{00008..00011}.tar") == [f"s3/{n:05d}.tar" for n in range(8, 12)]
+    assert expand_braces("{a,b}/{1..2}") == ["a/1", "a/2", "b/1", "b/2"]
+    for name in ("b.tar", "a.tar"):
+        (tmp_path / name).write_bytes(b"")
+    assert precompute.expand_shards([f"{tmp_path}/*.tar", "pipe:curl -s http://x/{0..1}.tar"]) == [
+        f"{tmp_path}/a.tar", f"{tmp_path}/b.tar", "pipe:curl -s http://x/0.tar", "pipe:curl -s http://x/1.tar"]
+    for patterns, message in (([f"{tmp_path}/none-*.tar"], "matches no file"), ([f"{tmp_path}/c.tar"], "does not exist"),
+                              ([f"{tmp_path}/a.tar", f"{tmp_path}/a.tar"], "more than once")):
+        with pytest.raises(ValueError, match=message):
+            precompute.expand_shards(patterns)
+
+
+def test_training_on_it_resumes_across_world_sizes(one_rank, tmp_path):
+    """Aspect buckets and exact resume hold for a dataset made from shards: two steps on one process then two
+    on 2-rank DDP equal four steps on one process (summation order differs across world sizes: 1e-5)."""
+    common = [*LATENT_RUN, f"data.path={one_rank}", "data.aspect_buckets=true", "training.max_steps=4",
+              "checkpoint.every=2", "optimizer.eps=1e-3", "optimizer.min_lr_ratio=1"]
+    chain = [*common, f"logging.output_dir={tmp_path / 'chain'}"]
+    assert main([*chain, "training.train_batch_size=2", "training.max_steps=2"]) == 0
+    trains(2, [*chain, "training.train_batch_size=1"], tmp_path)  # the same global batch of 2
+    assert main([*common, "training.train_batch_size=2", f"logging.output_dir={tmp_path / 'straight'}"]) == 0
+    assert_close(final_weights(tmp_path / "chain"), final_weights(tmp_path / "straight"), atol=1e-5)
