@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -63,8 +64,9 @@ class StandInEncoders:
 
 def write_sd3_dataset(out: Path, resolution: int, text: bool, samples: int, shard_size: int = 64) -> Path:
     """A dataset as precompute writes it, through its writer, with stand-in encodings."""
-    from data.latents import write_index
+    from data.latents import EMPTY_PROMPT, write_index
     from data.precompute import UnitWriter
+    from models.diffusers_io import save_safetensors
     out.mkdir(parents=True)
     settings = {"batch_size": 8, "shard_size": shard_size, "random_flip": False, "dtype": "fp16"}
     writer = UnitWriter(0, StandInEncoders(text), settings, out, lambda images: None)
@@ -72,6 +74,10 @@ def write_sd3_dataset(out: Path, resolution: int, text: bool, samples: int, shar
     for caption in captions(samples, resolution):
         writer.add((resolution, resolution), pixels, caption)
     writer.finish()
+    if text:
+        save_safetensors({"prompt_embeds": torch.zeros(1, SD3["tokens"], SD3["joint"], dtype=torch.float16),
+                          "pooled_prompt_embeds": torch.zeros(1, SD3["pooled"], dtype=torch.float16)},
+                         out / EMPTY_PROMPT)
     write_index(out, writer.shards, writer.captions,
                 {"channels": SD3["channels"], "text_embeddings": text, "text_tokens": SD3["tokens"],
                  "text_dims": [SD3["joint"], SD3["pooled"]], "max_sequence_length": SD3["t5_tokens"],
@@ -196,7 +202,8 @@ def loader_rate(data: Path, tokenizers: Path | None, workers: int, batch: int, s
     from models.sd3_text import SD3Tokenizers
     dataset = LatentDataset(data, text_embeddings=tokenizers is None)
     tokenizer = SD3Tokenizers(tokenizers, SD3["t5_tokens"]) if tokenizers else None
-    collate = Collate(0, training_sigmas, 0.1, tokenizer, dataset.empty_prompt)
+    sigmas = partial(training_sigmas, sampling="logit_normal", logit_mean=0.0, logit_std=1.0, shift=3.0)
+    collate = Collate(0, sigmas, 0.1, tokenizer, dataset.empty_prompt)
     items, _ = split_holdout(len(dataset), 0, 0)
     loader = step_batches(dataset, collate, items, batch, 0, 0, 1, 0, steps + 2, torch.device("cpu"), workers,
                           pin_memory=False)
@@ -227,8 +234,9 @@ def needed_rate(on_the_fly: bool) -> dict:
         clip = lambda hidden, layers, heads: transformers.CLIPTextModelWithProjection(transformers.CLIPTextConfig(
             hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers, num_attention_heads=heads,
             projection_dim=hidden, max_position_embeddings=77))
-        t5 = lambda: transformers.T5EncoderModel(transformers.T5Config(d_model=4096, d_ff=10240, d_kv=64, num_layers=24,
-                                                                       num_heads=64, vocab_size=32128))
+        t5 = lambda: transformers.T5EncoderModel(transformers.T5Config(  # T5 v1.1 XXL, as SD3 ships it
+            d_model=4096, d_ff=10240, d_kv=64, num_layers=24, num_heads=64, vocab_size=32128,
+            feed_forward_proj="gated-gelu"))
         for build, tokens in ((lambda: clip(768, 12, 12), 77), (lambda: clip(1280, 32, 20), 77), (t5, 256)):
             with torch.device("meta"):
                 model = build()
