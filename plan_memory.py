@@ -86,15 +86,15 @@ def count(cfg, dataset, tokenizer, quantization: str):
         if lora.enabled and quantization != "none":
             quantize_linears(model.transformer, quantization)
         shape = (dataset.latent_channels, *dataset.latent_sizes[-1])
-        if tokenizer is not None:
-            text = {"input_ids": torch.zeros(1, tokenizer.max_length, dtype=torch.long)}
+        if tokenizer is not None:  # a text encoder in the model: the shapes data's, or SD3's run in the step
+            text = tokenizer([""])
         else:
             joint, pooled = dataset.text_dims
             text = {"prompt_embeds": torch.empty(1, dataset.text_tokens, joint),
                     "pooled_prompt_embeds": torch.empty(1, pooled)}
         inputs = (torch.empty(1, *shape), torch.empty(1), text)
     compute = 4 if cfg.training.dtype == "fp32" else 2
-    return count_model(model, inputs, activation_bytes=compute, frozen_bytes=compute if lora.enabled else 4)
+    return count_model(model, inputs, activation_bytes=compute, frozen_bytes=compute)  # frozen: the compute dtype
 
 
 def choices(cfg, gpus: int) -> list[tuple[str, dict]]:

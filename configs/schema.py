@@ -122,8 +122,8 @@ class LoraConfig:
     alpha: float = 16.0  # adapter output is scaled by alpha / rank; higher moves further from the base per step
     dropout: float = 0.0  # dropout on the adapter input: regularises small datasets, adds noise to the step
     target_modules: List[str] = field(default_factory=lambda: list(DIFFUSERS_SD3_TARGETS))  # diffusers' SD3 set
-    # frozen base weights stored in 4-bit NormalFloat or 8-bit integers (torchao): ~1/8 or ~1/4 of their fp32
-    # memory, at a small output error (benchmarks/RESULTS.md); adapters still train in full precision
+    # frozen base weights stored in 4-bit NormalFloat or 8-bit integers, per row (models/quantized.py): ~1/8 or
+    # ~1/4 of their fp32 memory, at a small output error (benchmarks/RESULTS.md); adapters train in full precision
     base_quantization: Literal["none", "nf4", "int8"] = "none"
 
     def __post_init__(self):
