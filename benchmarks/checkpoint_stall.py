@@ -9,7 +9,10 @@ machine's noise then hits both alike). The stall is the time `save()` kept the c
 is waited for between saves (outside the timed region), as a run with a sensible checkpoint.every never has
 two saves overlap. "Copy left" is what an optimizer step right after the save would wait for: the part of
 the background copy into host memory still running (in training it overlaps the next forward and backward).
-Medians over the rounds, with the host memory the staging holds per rank.
+Medians over the rounds, with the host memory the staging holds per rank. "Small ops after / before" is the
+training thread's time for many small ops (a tiny model's step is made of them) after the saves against before
+them: a background copy thread that kept its own OpenMP team alive once made it 2.8x (and the default run 35 %
+slower after its first save); 1.0 means the saves leave the training thread as fast as they found it.
 """
 
 import argparse
@@ -26,6 +29,18 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the project folders import by their names
+
+
+def small_ops_s() -> float:
+    """Best of five: the calling thread's time for 2000 small matmuls and reductions."""
+    x, w = torch.randn(256, 128), torch.randn(128, 128)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(2000):
+            (x @ w).relu_().sum()
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 def rank_stalls(strategy: str, layers: int, heads: int, saves: int, run_dir: str, result_file: str) -> None:
@@ -63,6 +78,7 @@ def rank_stalls(strategy: str, layers: int, heads: int, saves: int, run_dir: str
     checkpointers = {mode: Checkpointer(Path(run_dir) / mode, SimpleNamespace(
         every=1, keep_last=1, async_save=mode == "async", fail_on_error=True), states, {}, {}, torch.device("cpu"))
         for mode in ("async", "sync")}
+    small_ops_before = small_ops_s()
     for step in range(1, saves + 1):
         for mode, checkpointer in checkpointers.items():
             checkpointer.save(step)
@@ -72,12 +88,14 @@ def rank_stalls(strategy: str, layers: int, heads: int, saves: int, run_dir: str
                 checkpointer.wait_for_staging()
                 stalls["async copy left after save"].append(time.perf_counter() - start)
             checkpointer.wait()
+    small_ops_after = small_ops_s()
     for checkpointer in checkpointers.values():
         checkpointer.close()
     staging = checkpointers["async"].staging_bytes
     if strategy != "one process":
         dist.destroy_process_group()
-    Path(result_file).write_text(json.dumps({"stalls": stalls, "staging_mib": staging / 2**20}))
+    Path(result_file).write_text(json.dumps({"stalls": stalls, "staging_mib": staging / 2**20,
+                                              "small_ops_after_over_before": small_ops_after / small_ops_before}))
 
 
 def spawned_rank(rank: int, world: int, port: int, *args) -> None:
@@ -101,7 +119,8 @@ def measure(strategy: str, layers: int, heads: int, saves: int) -> dict:
     out = {mode: statistics.median(values) for mode, values in rank0["stalls"].items()}
     return {"async_stall_s": out["async"], "sync_stall_s": out["sync"], "ratio": out["async"] / out["sync"],
             "copy_left_after_save_s": out["async copy left after save"],
-            "staging_mib_per_rank": rank0["staging_mib"], "rounds": saves, "stalls_s": rank0["stalls"]}
+            "staging_mib_per_rank": rank0["staging_mib"],
+            "small_ops_after_over_before": rank0["small_ops_after_over_before"], "rounds": saves, "stalls_s": rank0["stalls"]}
 
 
 def main() -> None:
@@ -113,11 +132,12 @@ def main() -> None:
     args = parser.parse_args()
     results = {}
     print(f"{'strategy':<12} {'async stall (s)':>16} {'sync stall (s)':>15} {'async/sync':>11} "
-          f"{'copy left (s)':>14} {'staging MiB/rank':>17}")
+          f"{'copy left (s)':>14} {'staging MiB/rank':>17} {'small ops after/before':>23}")
     for strategy in ("one process", "DDP x2", "FSDP x2"):
         r = results[strategy] = measure(strategy, args.layers, args.heads, args.saves)
         print(f"{strategy:<12} {r['async_stall_s']:>16.4f} {r['sync_stall_s']:>15.4f} {r['ratio']:>11.3f} "
-              f"{r['copy_left_after_save_s']:>14.4f} {r['staging_mib_per_rank']:>17.1f}", flush=True)
+              f"{r['copy_left_after_save_s']:>14.4f} {r['staging_mib_per_rank']:>17.1f} "
+              f"{r['small_ops_after_over_before']:>23.2f}", flush=True)
     params = 64 * args.heads
     args.out.write_text(json.dumps({"layers": args.layers, "width": params, "device": "cpu", "results": results},
                                    indent=1))
