@@ -3,7 +3,10 @@
 import json
 import multiprocessing
 import os
+import signal
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -119,6 +122,20 @@ def trains(world_size: int, overrides: list[str], tmp_path: Path) -> None:
         return
     results = spawn(world_size, train, overrides, tmp_path=tmp_path)
     assert results == [{"status": 0}] * world_size, results
+
+
+def sigkill_after(overrides: list[str], line_marker: str) -> None:
+    """A one-process run in a child, SIGKILLed as soon as it prints a line containing `line_marker` (e.g. a
+    checkpoint's "complete"): somewhere in the steps that follow."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "train_mmdit_stable.py", *overrides], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        if line_marker in line:
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait(timeout=120)
+    assert proc.returncode == -signal.SIGKILL, f"the run ended before printing {line_marker!r}"
 
 
 def metric_rows(run_dir: Path) -> list[dict]:

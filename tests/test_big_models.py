@@ -1,11 +1,6 @@
 """Big models on the GPUs people have: built on the meta device and filled shard by shard (fresh or from
 model.init_from, each rank reading only its rows), a quantized frozen base for LoRA, and FSDP's CPU offload."""
 
-import os
-import signal
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -18,7 +13,7 @@ from models.quantized import QuantizedLinear, dequantize, quantize
 from perf.checkpoint import checkpoints
 from perf.distributed import World
 from perf.parallel import apply_parallelism
-from tests.conftest import (LORA, ROOT, assert_close, final_weights, losses, metric_rows, spawn, trains)
+from tests.conftest import assert_close, final_weights, losses, metric_rows, sigkill_after, spawn, trains
 from tests.test_lora import check_exported_adapter
 from train_mmdit_stable import main
 
@@ -163,15 +158,8 @@ def test_lora_on_a_quantized_base_under_fsdp_equals_one_process(lora_run, tmp_pa
 def test_a_quantized_lora_run_killed_mid_training_resumes_bit_for_bit(lora_run, tmp_path):
     run = lora_run("lora.base_quantization=int8", "training.max_steps=200", "checkpoint.every=20",
                    "logging.log_every=20", run="killed")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "train_mmdit_stable.py", *run], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout:  # killed right after its second checkpoint, somewhere in the next steps
-        if "step_00000040 complete" in line:
-            proc.send_signal(signal.SIGKILL)
-            break
-    proc.wait(timeout=120)
-    assert proc.returncode == -signal.SIGKILL and checkpoints(tmp_path / "killed")
+    sigkill_after(run, "step_00000040 complete")  # right after its second checkpoint
+    assert checkpoints(tmp_path / "killed")
     assert main(run) == 0
     assert main(lora_run("lora.base_quantization=int8", "training.max_steps=200", "checkpoint.every=20",
                          "logging.log_every=20", run="straight")) == 0

@@ -2,18 +2,13 @@
 instead of reading stored embeddings; training equals training on the precomputed embeddings of the same
 captions, in one process and under FSDP (where the encoders are sharded like the MMDiT), and resumes exactly."""
 
-import os
-import signal
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from data import precompute
 from perf.checkpoint import checkpoints
-from tests.conftest import (LATENT_RUN, ROOT, T5_TOKENS, assert_close, final_weights, image_folder, metric_rows,
-                            spawn, trains)
+from tests.conftest import (LATENT_RUN, T5_TOKENS, assert_close, final_weights, image_folder, metric_rows,
+                            sigkill_after, spawn, trains)
 from train_mmdit_stable import main
 
 pytest.importorskip("diffusers")
@@ -82,15 +77,8 @@ def test_under_fsdp_the_encoders_are_sharded_and_train_like_precomputed(run, tmp
 def test_a_run_killed_with_sigkill_resumes_bit_for_bit(run, tmp_path):
     common = ["data.text_encoding=on_the_fly", "training.max_steps=40", "checkpoint.every=10", "logging.log_every=10"]
     killed = run(*common, name="killed")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "train_mmdit_stable.py", *killed], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout:  # killed right after its second checkpoint, somewhere in the next steps
-        if "step_00000020 complete" in line:
-            proc.send_signal(signal.SIGKILL)
-            break
-    proc.wait(timeout=120)
-    assert proc.returncode == -signal.SIGKILL and checkpoints(tmp_path / "killed")
+    sigkill_after(killed, "step_00000020 complete")  # right after its second checkpoint
+    assert checkpoints(tmp_path / "killed")
     assert main(killed) == 0
     assert main(run(*common, name="straight")) == 0
     assert_close(final_weights(tmp_path / "killed"), final_weights(tmp_path / "straight"))
