@@ -94,10 +94,11 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
     apply_attention_backend(training.attention_backend, device, training.dtype, cfg.model.attention_head_dim)
     sizer = build_batch_sizer(cfg, training.train_batch_size, device, world.rank, model)
     guard = NonFiniteGuard(training.max_nonfinite_steps, cfg.logging.log_every)
-    checkpointer = Checkpointer(run_dir, cfg.checkpoint, {
-        "model": TrainedWeights(model, adapters_only=cfg.lora.enabled), "ema": ema, "optimizer": OptimizerState(model, optimizer),
-        "scaler": scaler, "batch_sizer": sizer, "nonfinite_guard": guard}, checkpoint_meta(cfg, model, world),
-        {"config.yaml": OmegaConf.to_yaml(cfg)}, device, cfg.parallel.timeout_s)
+    states = {"model": TrainedWeights(model, adapters_only=cfg.lora.enabled), "ema": ema,
+              "optimizer": OptimizerState(model, optimizer), "scaler": scaler, "batch_sizer": sizer,
+              "nonfinite_guard": guard}
+    checkpointer = Checkpointer(run_dir, cfg.checkpoint, states, checkpoint_meta(cfg, model, world),
+                                {"config.yaml": OmegaConf.to_yaml(cfg)}, device, cfg.parallel.timeout_s)
     optimizer.register_step_pre_hook(checkpointer.wait_for_staging)  # weights change only once staged
     with stop_together():
         start_step = checkpointer.resume()
@@ -220,8 +221,9 @@ def throughput(cfg: DictConfig, dataset, tokenizer, batch_size: int, world: Worl
     """Samples, tokens and FLOPs per second; FLOPs counted once on a meta-device copy of the model."""
     shape = (dataset.latent_channels, *dataset.latent_sizes[-1])  # the largest size
     tokens = (shape[1] // cfg.model.patch_size) * (shape[2] // cfg.model.patch_size) + text_tokens(dataset, tokenizer)
-    flops = train_flops_per_sample(lambda: apply_lora(build_model(cfg, dataset, tokenizer), cfg.lora),
-                                   lambda: (torch.zeros(1, *shape), torch.full((1,), 0.5), example_text(dataset, tokenizer)))
+    flops = train_flops_per_sample(
+        lambda: apply_lora(build_model(cfg, dataset, tokenizer), cfg.lora),
+        lambda: (torch.zeros(1, *shape), torch.full((1,), 0.5), example_text(dataset, tokenizer)))
     peak = peak_flops(device, cfg.training.dtype, cfg.training.allow_tf32, cfg.logging.peak_tflops)
     return Throughput(batch_size, world.world_size, tokens, flops, peak)
 

@@ -534,8 +534,9 @@ def single_threaded(executor: ThreadPoolExecutor) -> None:
     """Make torch run on one thread in the executor's thread. A host-to-host copy there would otherwise start a
     second OpenMP team that lives as long as the thread; libgomp then manages more threads than there are cores
     and stops spinning between parallel regions, so every small op of the training thread pays a wake-up (the
-    default run trained 35 % slower after its first save). `torch.set_num_threads` also sets the count that
-    threads started later begin with: that is put back to the training thread's."""
+    default run trained 35 % slower after its first save). torch's DataLoader does the same in its pin-memory
+    thread. `torch.set_num_threads` also sets the count that threads started later begin with: that is put
+    back to the training thread's."""
     def one_thread():
         torch.get_num_threads()  # ATen sets a thread's count up on its first use, from that shared count: now
         torch.set_num_threads(1)

@@ -27,14 +27,17 @@ def test_mixed_precision_trains_like_fp32(tiny, tmp_path, dtype, tolerance):
 
 def test_compiled_training_matches_eager(tiny, tmp_path):
     """Inductor fuses ops, so fp32 rounding differs slightly: the weights after 3 steps within 1e-5 of eager
-    (measured: 2.4e-7; a wrong graph would be off by whole learning-rate steps, 2e-3 here). Adam's eps is
-    raised so that rounding in near-zero gradients is not blown up into whole steps."""
-    assert main(tiny("training.max_steps=3", "optimizer.eps=1e-3", run="eager")) == 0
+    (measured: 2-4e-7, depending on the threads; a wrong graph would be off by whole learning-rate steps, 2e-3
+    here). Adam's eps is raised so that rounding in near-zero gradients is not blown up into whole steps. One
+    block: inductor compiles each distinct block's kernels with a C++ compiler, a minute for two on a cold
+    cache (as in CI)."""
+    one_block = ["training.max_steps=3", "optimizer.eps=1e-3", "model.num_layers=1"]
+    assert main(tiny(*one_block, run="eager")) == 0
     counters.clear()
-    assert main(tiny("training.max_steps=3", "optimizer.eps=1e-3", "compile.enabled=true", run="compiled")) == 0
+    assert main(tiny(*one_block, "compile.enabled=true", run="compiled")) == 0
     assert counters["stats"]["unique_graphs"] >= 1  # it really compiled
     assert losses(tmp_path / "compiled") == pytest.approx(losses(tmp_path / "eager"), rel=1e-4)
-    assert_close(final_weights(tmp_path / "compiled"), final_weights(tmp_path / "eager"), atol=1e-7)
+    assert_close(final_weights(tmp_path / "compiled"), final_weights(tmp_path / "eager"), atol=1e-5)
 
 
 def test_a_failed_compilation_falls_back_to_eager(tiny, tmp_path, monkeypatch):

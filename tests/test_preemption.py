@@ -51,7 +51,7 @@ def test_sigterm_checkpoints_and_exits_zero(tmp_path):
 
 
 def test_sigkill_at_random_moments_never_loses_the_run(tmp_path):
-    steps = 150  # ~35 ms each: every kill below lands somewhere in the first 40 steps after a (re)start
+    steps = 100  # ~35 ms each: every kill below lands somewhere in the first 40 steps after a (re)start
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the killed processes run (OMP_NUM_THREADS=1): the same sums, bit for bit
     try:
