@@ -11,7 +11,7 @@ two saves overlap. "Copy left" is what an optimizer step right after the save wo
 the background copy into host memory still running (in training it overlaps the next forward and backward).
 Medians over the rounds, with the host memory the staging holds per rank. "Small ops after / before" is the
 training thread's time for many small ops (a tiny model's step is made of them) after the saves against before
-them: a background copy thread that kept its own OpenMP team alive once made it 2.8x (and the default run 35 %
+them: a background copy thread that kept its own OpenMP team alive once made it 2.9x (and the default run 35 %
 slower after its first save); 1.0 means the saves leave the training thread as fast as they found it.
 """
 
@@ -120,7 +120,8 @@ def measure(strategy: str, layers: int, heads: int, saves: int) -> dict:
     return {"async_stall_s": out["async"], "sync_stall_s": out["sync"], "ratio": out["async"] / out["sync"],
             "copy_left_after_save_s": out["async copy left after save"],
             "staging_mib_per_rank": rank0["staging_mib"],
-            "small_ops_after_over_before": rank0["small_ops_after_over_before"], "rounds": saves, "stalls_s": rank0["stalls"]}
+            "small_ops_after_over_before": rank0["small_ops_after_over_before"], "rounds": saves,
+            "stalls_s": rank0["stalls"]}
 
 
 def main() -> None:
