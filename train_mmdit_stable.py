@@ -31,7 +31,7 @@ from perf.distributed import World, destroy_distributed, init_distributed, stop_
 from perf.metrics import RunLogger, TrainingLog, save_loss_curve
 from perf.nonfinite import NonFiniteGuard
 from perf.parallel import apply_parallelism, check_all_parameters_used, check_parallel, sync_gradients, unwrap
-from perf.precision import autocast, configure_cuda_math, grad_scaler
+from perf.precision import autocast, configure_cuda_math, deterministic_kernels, grad_scaler
 from perf.preemption import PreemptionHandler, mark_exit
 from perf.profiler import build_profiler
 from perf.step_stats import (MemoryStats, SigmaBuckets, StepTimer, Throughput, peak_flops,
@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout)
     try:
         cfg = load_config(args.config, args.overrides)  # every rank reads the same config and stops alike
+        deterministic_kernels(cfg.training.deterministic)
         device = init_distributed(world, resolve_device(cfg.training.device), cfg.parallel.timeout_s,
                                   group_of_one=cfg.parallel.cpu_offload)  # FSDP offloads even one process
         try:

@@ -63,7 +63,7 @@ ROWS = [
     Row("FSDP, bf16", ["parallel.strategy=fsdp", "training.dtype=bf16"], processes="all"),
     Row("FSDP, CPU offload", ["parallel.strategy=fsdp", "training.dtype=bf16", "parallel.cpu_offload=true"],
         processes="all", needs="cuda"),
-    Row("async checkpoint, bitwise resume", ["checkpoint.async_save=true"]),
+    Row("async checkpoint, bitwise resume", ["checkpoint.async_save=true", "training.deterministic=true"]),
     Row("OOM sizer, injected failure", ["batch_sizer.enabled=true", "batch_sizer.debug_oom_steps=[1]",
                                         "batch_sizer.debug_oom_above=1"]),
     Row("OOM sizer, real allocation failure", ["batch_sizer.enabled=true"], needs="cuda"),
@@ -319,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "selfcheck.json").write_text(json.dumps({"machine": machine, "size": size, "steps": args.steps,
                                                          "rows": results}, indent=1))
-    (args.out / "selfcheck.md").write_text(f"Self-check on {machine}\n\n{text}\n")
+    described = ", ".join(f"{key} {value}" for key, value in machine.items())
+    (args.out / "selfcheck.md").write_text(f"Self-check on: {described}; model size {size}\n\n{text}\n")
     print(f"wrote {args.out / 'selfcheck.md'} and {args.out / 'selfcheck.json'}")
     failed = [name for name, r in results.items() if r["status"] == "failed"]
     if failed:

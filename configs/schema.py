@@ -186,6 +186,7 @@ class TrainingConfig:
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # autocast precision: speed and memory against accuracy
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
     allow_tf32: bool = True  # CUDA only: fp32 matmuls on tensor cores, much faster, 10-bit mantissa
+    deterministic: bool = False  # CUDA: kernels that repeat bit for bit (runs and resumes), at some speed
     attention_backend: Literal["auto", "flash", "sdpa", "math"] = "auto"  # auto: flash-attn when usable, else SDPA
     activation_checkpointing: int = 0  # recompute every k-th block in backward: less memory, ~1/3 more compute; 0 off
     # non-finite steps in a row before stopping a diverged run; 0: no guard. The guard skips a step on the device

@@ -25,9 +25,11 @@ class EMA:
         """Move the average towards the weights; `applied` (a 0/1 device tensor) is 0 where the optimizer step
         was skipped, and then the average stays too, without reading the flag on the host."""
         weight = 1 - self.effective_decay(num_updates)
-        if applied is not None:
-            weight = applied * weight
-        torch._foreach_lerp_(list(self.shadow.values()), [p.detach().float() for p in self.params], weight)
+        shadow, params = list(self.shadow.values()), [p.detach().float() for p in self.params]
+        if applied is None:
+            torch._foreach_lerp_(shadow, params, weight)
+        else:  # one weight tensor per parameter: the one-weight overload takes a number and would read it (a sync)
+            torch._foreach_lerp_(shadow, params, [applied * weight] * len(params))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.shadow

@@ -50,6 +50,23 @@ def test_ema_follows_with_warm_start():
     torch.testing.assert_close(ema.shadow["weight"], 0.9 * before + 0.1)
 
 
+def test_ema_update_with_a_device_flag_never_reads_it_on_the_host():
+    """The flag of the non-finite guard stays on the device: on meta tensors, which cannot be read, the update
+    runs (the one-weight foreach overload reads its weight with .item(), a sync found by make selfcheck on an
+    H100); and on real tensors a skipped step (flag 0) leaves the average where it was."""
+    meta = torch.nn.Linear(3, 2, device="meta")
+    EMA(meta, 0.9).update(num_updates=5, applied=torch.ones((), device="meta"))
+    model = torch.nn.Linear(2, 2)
+    ema = EMA(model, decay=0.9)
+    before = ema.shadow["weight"].clone()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    ema.update(num_updates=1000, applied=torch.zeros(()))
+    assert torch.equal(ema.shadow["weight"], before)
+    ema.update(num_updates=1000, applied=torch.ones(()))
+    torch.testing.assert_close(ema.shadow["weight"], 0.9 * before + 0.1 * model.weight.detach())
+
+
 def test_fused_adamw_trains_like_foreach():
     """Same update rule, one kernel: equal within fp32 rounding."""
     results = []

@@ -1,6 +1,8 @@
 """The plugins that ship with the foundation: each trains like the plain loop, within a stated tolerance, and
 each fails the way it says it does."""
 
+import os
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -39,6 +41,21 @@ def test_compiled_training_matches_eager(tiny, tmp_path):
     assert counters["stats"]["unique_graphs"] >= 2  # it really compiled: both kinds of block
     assert losses(tmp_path / "compiled") == pytest.approx(losses(tmp_path / "eager"), rel=1e-4)
     assert_close(final_weights(tmp_path / "compiled"), final_weights(tmp_path / "eager"), atol=1e-5)
+
+
+def test_deterministic_kernels_train_like_the_default_and_are_switched_per_run(tiny, tmp_path, monkeypatch):
+    """training.deterministic: torch's deterministic mode (and cuBLAS's workspace setting) for the run; CPU
+    kernels repeat anyway, so the weights are bitwise those of the default run, and the next run without it
+    turns the mode off again."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    modes, real_train = [], train_mmdit_stable.train
+    monkeypatch.setattr(train_mmdit_stable, "train", lambda *args: modes.append(
+        torch.are_deterministic_algorithms_enabled()) or real_train(*args))
+    assert main(tiny("training.max_steps=3", "training.deterministic=true", run="deterministic")) == 0
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert main(tiny("training.max_steps=3", run="default")) == 0
+    assert modes == [True, False] and not torch.are_deterministic_algorithms_enabled()
+    assert_close(final_weights(tmp_path / "deterministic"), final_weights(tmp_path / "default"))
 
 
 def test_a_failed_compilation_falls_back_to_eager(tiny, tmp_path, monkeypatch):
