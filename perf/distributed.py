@@ -74,15 +74,6 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-def broadcast_from_main(value):
-    """Rank 0's value of a picklable object on every rank (the value itself without a process group)."""
-    if not is_distributed():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 @contextmanager
 def stop_together():
     """Run a block on every rank; a ValueError (a ConfigError, a model's own size checks) raised on any rank is
