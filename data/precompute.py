@@ -55,6 +55,7 @@ from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  imported before the group exists: see Ranks.close
 from PIL import Image, ImageOps
 
 from data.latents import (EMPTY_PROMPT, INDEX, PRECOMPUTE_SETTINGS as SETTINGS, VALIDATION_PROMPTS, shard_record,
@@ -452,6 +453,9 @@ class Ranks:
         return values
 
     def close(self) -> None:
+        """Leave the group, which is then freed: diffusers imports torch.distributed.nn, whose functions, when
+        first imported after the group exists, would hold it in their default arguments until the interpreter
+        shuts down, where gloo aborts the process now and then (perf/distributed.py:destroy_distributed)."""
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -70,6 +70,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def gloo_threads() -> list[str]:
+    """The threads of this process that gloo's process groups run (Linux names them): none once every group
+    is freed."""
+    names = []
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            names.append((task / "comm").read_text().strip())
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
+    return [name for name in names if "gloo" in name]
+
+
 def rank_main(rank: int, world_size: int, port: int, func, args: tuple, out: Path) -> None:
     """One rank with torchrun's environment; writes its result (or error) to `out`."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
