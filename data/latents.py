@@ -59,6 +59,13 @@ def shard_record(directory: Path, file: str, count: int, latent_size) -> dict:
             "sha256": sha256(directory / file)}
 
 
+def publish_json(path: Path, record: dict) -> None:
+    """Write a JSON file whole or not at all (a reader never sees part of it): a temporary file, renamed."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(path)
+
+
 def write_index(directory: Path, shards: list[dict], captions: Iterable[list[str]], info: dict) -> None:
     """Publish a dataset: the per-item arrays of `shards` (dicts with file, count, latent_size, bytes, sha256; in
     order) and their `captions` (a list per shard, streamed to disk), then dataset.json (with `info`: the fields'
@@ -85,9 +92,7 @@ def write_index(directory: Path, shards: list[dict], captions: Iterable[list[str
         np.save(index / f"{name}.npy", array)
     record = {"format": FORMAT, **info, "latent_sizes": [list(s) for s in sizes], "items": int(counts.sum()),
               "shards": shards}
-    tmp = directory / f".{INDEX}.tmp"  # the finished-dataset marker: published whole
-    tmp.write_text(json.dumps(record, indent=1))
-    tmp.replace(directory / INDEX)
+    publish_json(directory / INDEX, record)  # the finished-dataset marker, last
 
 
 def read_index(directory: Path) -> dict:

@@ -58,14 +58,14 @@ import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401  imported before the group exists: see Ranks.close
 from PIL import Image, ImageOps
 
-from data.latents import (EMPTY_PROMPT, INDEX, PRECOMPUTE_SETTINGS as SETTINGS, VALIDATION_PROMPTS, shard_record,
-                          sha256, write_index)
-from data.webdataset import Sample, ShardError, expand_shards, read_samples
+from data.latents import (EMPTY_PROMPT, INDEX, PRECOMPUTE_SETTINGS as SETTINGS, VALIDATION_PROMPTS, publish_json,
+                          shard_record, sha256, write_index)
+from data.webdataset import IMAGE_SUFFIXES as SHARD_IMAGE_SUFFIXES, Sample, ShardError, expand_shards, read_samples
 from models.diffusers_io import CheckpointFormatError, save_safetensors
 from models.sd3_text import SD3TextEncoders, SD3Tokenizers, check_pipeline
 
 log = logging.getLogger("mmdit")
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
+IMAGE_SUFFIXES = {f".{suffix}" for suffix in SHARD_IMAGE_SUFFIXES}  # of folder inputs: what shards may hold
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 PATCH = 2  # the MMDiT's patch side in latents (SD3 / SD3.5)
 EXIF_ORIENTATION = 0x0112
@@ -409,12 +409,6 @@ def encode_unit(number: int, unit: Unit, encoders: SD3Encoders, settings: dict, 
 
 def report_path(out: Path, number: int) -> Path:
     return out / REPORTS / f"{number:05d}.json"
-
-
-def publish_json(path: Path, record: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, path)
 
 
 def verified(out: Path, number: int) -> bool | None:
