@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from models.diffusers_io import (CheckpointFormatError, check_state_dict, export_diffusers_lora,
-                                              export_diffusers_transformer)
+                                 export_diffusers_transformer)
 from models.mmdit import MMDiT, MMDiTConfig
 from perf.checkpoint import find_checkpoint, read_checkpoint
 

@@ -5,7 +5,7 @@
 
 For the config as given and for the choices near it (activation checkpointing, a quantized base, FSDP over the
 GPUs, CPU offload, another micro-batch) it prints, per rank, the weights, gradients, optimizer state, EMA,
-weights in flight, activations and overhead, the total, and whether it fits (perf/memory_plan.py says how each
+weights in flight, activations and overhead, the total, and whether it fits (runtime/memory_plan.py says how each
 is counted). The architecture comes from model.init_from when that folder exists, else from the released model
 the config is named after (or --model); the data's sizes from SD3's encoders at --resolution.
 """
@@ -23,7 +23,7 @@ from configs.schema import ARCHITECTURE_KEYS, Config
 from models.diffusers_io import read_config
 from models.lora import apply_lora
 from models.quantized import quantize_linears
-from perf.memory_plan import GIB, count_model, plan
+from runtime.memory_plan import GIB, count_model, plan
 
 # The released transformers' sizes (../shared/reference/sd3-mmdit-facts.md); text from CLIP-L + CLIP-G + T5
 RELEASED = {

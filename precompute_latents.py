@@ -1,11 +1,168 @@
-"""Encode images and captions once into the latent shards training reads (see data/precompute.py).
+"""Encode image-caption collections once into a latent dataset (see data/latents.py).
 
-    python precompute_latents.py --model SD3_DIR (--images DIR | --manifest FILE) --out DIR [...]
+    python precompute_latents.py --model SD3_DIR (--images DIR | --manifest FILE | --shards PATTERN ...) --out DIR
+        [--resolution 1024] [--aspect-buckets] [--random-flip] [--validation-prompts FILE] [--batch-size 8]
+        [--shard-size 1000] [--text-embeddings precomputed|none] [--caption-field NAME] [--max-bad-fraction 0.01]
+        [--workers 4] [--device auto] [--dtype fp16]
+    torchrun --nproc_per_node N [--nnodes ...] precompute_latents.py ...   (the same command, on N processes)
+
+SD3_DIR is a Stable Diffusion 3 / 3.5 pipeline directory as diffusers lays it out: vae/, text_encoder/ +
+tokenizer/ (CLIP-L), text_encoder_2/ + tokenizer_2/ (CLIP-G) and, optionally, text_encoder_3/ + tokenizer_3/
+(T5; without it the T5 part is zeros, as the pipeline does). Nothing is downloaded.
+
+Inputs:
+- --images DIR: every image file with a same-named .txt caption beside it; --manifest FILE: JSONL of
+  {"image": path relative to the manifest, "caption": text}. Every image and caption is checked before
+  anything is written or loaded; one bad input stops the run (fix it and rerun).
+- --shards PATTERN ...: webdataset tar shards as img2dataset writes them (data/webdataset.py): local paths, globs,
+  brace ranges ('data/{00000..00999}.tar') or `pipe:` commands ('pipe:aws s3 cp s3://b/{00000..00999}.tar -').
+  A bad sample (corrupt image, no caption, unsupported format) is skipped, counted and named in its shard's
+  report; past --max-bad-fraction of all samples the job fails, because then the input is wrong, not noisy.
+
+The latents are the VAE posterior mean, shifted and scaled as the pipeline expects; the text embeddings are what
+`StableDiffusion3Pipeline.encode_prompt` gives (models/sd3_text.py), or, with --text-embeddings none, not
+stored: training encodes the captions itself (data.text_encoding=on_the_fly), and a sample costs its latents
+alone. Each image is resized to cover its target size and centre-cropped; the target is --resolution squared,
+or with --aspect-buckets the bucket of about that area nearest its aspect ratio.
+
+The work is split into units: each input shard (or, for folder and JSONL inputs, each run of --shard-size
+items), spread over the processes of a torchrun launch (each holds one copy of the encoders, on its own GPU).
+A unit becomes output shards of at most about --shard-size items each, then its report (`reports/NNNNN.json`:
+its samples, what was skipped and why, its shards' sizes and checksums), published last, by rename: the marker
+that the unit is finished. A rerun of the same command, on any number of processes, verifies finished units
+(sizes and checksums) and redoes only the unfinished or damaged ones; the result is the same, bitwise on CPU,
+for any number of processes and interruptions. Rank 0 writes the index and `dataset.json` last, in unit order,
+once every unit is finished.
 """
 
+import argparse
+import logging
 import sys
+from pathlib import Path
 
-from data.precompute import main
+import torch
+import torch.distributed.nn  # noqa: F401  imported before the group exists: see Ranks.close
+
+from data.precompute.encoders import SD3Encoders
+from data.precompute.inputs import (PrecomputeError, Unit, check_items, fingerprint, item_units,
+                                    read_image_folder, read_manifest, read_validation_prompts, shard_units,
+                                    vae_downsampling)
+from data.precompute.job import check_output_directory, precompute, start_output_directory
+from data.precompute.ranks import Ranks
+from data.precompute.units import DTYPES, REPORTS
+from data.webdataset import ShardError, expand_shards
+
+log = logging.getLogger("mmdit")
+PATCH = 2  # the MMDiT's patch side in latents (SD3 / SD3.5)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, type=Path, help="SD3 / SD3.5 pipeline directory (local)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--images", type=Path, help="folder of images with same-named .txt captions")
+    source.add_argument("--manifest", type=Path, help='JSONL of {"image": ..., "caption": ...}')
+    source.add_argument("--shards", nargs="+", help="webdataset tar shards: paths, globs, {000..999} ranges, pipe:")
+    parser.add_argument("--out", required=True, type=Path, help="dataset directory to write (or resume)")
+    parser.add_argument("--resolution", type=int, default=1024, help="side of the square target size in pixels")
+    parser.add_argument("--aspect-buckets", action="store_true", help="keep aspect ratios (train with "
+                        "data.aspect_buckets=true)")
+    parser.add_argument("--bucket-step", type=int, default=64, help="bucket sides are multiples of this")
+    parser.add_argument("--random-flip", action="store_true", help="also store each image mirrored left-right")
+    parser.add_argument("--validation-prompts", type=Path, help="text file, one prompt per line, for the "
+                        "validation images of training (validation.every)")
+    parser.add_argument("--text-embeddings", choices=("precomputed", "none"), default="precomputed",
+                        help="none: store captions only (2.7 MB less per SD3 sample); train with "
+                             "data.text_encoding=on_the_fly")
+    parser.add_argument("--caption-field", help="--shards: take captions from this field of each sample's .json "
+                        "instead of its .txt")
+    parser.add_argument("--max-bad-fraction", type=float, default=0.01, help="--shards: fail when more of the "
+                        "samples than this are skipped as bad")
+    parser.add_argument("--batch-size", type=int, default=8, help="images encoded at once")
+    parser.add_argument("--shard-size", type=int, default=1000, help="items per output shard (and per unit of "
+                        "folder and JSONL inputs)")
+    parser.add_argument("--workers", type=int, default=4, help="threads decoding images")
+    parser.add_argument("--max-sequence-length", type=int, default=256, help="T5 tokens (SD3 pipelines: 256)")
+    parser.add_argument("--device", default="auto", help="auto (under torchrun: this process's GPU), cpu, cuda:1")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="fp16",
+                        help="storage dtype; also the encoders' dtype on a GPU (they run in fp32 on the CPU)")
+    args = parser.parse_args(argv)
+    for name in ("resolution", "bucket_step", "batch_size", "shard_size", "max_sequence_length", "workers"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 <= args.max_bad_fraction <= 1:
+        parser.error("--max-bad-fraction must be between 0 and 1")
+    return args
+
+
+def read_inputs(args: argparse.Namespace) -> tuple[list[Unit], str]:
+    """The units of work and the inputs' fingerprint; folder and JSONL inputs are checked whole first."""
+    if args.shards:
+        try:
+            units = shard_units(expand_shards(args.shards), args.caption_field)
+        except ShardError as e:
+            raise PrecomputeError(str(e)) from None
+        return units, fingerprint(units, None)
+    if args.caption_field:
+        raise PrecomputeError("--caption-field applies to --shards inputs (folders and manifests give captions)")
+    items = read_image_folder(args.images) if args.images else read_manifest(args.manifest)
+    check_items(items)
+    source = f"--images {args.images}" if args.images else f"--manifest {args.manifest}"
+    units = item_units(items, args.shard_size, source)
+    return units, fingerprint(units, items)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    ranks = Ranks()
+    logging.basicConfig(level=logging.INFO if ranks.rank == 0 else logging.ERROR, format="%(message)s",
+                        stream=sys.stdout)
+    gpu = torch.cuda.is_available() and args.device == "auto"
+    device = torch.device(f"cuda:{ranks.local_rank}" if gpu else "cpu" if args.device == "auto" else args.device)
+    try:
+        return run(args, ranks, device)
+    finally:
+        ranks.close()
+
+
+def run(args: argparse.Namespace, ranks: Ranks, device: torch.device) -> int:
+    try:  # every rank checks the inputs alike, before anything is written or loaded
+        units, inputs = read_inputs(args)
+        prompts = read_validation_prompts(args.validation_prompts) if args.validation_prompts else None
+        multiple = vae_downsampling(args.model) * PATCH  # every latent side must divide into patches
+        name = "bucket_step" if args.aspect_buckets else "resolution"
+        if getattr(args, name) % multiple:
+            raise PrecomputeError(f"--{name.replace('_', '-')} {getattr(args, name)} must be a multiple of {multiple} "
+                                  f"(VAE downsampling {multiple // PATCH} x patch {PATCH})")
+        compute = DTYPES[args.dtype] if device.type == "cuda" else torch.float32
+        settings = {"model": str(args.model.resolve()), "inputs": inputs, "resolution": args.resolution,
+                    "aspect_buckets": args.aspect_buckets, "bucket_step": args.bucket_step,
+                    "random_flip": args.random_flip, "shard_size": args.shard_size, "dtype": args.dtype,
+                    "max_sequence_length": args.max_sequence_length, "text_embeddings": args.text_embeddings,
+                    "caption_field": args.caption_field,
+                    "compute_dtype": str(compute)}  # a resume must not mix latents encoded at two precisions
+        refused = None
+        if ranks.rank == 0:
+            try:
+                check_output_directory(args.out, settings)
+                start_output_directory(args.out, settings)
+            except PrecomputeError as e:
+                refused = str(e)
+        refused = ranks.share(refused)[0]
+        if refused:
+            raise PrecomputeError(refused)
+        encoders = SD3Encoders(args.model, device, compute, args.max_sequence_length,
+                               args.text_embeddings == "precomputed")
+        work = {**settings, "batch_size": args.batch_size, "workers": args.workers}
+        return precompute(units, encoders, args.out, work, ranks, prompts, args.max_bad_fraction)
+    except PrecomputeError as e:
+        log.error("precompute: %s", e)
+        return 2
+    except KeyboardInterrupt:
+        done = len(list((args.out / REPORTS).glob("*.json")))
+        log.error("precompute: interrupted with %d unit(s) finished; the same command resumes from there", done)
+        return 130
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -14,9 +14,10 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from configs.build import build_model, build_tokenizer
-from configs.schema import ConfigError, load_config
+from configs.schema import load_config
 from data.images import save_png, to_unit
 from data.shapes import ShapesDataset
+from errors import ConfigError
 from models.diffusers_io import load_diffusers_weights
 from models.lora import apply_lora
 from models.mmdit import MMDiT, MMDiTConfig

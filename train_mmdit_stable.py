@@ -17,8 +17,9 @@ from torch.distributed.tensor import DTensor
 from configs.build import (InitialValues, build_collate, build_data, build_model, build_trained_model,
                            build_validation, example_text, holdout_split, text_tokens)
 from configs.run_dir import global_batch, prepare_run_dir, save_run_config
-from configs.schema import DEFAULT_CONFIG, ConfigError, load_config
+from configs.schema import DEFAULT_CONFIG, load_config
 from data.loader import check_batches, micro_batches, step_batches, to_device
+from errors import ConfigError
 from models.lora import adapter_settings, apply_lora
 from models.rectified_flow import interpolate, per_sample_loss, sample_key
 from optim.adamw import build_adamw
@@ -27,15 +28,15 @@ from optim.schedule import warmup_cosine
 from perf.attention import apply_attention_backend
 from perf.batch_sizer import build_batch_sizer
 from perf.checkpoint import Checkpointer, OptimizerState, TrainedWeights
-from perf.distributed import World, destroy_distributed, init_distributed, stop_together, world_from_env
-from perf.metrics import RunLogger, TrainingLog, save_loss_curve
-from perf.nonfinite import NonFiniteGuard
 from perf.parallel import apply_parallelism, check_all_parameters_used, check_parallel, sync_gradients, unwrap
 from perf.precision import autocast, configure_cuda_math, deterministic_kernels, grad_scaler
-from perf.preemption import PreemptionHandler, mark_exit
 from perf.profiler import build_profiler
-from perf.step_stats import (MemoryStats, SigmaBuckets, StepTimer, Throughput, peak_flops,
-                             train_flops_per_sample)
+from runtime.distributed import World, destroy_distributed, init_distributed, stop_together, world_from_env
+from runtime.metrics import RunLogger, TrainingLog, save_loss_curve
+from runtime.nonfinite import NonFiniteGuard
+from runtime.preemption import PreemptionHandler, mark_exit
+from runtime.step_stats import (MemoryStats, SigmaBuckets, StepTimer, Throughput, peak_flops,
+                                train_flops_per_sample)
 
 log = logging.getLogger("mmdit")
 

@@ -79,8 +79,9 @@ VARIANTS = {  # overrides over BASELINE
 def settings(variant: str) -> dict:
     """The full set of plugin settings of a variant (the default config's own for `default`)."""
     if variant == "default":
-        from configs.schema import load_config
         from omegaconf import OmegaConf
+
+        from configs.schema import load_config
         cfg = load_config()
         return {key: OmegaConf.select(cfg, key) for key in BASELINE}
     return {**BASELINE, **(VARIANTS[variant] or {})}

@@ -65,7 +65,7 @@ class StandInEncoders:
 def write_sd3_dataset(out: Path, resolution: int, text: bool, samples: int, shard_size: int = 64) -> Path:
     """A dataset as precompute writes it, through its writer, with stand-in encodings."""
     from data.latents import EMPTY_PROMPT, write_index
-    from data.precompute import UnitWriter
+    from data.precompute.units import UnitWriter
     from models.diffusers_io import save_safetensors
     out.mkdir(parents=True)
     settings = {"batch_size": 8, "shard_size": shard_size, "random_flip": False, "dtype": "fp16"}
@@ -222,7 +222,7 @@ def needed_rate(on_the_fly: bool) -> dict:
 
     from models.mmdit import MMDiT, MMDiTConfig
     from models.text_encoder import TextToImage
-    from perf.step_stats import train_flops_per_sample
+    from runtime.step_stats import train_flops_per_sample
     config = MMDiTConfig(sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24,
                          attention_head_dim=64, num_attention_heads=24, joint_attention_dim=4096,
                          caption_projection_dim=1536, pooled_projection_dim=2048, pos_embed_max_size=192)

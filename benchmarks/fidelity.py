@@ -18,8 +18,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from data.shapes import ShapesDataset, all_prompts, caption, prompt_fidelity  # noqa: E402
 from data.images import to_unit  # noqa: E402
+from data.shapes import ShapesDataset, all_prompts, caption, prompt_fidelity  # noqa: E402
 from models.pipeline import generate, initial_noise  # noqa: E402
 from sample_mmdit import load_for_sampling  # noqa: E402
 

@@ -27,8 +27,8 @@ from configs.schema import load_config  # noqa: E402
 from models.diffusers_io import export_diffusers_transformer, save_safetensors  # noqa: E402
 from models.quantized import QuantizedLinear  # noqa: E402
 from perf.checkpoint import checkpoints  # noqa: E402
-from perf.distributed import World  # noqa: E402
 from perf.parallel import apply_parallelism  # noqa: E402
+from runtime.distributed import World  # noqa: E402
 
 SCHEMES = ("none", "int8", "nf4")
 

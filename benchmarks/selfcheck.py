@@ -12,7 +12,7 @@ own (torchrun for the multi-process rows), so one failing row cannot take the ot
 Per row: passed / failed (with the error's first line) / not runnable here (why); over the timed steps (the
 second half of the run, after compilation and warm-up): step time, images/s, MFU (GPUs of known peak), peak
 device memory (peak RSS on a CPU) and host-device synchronisations per step (CUDA's sync debug mode on GPUs;
-perf/host_syncs.py's counter on the CPU). The table is printed and written to OUT/selfcheck.json and
+runtime/host_syncs.py's counter on the CPU). The table is printed and written to OUT/selfcheck.json and
 OUT/selfcheck.md; each row's log is OUT/<row>/log.txt. The command exits non-zero when a row failed.
 """
 
@@ -92,7 +92,7 @@ def run_row(row: Row, overrides: list[str], steps: int, out: Path) -> dict:
     """Train `row` in this process (one rank of it) for 2 x `steps` steps, measuring the second half; writes and
     returns this rank's result."""
     import train_mmdit_stable
-    from perf.metrics import TrainingLog
+    from runtime.metrics import TrainingLog
     rank = int(os.environ.get("RANK", 0))
     window = SyncWindow(steps)
     real_log, real_build = TrainingLog.step, train_mmdit_stable.build_adamw
@@ -147,15 +147,15 @@ class ErrorLines(logging.Handler):
 
 class SyncWindow:
     """Counts host-device synchronisations from `open` to `close`: CUDA's sync debug mode on a GPU, the CPU
-    counter of perf/host_syncs.py elsewhere."""
+    counter of runtime/host_syncs.py elsewhere."""
 
     def __init__(self, steps: int):
-        from perf.host_syncs import HostSyncCounter
+        from runtime.host_syncs import HostSyncCounter
         self.steps, self.counter, self.measured, self.context, self.counts = steps, HostSyncCounter(), {}, None, {}
 
     def open(self) -> None:
         """Once: the runs a row makes after the measured one (a resume, say) are not measured."""
-        from perf.host_syncs import cuda_sync_counter
+        from runtime.host_syncs import cuda_sync_counter
         if "host_syncs_per_step" in self.measured:
             return
         self.context = cuda_sync_counter(self.counts) if torch.cuda.is_available() else self.counter.counting()

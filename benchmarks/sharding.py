@@ -110,6 +110,7 @@ def block_saved_bytes(model, tokens: int, text: int, hidden: int, flash: bool) -
     """Bytes autograd saves for backward in one joint block at batch 1 in bf16, counted on the meta device.
     With `flash`, the attention is counted as a flash kernel saves it (q, k, v, output, log-sum-exp)."""
     from torch.autograd.graph import saved_tensors_hooks
+
     from models import attention
     total = [0]
     block = model.transformer_blocks[0]

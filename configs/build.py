@@ -10,11 +10,11 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from configs.schema import ConfigError
 from data.images import to_unit
 from data.latents import DataFormatError, LatentDataset, load_vae, vae_folder
 from data.loader import Collate, split_holdout
 from data.shapes import MAX_CAPTION_WORDS, VOCABULARY, ShapesDataset
+from errors import ConfigError
 from models.diffusers_io import CheckpointFormatError, WeightReader, read_config
 from models.lora import apply_lora
 from models.mmdit import MMDiT, MMDiTConfig
@@ -22,9 +22,9 @@ from models.quantized import QuantizedLinear, quantize, quantize_linears
 from models.rectified_flow import training_sigmas
 from models.sd3_text import SD3TextEncoders, SD3Tokenizers, check_pipeline
 from models.text_encoder import TextToImage, TinyTextEncoder, WordTokenizer
-from perf.distributed import World
 from perf.precision import DTYPES
-from perf.validation import HeldOutLoss, PromptImages, Validation
+from runtime.distributed import World
+from runtime.validation import HeldOutLoss, PromptImages, Validation
 
 log = logging.getLogger("mmdit")
 

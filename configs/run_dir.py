@@ -13,7 +13,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from configs.schema import ConfigError, load_config
+from configs.schema import load_config
+from errors import ConfigError
 
 log = logging.getLogger("mmdit")
 RUN_FORMAT = 2  # run.json's "format"; directories of format 1 (before run.json) are refused

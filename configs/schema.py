@@ -16,14 +16,11 @@ from typing import List, Literal, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from errors import ConfigError
 from models.diffusers_io import CheckpointFormatError, read_config
 from models.lora import DIFFUSERS_SD3_TARGETS
 
 DEFAULT_CONFIG = Path(__file__).parent / "shapes.yaml"
-
-
-class ConfigError(ValueError):
-    pass
 
 
 class FieldError(ValueError):

@@ -34,6 +34,8 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from errors import InputError
+
 FORMAT = 2  # dataset.json's "format"
 INDEX = "dataset.json"
 INDEX_DIR = "index"
@@ -44,7 +46,7 @@ TEXT_FIELDS = ("prompt_embeds", "pooled_prompt_embeds")
 log = logging.getLogger("mmdit")
 
 
-class DataFormatError(ValueError):
+class DataFormatError(InputError):
     pass
 
 

@@ -17,12 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from errors import InputError
+
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "bmp")  # in order of preference when a sample has several
 UNSUPPORTED_IMAGES = ("gif", "tif", "tiff", "avif", "heic", "heif", "jxl", "svg")
 PIPE = "pipe:"
 
 
-class ShardError(ValueError):
+class ShardError(InputError):
     """A whole input shard cannot be read (missing, truncated, or its command failed)."""
 
 

@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from errors import InputError
 from models.lora import ADAPTER
 from models.mmdit import MMDiT, MMDiTConfig
 
@@ -27,7 +28,7 @@ IGNORED_KEYS = {"_class_name", "_diffusers_version", "_name_or_path", "qk_norm_e
 NEUTRAL_VALUES = {"pos_embed_type": "sincos", "use_pos_embed": True, "context_pre_only": None}
 
 
-class CheckpointFormatError(ValueError):
+class CheckpointFormatError(InputError):
     pass
 
 

@@ -31,9 +31,9 @@ from omegaconf import DictConfig
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
-from perf.distributed import host_group, is_distributed
 from perf.parallel import is_sharded, unwrap
-from perf.step_stats import memory_stats
+from runtime.distributed import host_group, is_distributed
+from runtime.step_stats import memory_stats
 
 log = logging.getLogger("mmdit")
 

@@ -39,9 +39,9 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
-from configs.schema import ConfigError
-from perf.distributed import host_group, is_distributed
+from errors import ConfigError
 from perf.parallel import unwrap
+from runtime.distributed import gather_objects, host_group, is_distributed
 
 log = logging.getLogger("mmdit")
 # DCP says so at every save and load of one process; that is what `no_dist` asks for, not news
@@ -90,9 +90,7 @@ def gather(records: dict, group) -> dict:
     """Every rank's dict, merged, on every rank."""
     if group is None:
         return dict(records)
-    parts = [None] * dist.get_world_size(group)
-    dist.all_gather_object(parts, records, group=group)
-    return {name: record for part in parts for name, record in part.items()}
+    return {name: record for part in gather_objects(records, group) for name, record in part.items()}
 
 
 def verify(path: Path, rank: int = 0, world_size: int = 1) -> str | None:

@@ -30,14 +30,15 @@ import torch
 import torch.nn as nn
 from omegaconf import DictConfig
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
+                                    fully_shard)
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from models.sd3_text import SD3TextEncoders
 from perf.activation_checkpointing import apply_activation_checkpointing
 from perf.compile import apply_compile
-from perf.distributed import World
+from runtime.distributed import World
 
 log = logging.getLogger("mmdit")
 

@@ -4,7 +4,6 @@ import hashlib
 import sys
 
 import pytest
-import torch
 import torch.distributed.checkpoint as dcp
 
 import train_mmdit_stable

@@ -6,13 +6,14 @@ import torch
 
 import export_mmdit
 from configs.build import InitialValues, build_data, build_model, build_trained_model
-from configs.schema import ConfigError, load_config
+from configs.schema import load_config
+from errors import ConfigError
 from models.diffusers_io import WeightReader, load_diffusers_weights
 from models.mmdit import initialize
 from models.quantized import QuantizedLinear, dequantize, quantize
 from perf.checkpoint import checkpoints
-from perf.distributed import World
 from perf.parallel import apply_parallelism
+from runtime.distributed import World
 from tests.conftest import assert_close, final_weights, losses, metric_rows, sigkill_after, spawn, trains
 from tests.test_lora import check_exported_adapter
 from train_mmdit_stable import main
@@ -55,7 +56,7 @@ def test_a_meta_built_model_equals_the_eagerly_built_one(tiny, seed):
 def shards_against_eager(overrides: list[str]) -> dict:
     """On this rank: the FSDP shards filled from the meta-built model, gathered whole, against the eagerly built
     model; and the bytes of model.init_from this rank read."""
-    from perf.distributed import destroy_distributed, init_distributed, world_from_env
+    from runtime.distributed import destroy_distributed, init_distributed, world_from_env
     world = world_from_env()
     init_distributed(world, CPU, 60)
     try:

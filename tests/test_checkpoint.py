@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint.state_dict_saver as dcp_saver
 
-from configs.schema import ConfigError
-from perf.checkpoint import (Checkpointer, CheckpointWriteError, checkpoints, prune_checkpoints, read_checkpoint,
-                             read_meta, remove_leftovers, verify)
+from errors import ConfigError
+from perf.checkpoint import (Checkpointer, CheckpointWriteError, checkpoints, prune_checkpoints,
+                             read_checkpoint, read_meta, remove_leftovers, verify)
 from tests.conftest import assert_close
 
 SHARD = "__0_0.distcp"  # the tensors one writer wrote

@@ -4,7 +4,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from configs.schema import DEFAULT_CONFIG, ConfigError, load_config
+from configs.schema import DEFAULT_CONFIG, load_config
+from errors import ConfigError
 from train_mmdit_stable import main
 
 
@@ -131,8 +132,8 @@ def test_keys_left_to_the_user_and_renamed_keys_are_named(tmp_path):
 
 
 def test_hsdp_shard_size_must_divide_the_world():
-    from perf.distributed import World
     from perf.parallel import check_parallel
+    from runtime.distributed import World
     cfg = load_config(DEFAULT_CONFIG, ["parallel.strategy=hsdp", "parallel.shard_size=3"])
     with pytest.raises(ValueError, match="parallel.shard_size=3 must divide the world size 4"):
         check_parallel(cfg, World(0, 4, 0))

@@ -1,10 +1,10 @@
 import pytest
 import torch
 
+from configs.build import build_tokenizer
 from data.loader import StepBatchSampler, step_batches
 from data.shapes import (COLORS, POSITIONS, SHAPES, ShapesDataset, all_prompts, analyze, caption,
-                                      prompt_fidelity, render)
-from configs.build import build_tokenizer
+                         prompt_fidelity, render)
 
 
 def test_items_are_a_function_of_seed_and_index():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from models.diffusers_io import (CheckpointFormatError, export_diffusers_transformer,
-                                              load_diffusers_transformer)
+                                 load_diffusers_transformer)
 from models.mmdit import MMDiT, MMDiTConfig
 from tests.conftest import randomize
 
@@ -105,10 +105,10 @@ def test_mismatches_are_named(tmp_path):
 
 
 def test_training_starts_from_a_diffusers_directory(tiny, tmp_path, caplog):
-    from perf.checkpoint import checkpoints, read_checkpoint
-    from data.shapes import ShapesDataset
     from configs.build import build_model, build_tokenizer
     from configs.schema import load_config
+    from data.shapes import ShapesDataset
+    from perf.checkpoint import checkpoints, read_checkpoint
     from train_mmdit_stable import main
     cfg = load_config(overrides=tiny())
     source = build_model(cfg, ShapesDataset, build_tokenizer()).transformer

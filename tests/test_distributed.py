@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import (ROOT, TIMEOUT_S, TINY, assert_close, final_weights, free_port, gloo_threads, losses,
-                            metric_rows, spawn, train)
+from tests.conftest import (ROOT, TIMEOUT_S, TINY, assert_close, final_weights, free_port, gloo_threads,
+                            losses, metric_rows, spawn, train)
 
 WRITE_EVENTS = {"os.mkdir", "os.rename", "os.remove", "os.rmdir", "shutil.rmtree", "os.truncate", "os.symlink"}
 
@@ -115,8 +115,8 @@ def count_gradient_all_reduces(accumulation: int, use_no_sync: bool) -> int:
     from configs.build import build_model, build_tokenizer
     from configs.schema import load_config
     from data.shapes import ShapesDataset, all_prompts, caption
-    from perf.distributed import World, destroy_distributed, init_distributed
     from perf.parallel import wrap_ddp
+    from runtime.distributed import World, destroy_distributed, init_distributed
 
     world = World(int(os.environ["RANK"]), 2, int(os.environ["RANK"]))
     device = init_distributed(world, torch.device("cpu"), 60)
@@ -168,7 +168,8 @@ def test_an_unused_parameter_is_named(tiny, monkeypatch, caplog):
 
 def test_resume_with_another_world_size_must_keep_the_global_batch(tiny, tmp_path, caplog):
     from configs.run_dir import prepare_run_dir
-    from configs.schema import ConfigError, load_config
+    from configs.schema import load_config
+    from errors import ConfigError
     from train_mmdit_stable import main
     assert main(tiny("training.max_steps=1")) == 0
     cfg = load_config(overrides=tiny("training.max_steps=2"))

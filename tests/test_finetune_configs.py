@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from configs.build import mmdit_config
 from configs.schema import load_config
 from models.lora import apply_lora
 from models.mmdit import MMDiT
-from configs.build import mmdit_config
 from models.text_encoder import TextToImage
 from tests.conftest import export_random_base, losses, write_latent_shards
 from train_mmdit_stable import main

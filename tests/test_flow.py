@@ -2,8 +2,7 @@ import math
 
 import torch
 
-from models.rectified_flow import (draw_sample_noise, euler_sample, interpolate, shift_sigmas,
-                                                training_sigmas)
+from models.rectified_flow import draw_sample_noise, euler_sample, interpolate, shift_sigmas, training_sigmas
 
 
 def test_interpolation_endpoints_and_target():

@@ -1,4 +1,4 @@
-"""No host-device synchronisation in the default training step: counted (perf/host_syncs.py) as the
+"""No host-device synchronisation in the default training step: counted (runtime/host_syncs.py) as the
 difference between a 4-step and a 2-step run, in one process on the shapes data and on latents, and on two
 DDP and two FSDP ranks. The counter sees a synchronisation when there is one."""
 
@@ -6,7 +6,7 @@ import pytest
 
 import optim.adamw
 import train_mmdit_stable
-from perf.host_syncs import HostSyncCounter
+from runtime.host_syncs import HostSyncCounter
 from tests.conftest import TINY, spawn
 
 

@@ -8,10 +8,10 @@ import torch
 from safetensors import safe_open
 
 import export_mmdit
+from configs.build import build_data, build_model
 from configs.schema import load_config
 from models.diffusers_io import LORA_WEIGHTS
 from models.lora import apply_lora
-from configs.build import build_data, build_model
 from perf.checkpoint import checkpoints, read_checkpoint
 from sample_mmdit import load_trained
 from tests.conftest import LATENT_DIMS, LORA, assert_close, final_weights, losses, randomize, spawn, train

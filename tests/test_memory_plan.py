@@ -1,4 +1,4 @@
-"""The memory plan (plan_memory.py, perf/memory_plan.py) against what a training step really holds: the peak
+"""The memory plan (plan_memory.py, runtime/memory_plan.py) against what a training step really holds: the peak
 of live tensor bytes through one step on this CPU, for a full fine-tune and a LoRA on an nf4 base with
 activation checkpointing, within 15 %."""
 
@@ -12,11 +12,11 @@ from configs.schema import load_config
 from data.loader import step_batches
 from optim.adamw import build_adamw
 from optim.ema import EMA
-from perf.distributed import World
-from perf.memory_plan import PeakMemory, plan
-from perf.nonfinite import NonFiniteGuard
 from perf.parallel import apply_parallelism
-from perf.step_stats import SigmaBuckets
+from runtime.distributed import World
+from runtime.memory_plan import PeakMemory, plan
+from runtime.nonfinite import NonFiniteGuard
+from runtime.step_stats import SigmaBuckets
 from tests.conftest import LORA, export_random_base
 
 CPU = torch.device("cpu")

@@ -11,12 +11,12 @@ import torch
 from omegaconf import OmegaConf
 from PIL import Image
 
+from configs.build import build_model, build_tokenizer
 from configs.schema import load_config
 from data.shapes import ShapesDataset
 from models.attention import math_attention, set_attention_kernel
-from configs.build import build_model, build_tokenizer
 from perf.profiler import build_profiler
-from perf.step_stats import SigmaBuckets, train_flops_per_sample
+from runtime.step_stats import SigmaBuckets, train_flops_per_sample
 from tests.conftest import metric_rows as rows
 from train_mmdit_stable import main
 
@@ -170,14 +170,14 @@ def test_launcher_enable_profiling(tmp_path):
     ("NVIDIA A10G", "bf16", True, 70.0), ("NVIDIA GeForce RTX 4090", "bf16", True, 165.2),
     ("NVIDIA RTX A6000", "bf16", True, None), ("Tesla T4", "fp16", True, None)])
 def test_peak_flops_of_known_gpus(name, dtype, tf32, expected):
-    from perf.step_stats import known_peak_tflops
+    from runtime.step_stats import known_peak_tflops
     assert known_peak_tflops(name, dtype, tf32) == expected
 
 
 def test_an_unknown_gpu_gets_no_mfu_and_one_line_saying_why(monkeypatch, caplog):
     import logging
 
-    from perf.step_stats import peak_flops
+    from runtime.step_stats import peak_flops
     caplog.set_level(logging.INFO, logger="mmdit")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA RTX A6000")
     assert peak_flops(torch.device("cuda"), "bf16", True, 0.0) is None

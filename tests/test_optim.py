@@ -2,9 +2,9 @@ import math
 
 import torch
 
+from configs.build import build_model, build_tokenizer
 from configs.schema import load_config
 from data.shapes import ShapesDataset
-from configs.build import build_model, build_tokenizer
 from optim.adamw import build_adamw, decay_groups
 from optim.ema import EMA
 from optim.schedule import warmup_cosine

@@ -11,11 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 from PIL import Image
-from safetensors.torch import load_file
 
+import data.precompute.job
 import export_mmdit
-from data import precompute
+import precompute_latents
 from data.latents import LatentDataset
+from data.precompute.images import load_image
+from data.precompute.inputs import EXIF_ORIENTATION, image_size
+from data.precompute.units import encode_unit
 from models.diffusers_io import LORA_WEIGHTS
 from tests.conftest import CLIP_TOKENS, T5_TOKENS, export_random_base, image_folder, metric_rows
 from train_mmdit_stable import main
@@ -24,7 +27,7 @@ diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
 def run_precompute(sd3_dir, images, out, *extra):
-    return precompute.main(["--model", str(sd3_dir), "--images", str(images), "--out", str(out), "--resolution", "16",
+    return precompute_latents.main(["--model", str(sd3_dir), "--images", str(images), "--out", str(out), "--resolution", "16",
                             "--bucket-step", "8", "--batch-size", "3", "--shard-size", "4", "--dtype", "fp32",
                             "--max-sequence-length", str(T5_TOKENS), *extra])
 
@@ -53,7 +56,7 @@ def test_shards_hold_what_the_sd3_pipeline_computes(sd3_dir, tmp_path):
                                                   max_sequence_length=T5_TOKENS)
         empty, _, empty_pooled, _ = pipe.encode_prompt("", None, None, do_classifier_free_guidance=False,
                                                        max_sequence_length=T5_TOKENS)
-        pixels = torch.stack([precompute.load_image(images / f"img{i:02d}.png", (16, 16)) for i in range(6)])
+        pixels = torch.stack([load_image(images / f"img{i:02d}.png", (16, 16)) for i in range(6)])
         latents = (pipe.vae.encode(pixels).latent_dist.mean - 0.0609) * 1.5305
     for i in range(6):
         assert ds[i]["caption"] == captions[i]
@@ -102,9 +105,9 @@ def test_bad_inputs_are_named_before_compute(sd3_dir, tmp_path, caplog):
     assert "1 images have no same-named .txt caption" in caplog.text and "img01.png" in caplog.text
     manifest = tmp_path / "m.jsonl"
     manifest.write_text('{"image": "images/img00.png", "caption": "a cat"}\n{"img": "x"}\n')
-    assert precompute.main(["--model", str(sd3_dir), "--manifest", str(manifest), "--out", str(tmp_path / "o")]) == 2
+    assert precompute_latents.main(["--model", str(sd3_dir), "--manifest", str(manifest), "--out", str(tmp_path / "o")]) == 2
     assert "line 2: expected" in caplog.text
-    assert precompute.main(["--model", str(sd3_dir), "--manifest", str(tmp_path / "none.jsonl"), "--out", "x"]) == 2
+    assert precompute_latents.main(["--model", str(sd3_dir), "--manifest", str(tmp_path / "none.jsonl"), "--out", "x"]) == 2
     assert "none.jsonl does not exist" in caplog.text
     (images / "img01.txt").write_text("a dog")
     assert run_precompute(sd3_dir, images, tmp_path / "out") == 0
@@ -139,14 +142,14 @@ def test_a_corrupt_image_is_named_before_anything_is_written_and_removing_it_let
 def test_an_interrupted_precompute_says_the_rerun_resumes(sd3_dir, tmp_path, monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger="mmdit")
     images = image_folder(tmp_path / "images", [(16, 16)] * 6)
-    real = precompute.encode_unit
+    real = encode_unit
 
     def interrupt_second_unit(number, *args):
         if number == 1:
             raise KeyboardInterrupt
         return real(number, *args)
 
-    monkeypatch.setattr(precompute, "encode_unit", interrupt_second_unit)
+    monkeypatch.setattr(data.precompute.job, "encode_unit", interrupt_second_unit)
     assert run_precompute(sd3_dir, images, tmp_path / "out") == 130
     assert "interrupted with 1 unit(s) finished; the same command resumes from there" in caplog.text
     monkeypatch.undo()
@@ -161,7 +164,7 @@ def test_flipped_copies_and_validation_prompts_are_stored(sd3_dir, tmp_path):
     assert run_precompute(sd3_dir, images, tmp_path / "data", "--random-flip", "--validation-prompts", str(prompts)) == 0
     ds = LatentDataset(tmp_path / "data")
     pipe = pipeline(sd3_dir, None)
-    pixels = precompute.load_image(images / "img00.png", (16, 16))
+    pixels = load_image(images / "img00.png", (16, 16))
     with torch.no_grad():
         flipped = (pipe.vae.encode(pixels.flip(-1)[None]).latent_dist.mean - 0.0609) * 1.5305
         embeds, _, pooled, _ = pipe.encode_prompt(["a red cat", "a dog on the grass"], None, None,
@@ -179,12 +182,12 @@ def test_flipped_copies_and_validation_prompts_are_stored(sd3_dir, tmp_path):
 def test_exif_rotation_is_applied(tmp_path):
     """A phone photo stored sideways with an EXIF orientation is bucketed and encoded as it is displayed."""
     exif = Image.Exif()
-    exif[precompute.EXIF_ORIENTATION] = 6  # rotate 90 degrees to display
+    exif[EXIF_ORIENTATION] = 6  # rotate 90 degrees to display
     pixels = torch.zeros(20, 40, 3, dtype=torch.uint8)
     pixels[:, :20] = 255  # the stored left half is white: displayed, the top half
     Image.fromarray(pixels.numpy()).save(tmp_path / "phone.png", exif=exif)
-    assert precompute.image_size(tmp_path / "phone.png") == (20, 40)
-    image = precompute.load_image(tmp_path / "phone.png", (40, 20))
+    assert image_size(tmp_path / "phone.png") == (20, 40)
+    image = load_image(tmp_path / "phone.png", (40, 20))
     assert image[:, :20].mean() > 0.9 and image[:, 20:].mean() < -0.9
 
 
@@ -236,7 +239,7 @@ def test_lora_walkthrough_from_another_directory_validates_and_resumes(sd3_dir, 
     work.mkdir()
     images = image_folder(work / "images", [(16, 16), (20, 18), (16, 16), (24, 24)] * 3)
     (work / "prompts.txt").write_text("a red cat\na dog on the grass\na blue square\n")
-    assert precompute.main(["--model", str(sd3_dir), "--images", str(images), "--out", str(work / "data"),
+    assert precompute_latents.main(["--model", str(sd3_dir), "--images", str(images), "--out", str(work / "data"),
                             "--resolution", "16", "--dtype", "fp32", "--max-sequence-length", str(T5_TOKENS),
                             "--validation-prompts", str(work / "prompts.txt")]) == 0
     small = ["model.patch_size=2", "model.num_layers=2", "model.num_attention_heads=2", "model.attention_head_dim=8",

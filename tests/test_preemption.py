@@ -8,7 +8,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 from perf.checkpoint import checkpoints, read_checkpoint, read_meta, verify

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from perf.checkpoint import checkpoints, read_checkpoint, verify
+from perf.checkpoint import checkpoints, verify
 from tests.conftest import TINY, assert_close, final_weights, free_port, losses, metric_rows, spawn, train
 from train_mmdit_stable import main
 

@@ -5,7 +5,7 @@ captions, in one process and under FSDP (where the encoders are sharded like the
 import pytest
 import torch
 
-from data import precompute
+import precompute_latents
 from perf.checkpoint import checkpoints
 from tests.conftest import (LATENT_RUN, T5_TOKENS, assert_close, final_weights, image_folder, metric_rows,
                             sigkill_after, spawn, trains)
@@ -20,7 +20,7 @@ def sd3_data(sd3_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("text")
     images = image_folder(root / "images", [(16, 16), (20, 18), (16, 16), (24, 24)] * 2)
     (root / "prompts.txt").write_text("a red cat\na dog on the grass\n")
-    assert precompute.main(["--model", str(sd3_dir), "--images", str(images), "--out", str(root / "data"),
+    assert precompute_latents.main(["--model", str(sd3_dir), "--images", str(images), "--out", str(root / "data"),
                             "--resolution", "16", "--dtype", "fp32", "--max-sequence-length", str(T5_TOKENS),
                             "--validation-prompts", str(root / "prompts.txt")]) == 0
     return root / "data"
@@ -53,8 +53,8 @@ def local_share(overrides: list[str]) -> dict:
     """Under FSDP: the elements of the text encoders this rank holds, and their total."""
     from configs.build import InitialValues, build_data, build_trained_model
     from configs.schema import load_config
-    from perf.distributed import init_distributed, world_from_env
     from perf.parallel import apply_parallelism
+    from runtime.distributed import init_distributed, world_from_env
     cfg = load_config(overrides=overrides)
     world = world_from_env()
     device = init_distributed(world, torch.device("cpu"), 60)

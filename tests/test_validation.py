@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import configs.build as build
-import perf.validation as validation
+import runtime.validation as validation
 from data.latents import LatentDataset
 from data.loader import StepBatchSampler, StepDataset, split_holdout
 from tests.conftest import metric_rows, write_latent_shards

@@ -16,9 +16,9 @@ import pytest
 import torch
 from PIL import Image
 
-from data import precompute
+import precompute_latents
 from data.latents import LatentDataset
-from data.webdataset import expand_braces
+from data.webdataset import expand_braces, expand_shards
 from tests.conftest import LATENT_RUN, ROOT, T5_TOKENS, WORDS, assert_close, final_weights, free_port, trains
 from train_mmdit_stable import main
 
@@ -77,7 +77,7 @@ def run_in_process(sd3_dir, out, *inputs, extra=()) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return precompute.main(arguments(sd3_dir, out, *inputs, extra=extra))
+        return precompute_latents.main(arguments(sd3_dir, out, *inputs, extra=extra))
     finally:
         torch.set_num_threads(threads)
 
@@ -173,7 +173,7 @@ def test_the_ranks_free_their_process_group_before_the_interpreter_exits(tmp_pat
     hold the group in default arguments past destroy_process_group, until the interpreter shuts down, where gloo
     aborts a finished precompute now and then (exit -6, "terminate called without an active exception")."""
     script = tmp_path / "ranks.py"
-    script.write_text("from data.precompute import Ranks\n"
+    script.write_text("from data.precompute.ranks import Ranks\n"
                       "ranks = Ranks()\n"
                       "ranks.share(ranks.rank)\n"
                       "from diffusers import AutoencoderKL  # as SD3Encoders does, once the group exists\n"
@@ -261,12 +261,12 @@ def test_brace_ranges_lists_and_globs_expand_in_order(tmp_path):
     assert expand_braces("{a,b}/{1..2}") == ["a/1", "a/2", "b/1", "b/2"]
     for name in ("b.tar", "a.tar"):
         (tmp_path / name).write_bytes(b"")
-    assert precompute.expand_shards([f"{tmp_path}/*.tar", "pipe:curl -s http://x/{0..1}.tar"]) == [
+    assert expand_shards([f"{tmp_path}/*.tar", "pipe:curl -s http://x/{0..1}.tar"]) == [
         f"{tmp_path}/a.tar", f"{tmp_path}/b.tar", "pipe:curl -s http://x/0.tar", "pipe:curl -s http://x/1.tar"]
     for patterns, message in (([f"{tmp_path}/none-*.tar"], "matches no file"), ([f"{tmp_path}/c.tar"], "does not exist"),
                               ([f"{tmp_path}/a.tar", f"{tmp_path}/a.tar"], "more than once")):
         with pytest.raises(ValueError, match=message):
-            precompute.expand_shards(patterns)
+            expand_shards(patterns)
 
 
 def test_training_on_it_resumes_across_world_sizes(one_rank, tmp_path):

@@ -28,9 +28,9 @@ from data.images import save_grid
 from models.pipeline import generate, initial_noise
 from models.rectified_flow import VALIDATION_STREAM, interpolate, per_sample_loss, sample_key
 from optim.ema import EMA
-from perf.distributed import World, is_distributed
 from perf.parallel import reshard, unwrap
 from perf.precision import autocast
+from runtime.distributed import World, gather_objects, is_distributed
 
 log = logging.getLogger("mmdit")
 
@@ -45,10 +45,7 @@ def share(items: list, world: World) -> tuple[list, int]:
 
 def gather_to_main(values: list, world: World) -> list:
     """Rank 0: everyone's values, in the order `share` dealt them (item i from rank i % world_size)."""
-    if not is_distributed():
-        return values
-    parts = [None] * world.world_size
-    dist.all_gather_object(parts, values)
+    parts = gather_objects(values)
     out = []
     for i in range(max(len(p) for p in parts)):
         out += [p[i] for p in parts if i < len(p)]

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from perf.distributed import host_group, is_distributed
+from runtime.distributed import host_group, is_distributed
 
 log = logging.getLogger("mmdit")
 STATUS_DIR = "MMDIT_STATUS_DIR"  # set by the launcher: where each worker leaves why it exits (see mark_exit)

@@ -9,6 +9,7 @@ import datetime
 import gc
 import logging
 import os
+import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401  imported before any group exists: see destroy_distributed
 
-from configs.schema import ConfigError
+from errors import InputError
 
 log = logging.getLogger("mmdit")
 
@@ -82,30 +83,56 @@ def destroy_distributed() -> None:
         gc.collect()
 
 
+class RankFailed(RuntimeError):
+    """Another rank failed inside a `stop_together` block with an error that is not the user's input; the
+    message carries that rank's traceback."""
+
+
 @contextmanager
 def stop_together():
-    """Run a block on every rank; a ValueError (a ConfigError, a model's own size checks) raised on any rank is
-    raised on all of them at its end as a ConfigError, so ranks never wait for one that gave up. Blocks that
-    contain collectives must fail (if at all) before them, on every rank alike."""
-    error = None
+    """Run a block on every rank and, if it fails on any, stop on all of them, so that no rank waits in a
+    collective for one that gave up. An `InputError` (the user's input: one line, exit 2) is raised on every
+    rank, said once when every rank found the same. Anything else keeps its type and traceback on the rank
+    that raised it; the other ranks raise `RankFailed` with that traceback, and only rank 0 prints it (the
+    failing rank's own exception is marked `reported_by_main`). Blocks that contain collectives must fail (if
+    at all) before them, on every rank alike."""
+    if not is_distributed():
+        yield
+        return
+    own, failure = None, None
     try:
         yield
-    except ValueError as e:
-        error = str(e)
-    error = first_error(error)
-    if error:
-        raise ConfigError(error)
+    except InputError as e:
+        own, failure = e, ("input", str(e))
+    except Exception as e:
+        own, failure = e, ("bug", "".join(traceback.format_exception(e)))
+    failures = gather_objects(failure)
+    if not any(failures):
+        return
+    rank = dist.get_rank()
+    bugs = [(r, text) for r, f in enumerate(failures) if f and f[0] == "bug" for text in [f[1]]]
+    if bugs:
+        if failure and failure[0] == "bug":
+            own.reported_by_main = rank != 0
+            raise own
+        first, text = bugs[0]
+        raise RankFailed(f"rank {first} failed:\n{text}")
+    messages = [f[1] for f in failures if f]
+    if len(set(messages)) == 1 and len(messages) == len(failures):  # the same on every rank: say it once
+        if own is not None:
+            raise own
+        raise InputError(messages[0])
+    first = next(r for r, f in enumerate(failures) if f)
+    raise InputError(f"rank {first}: {failures[first][1]}")
 
 
-def first_error(error: str | None) -> str | None:
-    """Any rank's error (the first by rank) on every rank, so that all stop together."""
+def gather_objects(value, group=None) -> list:
+    """Every rank's `value` (picklable), in rank order, on every rank; `[value]` without a process group."""
     if not is_distributed():
-        return error
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    if len(set(errors)) == 1:  # the same on every rank (the same config read everywhere): say it once
-        return errors[0]
-    return next((f"rank {r}: {e}" for r, e in enumerate(errors) if e), None)
+        return [value]
+    values = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    return values
 
 
 def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from PIL import Image, ImageDraw
 
-from perf.distributed import mean_over_ranks
+from runtime.distributed import mean_over_ranks
 
 log = logging.getLogger("mmdit")
 
@@ -139,6 +139,7 @@ def drop_rows_after(path: Path, step: int) -> None:
 def start_tensorboard(log_dir: Path, start_step: int):
     try:
         from torch.utils.tensorboard import SummaryWriter
+
         # hide what an interrupted run logged after the step this start resumes from: those steps are redone
         return SummaryWriter(str(log_dir), purge_step=start_step + 1)
     except Exception as e:  # ImportError without the tensorboard package

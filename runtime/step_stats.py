@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import FlopCounterMode
 
 from models.attention import attention_kernel, math_attention
-from perf.distributed import is_distributed
+from runtime.distributed import is_distributed
 
 log = logging.getLogger("mmdit")
 

@@ -1,0 +1,61 @@
+"""The SD3 pipeline's encoders as precompute runs them: the VAE for latents, CLIP-L/CLIP-G/T5 for captions."""
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from data.precompute.images import to_unit_range
+from models.diffusers_io import save_safetensors
+from models.sd3_text import SD3TextEncoders, SD3Tokenizers
+
+log = logging.getLogger("mmdit")
+
+
+class SD3Encoders:
+    """The VAE of an SD3 pipeline directory, and its text encoders (models/sd3_text.py) unless text embeddings
+    are not stored."""
+
+    def __init__(self, model_dir: Path, device: torch.device, dtype: torch.dtype, max_sequence_length: int,
+                 text_embeddings: bool):
+        from diffusers import AutoencoderKL
+
+        self.device, self.dtype = device, dtype
+        self.vae = AutoencoderKL.from_pretrained(model_dir / "vae", torch_dtype=dtype).to(device).eval()
+        self.tokenizers = SD3Tokenizers(model_dir, max_sequence_length)
+        with torch.device("meta"):
+            self.text = SD3TextEncoders(model_dir, max_sequence_length)
+        self.text_dims = (self.text.joint_dim, self.text.pooled_dim)
+        if text_embeddings:
+            self.text.check("--model")
+            self.text.load(device, dtype)
+        else:
+            self.text = None
+        self.truncated = 0
+
+    @torch.no_grad()
+    def encode_text(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        self.truncated += self.tokenizers.truncated(captions)
+        return self.text(**{k: v.to(self.device) for k, v in self.tokenizers(captions).items()})
+
+    @torch.no_grad()
+    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
+        config = self.vae.config
+        mean = self.vae.encode(to_unit_range(pixels).to(self.device, self.dtype)).latent_dist.mean
+        return (mean - (config.shift_factor or 0.0)) * config.scaling_factor
+
+    def encode(self, pixels: torch.Tensor, captions: list[str], flip: bool, store: torch.dtype) -> dict:
+        """A batch's stored fields, in the storage dtype, on the host."""
+        rows = {"latents": self.encode_images(pixels)}
+        if flip:
+            rows["latents_flipped"] = self.encode_images(pixels.flip(-1))
+        if self.text is not None:
+            rows["prompt_embeds"], rows["pooled_prompt_embeds"] = self.encode_text(captions)
+        return {name: values.to(store).cpu() for name, values in rows.items()}
+
+
+def encode_prompts(encoders: SD3Encoders, prompts: list[str], store: torch.dtype, path: Path) -> None:
+    prompt_embeds, pooled = encoders.encode_text(prompts)
+    save_safetensors({"prompt_embeds": prompt_embeds.to(store), "pooled_prompt_embeds": pooled.to(store)}, path,
+                     {"captions": json.dumps(prompts)})

@@ -1,0 +1,155 @@
+"""What precompute reads: image folders, JSONL manifests and webdataset shards, split into units of work; each
+input is checked before anything is written."""
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from PIL import Image
+
+from data.webdataset import IMAGE_SUFFIXES as SHARD_IMAGE_SUFFIXES
+from data.webdataset import Sample, read_samples
+from errors import InputError
+from models.diffusers_io import CheckpointFormatError
+from models.sd3_text import check_pipeline
+
+log = logging.getLogger("mmdit")
+IMAGE_SUFFIXES = {f".{suffix}" for suffix in SHARD_IMAGE_SUFFIXES}  # of folder inputs: what shards may hold
+EXIF_ORIENTATION = 0x0112
+
+
+class PrecomputeError(InputError):
+    pass
+
+
+class BadSample(ValueError):
+    pass
+
+
+@dataclass
+class Unit:
+    name: str  # in reports and errors: the input shard, or the items of a folder or manifest
+    samples: Callable[[], Iterator[Sample]]
+
+
+def read_text(path: Path, what: str) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise PrecomputeError(f"{what} {path} is not readable UTF-8 text ({e})") from None
+
+
+def read_image_folder(directory: Path) -> list[tuple[Path, str]]:
+    if not directory.is_dir():
+        raise PrecomputeError(f"--images {directory} is not a directory")
+    images = sorted(p for p in directory.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+    if not images:
+        raise PrecomputeError(f"--images {directory}: no image files ({sorted(IMAGE_SUFFIXES)})")
+    uncaptioned = [str(p) for p in images if not p.with_suffix(".txt").is_file()]
+    if uncaptioned:
+        raise PrecomputeError(f"--images {directory}: {len(uncaptioned)} images have no same-named .txt caption, "
+                              f"e.g. {uncaptioned[:3]}")
+    return [(p, read_text(p.with_suffix(".txt"), "caption").strip()) for p in images]
+
+
+def read_manifest(path: Path) -> list[tuple[Path, str]]:
+    if not path.is_file():
+        raise PrecomputeError(f"--manifest {path} does not exist")
+    items = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            image, caption = path.parent / record["image"], record["caption"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise PrecomputeError(f"--manifest {path} line {number}: expected "
+                                  f'{{"image": ..., "caption": ...}} ({type(e).__name__}: {e})') from None
+        if not image.is_file():
+            raise PrecomputeError(f"--manifest {path} line {number}: image {image} does not exist")
+        items.append((image, str(caption)))
+    if not items:
+        raise PrecomputeError(f"--manifest {path} lists no images")
+    return items
+
+
+def image_size(path: Path) -> tuple[int, int]:
+    """(width, height) as displayed, from the file header (EXIF rotation applied); `verify` also checks the
+    file's integrity where the format allows it (PNG checksums) without decoding the pixels."""
+    try:
+        with Image.open(path) as image:
+            image.verify()  # must come right after opening
+        with Image.open(path) as image:
+            rotated = image.getexif().get(EXIF_ORIENTATION) in (5, 6, 7, 8)
+            return image.size[::-1] if rotated else image.size
+    except (OSError, SyntaxError, ValueError) as e:  # PIL reports some broken files as SyntaxError
+        raise PrecomputeError(f"{path}: not a readable image ({e})") from None
+
+
+def check_items(items: list[tuple[Path, str]]) -> None:
+    """Folder and JSONL inputs: one error listing every unreadable image; a warning for empty captions."""
+    bad = []
+    for path, _ in items:
+        try:
+            image_size(path)
+        except PrecomputeError as e:
+            bad.append(str(e))
+    if bad:
+        raise PrecomputeError(f"{len(bad)} of {len(items)} images are not readable; remove or replace them and rerun "
+                              f"(nothing was written): {bad[:5]}")
+    empty = [str(path) for path, caption in items if not caption]
+    if empty:
+        log.warning("%d of %d images have an empty caption (trained as unconditional), e.g. %s", len(empty),
+                    len(items), empty[:3])
+
+
+def item_units(items: list[tuple[Path, str]], size: int, source: str) -> list[Unit]:
+    """Folder and JSONL inputs in units of `size` items."""
+    def samples(chunk):
+        return lambda: (Sample(str(path), path, caption) for path, caption in chunk)
+    return [Unit(f"{source} items {start}-{min(start + size, len(items)) - 1}", samples(items[start : start + size]))
+            for start in range(0, len(items), size)]
+
+
+def shard_units(sources: list[str], caption_field: str | None) -> list[Unit]:
+    return [Unit(source, lambda source=source: read_samples(source, caption_field)) for source in sources]
+
+
+def fingerprint(units: list[Unit], items: list[tuple[Path, str]] | None) -> str:
+    """Of the inputs: for folders and manifests each file's path, caption, size and modification time (a
+    replaced image counts); for shards their names (a shard that failed is replaced, then the job rerun)."""
+    digest = hashlib.sha256()
+    if items is not None:
+        for path, caption in items:
+            stat = path.stat()
+            digest.update(f"{path}\0{caption}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+    else:
+        for unit in units:
+            digest.update(f"{unit.name}\0".encode())
+    return digest.hexdigest()
+
+
+def read_validation_prompts(path: Path) -> list[str]:
+    if not path.is_file():
+        raise PrecomputeError(f"--validation-prompts {path} does not exist")
+    prompts = [line.strip() for line in read_text(path, "--validation-prompts").splitlines() if line.strip()]
+    if not prompts:
+        raise PrecomputeError(f"--validation-prompts {path} holds no prompt (one per line)")
+    return prompts
+
+
+def vae_downsampling(model_dir: Path) -> int:
+    """From the pipeline's folders and vae/config.json, before any weight is loaded: 8 for SD3's VAE."""
+    if not (model_dir / "vae").is_dir():
+        raise PrecomputeError(f"--model {model_dir}: no vae/ folder; expected an SD3 pipeline directory")
+    try:
+        check_pipeline(model_dir, "--model")
+    except CheckpointFormatError as e:
+        raise PrecomputeError(str(e)) from None
+    try:
+        return 2 ** (len(json.loads((model_dir / "vae" / "config.json").read_text())["block_out_channels"]) - 1)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise PrecomputeError(f"--model {model_dir}: vae/config.json is not a diffusers VAE config ({e})") from None

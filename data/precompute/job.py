@@ -1,0 +1,139 @@
+"""The precompute job: the output directory, which units are left, encoding them, and the dataset written last."""
+
+import json
+import logging
+import shutil
+from collections import Counter
+from pathlib import Path
+
+from data.latents import EMPTY_PROMPT
+from data.latents import PRECOMPUTE_SETTINGS as SETTINGS
+from data.latents import VALIDATION_PROMPTS, publish_json, write_index
+from data.precompute.encoders import SD3Encoders, encode_prompts
+from data.precompute.inputs import PrecomputeError, Unit
+from data.precompute.ranks import Progress, Ranks
+from data.precompute.units import DTYPES, PROGRESS, REPORTS, encode_unit, report_path, verified
+from data.webdataset import ShardError
+
+log = logging.getLogger("mmdit")
+
+
+def check_output_directory(out: Path, settings: dict) -> None:
+    """`out` must be new (or hold no finished unit of this tool's), or have been started with the same settings
+    (it is then resumed). Anything else is refused: a directory of other files, or finished work of other
+    settings. Nothing is created here (see `start_output_directory`)."""
+    for parent in [out, *out.parents]:
+        if parent.exists() and not parent.is_dir():
+            raise PrecomputeError(f"--out {out}: {parent} is a file, not a directory")
+    if not (out / SETTINGS).is_file():
+        if out.exists() and any(out.iterdir()):
+            raise PrecomputeError(f"--out {out} exists and was not written by this tool; choose a new directory")
+        return
+    old = json.loads((out / SETTINGS).read_text())
+    changed = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
+    if changed and any((out / REPORTS).glob("*.json")):
+        raise PrecomputeError(f"--out {out} was started with other settings (before, now): {changed}; "
+                              f"use a new directory or the same settings to resume")
+    if changed:  # nothing finished yet (an earlier attempt stopped early): start over
+        log.info("--out %s holds no finished unit; starting over with the new settings %s", out, sorted(changed))
+        for path in [*out.glob("shard-*.safetensors"), *out.glob(".*.tmp"), out / SETTINGS]:
+            path.unlink()
+
+
+def start_output_directory(out: Path, settings: dict) -> None:
+    (out / REPORTS).mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out / PROGRESS, ignore_errors=True)
+    (out / PROGRESS).mkdir()
+    if not (out / SETTINGS).is_file():
+        publish_json(out / SETTINGS, settings)
+
+
+def remaining_units(out: Path, count: int, ranks: Ranks) -> list[int]:
+    """Units without a verified report; each rank verifies a share of the finished ones, and a damaged unit's
+    report is removed, so it is redone."""
+    mine = {}
+    for number in range(ranks.rank, count, ranks.size):
+        mine[number] = verified(out, number)
+        if mine[number] is False:
+            report_path(out, number).unlink()
+    shared = {n: ok for part in ranks.share(mine) for n, ok in part.items()}
+    damaged = [n for n, ok in shared.items() if ok is False]
+    if damaged:
+        log.warning("%d finished unit(s) have damaged or missing shards and are redone: %s", len(damaged),
+                    damaged[:10])
+    done = sum(1 for ok in shared.values() if ok)
+    if done:
+        log.info("resuming: %d of %d units already finished", done, count)
+    return [n for n in range(count) if not shared[n]]
+
+
+def precompute(units: list[Unit], encoders: SD3Encoders, out: Path, settings: dict, ranks: Ranks,
+               validation_prompts: list[str] | None = None, max_bad_fraction: float = 1.0) -> int:
+    """Encode the units left to do (this rank's share), then on rank 0 write the dataset; the exit status."""
+    left = remaining_units(out, len(units), ranks)
+    progress, failed = Progress(out, ranks, len(units), len(units) - len(left)), []
+    for number in left[ranks.rank :: ranks.size]:
+        try:
+            encode_unit(number, units[number], encoders, settings, out, progress)
+        except ShardError as e:
+            failed.append(str(e))
+        progress(units=1)
+    store = DTYPES[settings["dtype"]]
+    if ranks.rank == 0 and encoders.text is not None:
+        encode_prompts(encoders, [""], store, out / EMPTY_PROMPT)
+        if validation_prompts:
+            encode_prompts(encoders, validation_prompts, store, out / VALIDATION_PROMPTS)
+    failed = progress.finish(failed)
+    if ranks.rank != 0:
+        return 0
+    if failed:
+        log.error("precompute: %d input shard(s) could not be read; the others are finished. Fix or replace them "
+                  "(or rerun: a download may have failed) and rerun the same command: %s", len(failed), failed[:5])
+        return 1
+    reports = [json.loads(report_path(out, n).read_text()) for n in range(len(units))]
+    if not summarize(reports, out, max_bad_fraction):
+        return 1
+    shutil.rmtree(out / PROGRESS, ignore_errors=True)
+    write_dataset(reports, encoders, out, settings, validation_prompts)
+    return 0
+
+
+def summarize(reports: list[dict], out: Path, max_bad_fraction: float) -> bool:
+    """Log what was encoded and skipped; False when more than `max_bad_fraction` of the samples were bad."""
+    samples = sum(r["samples"] for r in reports)
+    skipped = [(r["input"], s) for r in reports for s in r["skipped"]]
+    reasons = Counter(s["why"].partition(":")[0] for _, s in skipped)
+    log.info("%d samples from %d unit(s): %d encoded, %d skipped%s", samples, len(reports), samples - len(skipped),
+             len(skipped), f" ({', '.join(f'{why} {n}' for why, n in reasons.most_common())}); each unit's "
+                           f"skipped samples are in {out / REPORTS}/" if skipped else "")
+    for unit, s in skipped[:5]:
+        log.info("  skipped %s: %s", s["key"], s["why"])
+    if samples and len(skipped) > max_bad_fraction * samples:
+        log.error("precompute: %d of %d samples (%.1f %%) were bad, more than --max-bad-fraction %g: the input is "
+                  "likely wrong rather than noisy (%s). See %s/; rerun with a higher --max-bad-fraction to accept "
+                  "them (finished units are kept)", len(skipped), samples, 100 * len(skipped) / samples,
+                  max_bad_fraction, ", ".join(f"{why} {n}" for why, n in reasons.most_common()), out / REPORTS)
+        return False
+    if samples == len(skipped):
+        log.error("precompute: no sample could be encoded")
+        return False
+    return True
+
+
+def write_dataset(reports: list[dict], encoders: SD3Encoders, out: Path, settings: dict,
+                  validation_prompts: list[str] | None) -> None:
+    shards = [s for r in reports for s in r["shards"]]
+    vae = encoders.vae.config
+    info = {"channels": vae.latent_channels, "text_embeddings": encoders.text is not None,
+            "text_tokens": encoders.tokenizers.tokens, "text_dims": list(encoders.text_dims),
+            "max_sequence_length": settings["max_sequence_length"], "flipped": settings["random_flip"],
+            "resolution": settings["resolution"], "model": settings["model"],
+            "vae": {"scaling_factor": vae.scaling_factor, "shift_factor": vae.shift_factor or 0.0,
+                    "folder": str(Path(settings["model"]) / "vae")},
+            "validation_prompts": validation_prompts if encoders.text is None else None,
+            "skipped": sum(len(r["skipped"]) for r in reports)}
+    write_index(out, shards, (captions for r in reports for captions in r["captions"]), info)
+    if encoders.truncated:
+        log.warning("%d captions were longer than a text encoder's token limit and were cut", encoders.truncated)
+    log.info("wrote %d items in %d shards to %s%s", sum(s["count"] for s in shards), len(shards), out,
+             f", and {len(validation_prompts)} validation prompts" if validation_prompts else "")

@@ -1,0 +1,98 @@
+"""A unit of work: encode its samples into output shards, then publish its report (the marker that it is done)."""
+
+import json
+import logging
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from data.latents import publish_json, sha256, shard_record
+from data.precompute.encoders import SD3Encoders
+from data.precompute.images import aspect_buckets, ordered_map, prepare
+from data.precompute.inputs import Unit
+from models.diffusers_io import save_safetensors
+
+log = logging.getLogger("mmdit")
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+REPORTS, PROGRESS = "reports", ".progress"
+
+
+class UnitWriter:
+    """One unit's output: samples wait per target size for a batch, encoded rows wait for a shard."""
+
+    def __init__(self, number: int, encoders: SD3Encoders, settings: dict, out: Path, progress):
+        self.number, self.encoders, self.out, self.progress = number, encoders, out, progress
+        self.batch_size, self.shard_size = settings["batch_size"], settings["shard_size"]
+        self.flip, self.store = settings["random_flip"], DTYPES[settings["dtype"]]
+        self.waiting: dict[tuple[int, int], list] = {}
+        self.encoded: dict[tuple[int, int], tuple[list, list]] = {}
+        self.parts = Counter()
+        self.shards, self.captions = [], []
+
+    def add(self, size: tuple[int, int], pixels: torch.Tensor, caption: str) -> None:
+        self.waiting.setdefault(size, []).append((pixels, caption))
+        if len(self.waiting[size]) == self.batch_size:
+            self.encode(size)
+
+    def encode(self, size: tuple[int, int]) -> None:
+        batch = self.waiting.pop(size)
+        captions = [caption for _, caption in batch]
+        rows, done = self.encoded.setdefault(size, ([], []))
+        rows.append(self.encoders.encode(torch.stack([p for p, _ in batch]), captions, self.flip, self.store))
+        done += captions
+        self.progress(len(batch))
+        if len(done) >= self.shard_size:
+            self.write(size)
+
+    def write(self, size: tuple[int, int]) -> None:
+        rows, captions = self.encoded.pop(size)
+        tensors = {name: torch.cat([r[name] for r in rows]) for name in rows[0]}
+        h, w = tensors["latents"].shape[-2:]
+        name = f"shard-{self.number:05d}-{h}x{w}-{self.parts[size]:03d}.safetensors"
+        self.parts[size] += 1
+        save_safetensors(tensors, self.out / name, {"captions": json.dumps(captions)})
+        self.shards.append(shard_record(self.out, name, len(captions), (h, w)))
+        self.captions.append(captions)
+
+    def finish(self) -> None:
+        for size in sorted(self.waiting):
+            self.encode(size)
+        for size in sorted(self.encoded):
+            self.write(size)
+
+
+def encode_unit(number: int, unit: Unit, encoders: SD3Encoders, settings: dict, out: Path, progress) -> dict:
+    """Encode a unit and publish its report (the marker that it is finished); returns the report."""
+    buckets = (aspect_buckets(settings["resolution"], settings["bucket_step"]) if settings["aspect_buckets"]
+               else [(settings["resolution"], settings["resolution"])])
+    writer, skipped, samples = UnitWriter(number, encoders, settings, out, progress), [], 0
+    for sample, size, pixels in ordered_map(lambda s: prepare(s, buckets), unit.samples(), settings["workers"]):
+        samples += 1
+        if sample.problem:
+            skipped.append({"key": sample.key, "why": sample.problem})
+        else:
+            writer.add(size, pixels, sample.caption)
+    writer.finish()
+    report = {"input": unit.name, "samples": samples, "encoded": samples - len(skipped), "skipped": skipped,
+              "shards": writer.shards, "captions": writer.captions}
+    publish_json(report_path(out, number), report)
+    return report
+
+
+def report_path(out: Path, number: int) -> Path:
+    return out / REPORTS / f"{number:05d}.json"
+
+
+def verified(out: Path, number: int) -> bool | None:
+    """Whether a unit is finished and its shards are as published (their sizes and checksums); None when it has
+    no report."""
+    path = report_path(out, number)
+    if not path.is_file():
+        return None
+    try:
+        shards = json.loads(path.read_text())["shards"]
+    except (ValueError, KeyError):
+        return False
+    return all((out / s["file"]).is_file() and (out / s["file"]).stat().st_size == s["bytes"]
+               and sha256(out / s["file"]) == s["sha256"] for s in shards)

@@ -1,0 +1,2 @@
+"""The run's own machinery, beside the performance plugins of `perf/`: process groups, pre-emption, the
+non-finite guard, metrics and step statistics, validation, the memory plan and the host-sync counter."""
