@@ -19,7 +19,7 @@ from configs.build import (InitialValues, build_collate, build_data, build_model
 from configs.run_dir import global_batch, prepare_run_dir, save_run_config
 from configs.schema import DEFAULT_CONFIG, load_config
 from data.loader import check_batches, micro_batches, step_batches, to_device
-from errors import ConfigError
+from errors import ConfigError, InputError
 from models.lora import adapter_settings, apply_lora
 from models.rectified_flow import interpolate, per_sample_loss, sample_key
 from optim.adamw import build_adamw
@@ -58,10 +58,14 @@ def main(argv: list[str] | None = None) -> int:
             return train(cfg, world, device)
         finally:
             destroy_distributed()
-    except ConfigError as e:
+    except InputError as e:  # the user's input: one line, once
         if world.is_main:
-            log.error("config error: %s", e)
+            log.error("%s: %s", "config error" if isinstance(e, ConfigError) else "input error", e)
         return mark_exit(world.rank, "config-error", status=2)
+    except Exception as e:
+        if getattr(e, "reported_by_main", False):  # rank 0 prints this rank's traceback (stop_together)
+            return 1
+        raise
 
 
 def resolve_device(name: str) -> torch.device:
