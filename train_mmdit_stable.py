@@ -28,6 +28,7 @@ from optim.schedule import warmup_cosine
 from perf.attention import apply_attention_backend
 from perf.batch_sizer import build_batch_sizer
 from perf.checkpoint import Checkpointer, OptimizerState, TrainedWeights
+from perf.float8 import precompute_scales_after_step
 from perf.parallel import apply_parallelism, check_all_parameters_used, check_parallel, sync_gradients, unwrap
 from perf.precision import autocast, configure_cuda_math, deterministic_kernels, grad_scaler
 from perf.profiler import build_profiler
@@ -94,6 +95,7 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
     model = apply_parallelism(model, cfg, world, device, InitialValues(model, training.seed, cfg.model.init_from))
     optimizer = build_adamw(unwrap(model), optim.lr, (optim.beta1, optim.beta2), optim.eps, optim.weight_decay,
                             device, optim.fused)
+    precompute_scales_after_step(model, optimizer)
     ema = EMA(unwrap(model), optim.ema_decay)
     scaler = grad_scaler(device, training.dtype)
     configure_cuda_math(device, training.allow_tf32)

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from errors import ConfigError
 from perf.parallel import unwrap
@@ -265,6 +266,37 @@ class OptimizerState:
             group.update(settings)
 
 
+def plain(tree):
+    """A state with each tensor subclass that wraps a tensor (float8's weights under FSDP, perf/float8.py) replaced
+    by the tensor it wraps, sharing its memory: DCP reads and writes a tensor's storage, which such a wrapper
+    lacks (it wrote garbage for them, and would load into nothing)."""
+    if isinstance(tree, DTensor):
+        local = tree.to_local()
+        inner = plain(local)
+        return tree if inner is local else DTensor.from_local(inner, tree.device_mesh, tree.placements,
+                                                              shape=tree.shape, stride=tree.stride())
+    if is_traceable_wrapper_subclass(tree):
+        return plain(getattr(tree, tree.__tensor_flatten__()[0][0])).detach()
+    if isinstance(tree, dict):
+        return {k: plain(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(plain(v) for v in tree)
+    return tree
+
+
+class PlainTensors:
+    """A part of the training state as DCP can store it (`plain`)."""
+
+    def __init__(self, part):
+        self.part = part
+
+    def state_dict(self):
+        return plain(self.part.state_dict())
+
+    def load_state_dict(self, state) -> None:
+        self.part.load_state_dict(state)
+
+
 class Checkpointer:
     """Cadence, staging, background writing, publishing, verification and resumption of a run's checkpoints.
 
@@ -276,7 +308,8 @@ class Checkpointer:
                  timeout_s: int = 1800):
         self.run_dir, self.every, self.keep_last, self.fail_on_error = (Path(run_dir), cfg.every, cfg.keep_last,
                                                                         cfg.fail_on_error)
-        self.states, self.meta, self.files, self.device = states, meta, files, device
+        self.states = {name: PlainTensors(part) for name, part in states.items()}
+        self.meta, self.files, self.device = meta, files, device
         self.group = host_group(timeout_s) if is_distributed() else None  # the writer thread's own collectives
         self.rank = group_rank(self.group)
         cuda = device.type == "cuda"  # pinned buffers and a side stream need an accelerator

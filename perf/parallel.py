@@ -1,7 +1,7 @@
 """Data parallelism over ranks: DDP, FSDP or HSDP (`parallel.strategy`), applied in the one order that works
-for all of them: activation checkpointing, then torch.compile (per block, in place), then the wrap. The model
-arrives built on the meta device and is materialized here: on the device, or under FSDP only the shards this
-rank holds, so no rank ever holds the whole model (an 8B model is 32 GB in fp32).
+for all of them: float8 linears, then activation checkpointing, then torch.compile (per block, in place), then
+the wrap. The model arrives built on the meta device and is materialized here: on the device, or under FSDP only
+the shards this rank holds, so no rank ever holds the whole model (an 8B model is 32 GB in fp32).
 
 - ddp: every rank holds the whole model and optimizer; gradients are all-reduced in buckets during the last
   micro-step's backward (`no_sync` before it).
@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from models.sd3_text import SD3TextEncoders
 from perf.activation_checkpointing import apply_activation_checkpointing
 from perf.compile import apply_compile
+from perf.float8 import apply_float8
 from runtime.distributed import World
 
 log = logging.getLogger("mmdit")
@@ -73,9 +74,10 @@ def device_mesh(cfg: DictConfig, world: World, device: torch.device) -> DeviceMe
 
 def apply_parallelism(model: nn.Module, cfg: DictConfig, world: World, device: torch.device,
                       initial_values) -> nn.Module:
-    """The model as it trains: checkpointed, compiled, wrapped or sharded for the strategy, and materialized
-    from `initial_values` (see `materialize`)."""
+    """The model as it trains: float8, checkpointed, compiled, wrapped or sharded for the strategy, and
+    materialized from `initial_values` (see `materialize`)."""
     t, p = cfg.training, cfg.parallel
+    apply_float8(model, cfg.float8, device, sharded=sharded(cfg, world))
     apply_activation_checkpointing(model, t.activation_checkpointing)
     apply_compile(model, cfg.compile)
     if not sharded(cfg, world):
