@@ -57,7 +57,7 @@ SIZES = {
                        batch=4, image=128, text_tokens=333),
 }
 BASELINE = {"training.attention_backend": "math", "optimizer.fused": False, "compile.enabled": False,
-            "compile.scope": "blocks", "training.dtype": "fp32", "training.activation_checkpointing": 0}
+            "compile.scope": "blocks", "training.dtype": "fp32", "training.activation_checkpointing": "none"}
 VARIANTS = {  # overrides over BASELINE
     "baseline": {},
     "sdpa": {"training.attention_backend": "sdpa"},
@@ -68,7 +68,7 @@ VARIANTS = {  # overrides over BASELINE
     "bf16": {"training.dtype": "bf16"},
     "bf16_sdpa": {"training.dtype": "bf16", "training.attention_backend": "sdpa"},
     "bf16_compile": {"training.dtype": "bf16", "compile.enabled": True},
-    "activation_checkpointing": {"training.activation_checkpointing": 1},
+    "activation_checkpointing": {"training.activation_checkpointing": "full"},
     "all_fp32": {"optimizer.fused": True, "compile.enabled": True},
     "all": {"optimizer.fused": True, "compile.enabled": True, "training.dtype": "bf16"},
     "default": None,  # configs/shapes.yaml as it is

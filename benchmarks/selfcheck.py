@@ -49,7 +49,7 @@ class Row:
     name: str
     overrides: list[str] = field(default_factory=list)
     processes: str = "one"  # "one", or "all" local GPUs (2 gloo processes on a CPU machine)
-    needs: str = ""  # "cuda", "flash", "2 gpus": what the row cannot run without
+    needs: str = ""  # "cuda", "flash", "fp8", "2 gpus": what the row cannot run without
 
 
 ROWS = [
@@ -57,8 +57,10 @@ ROWS = [
     Row("bf16, sdpa", ["training.dtype=bf16"]),
     Row("bf16, flash-attn", ["training.dtype=bf16", "training.attention_backend=flash"], needs="flash"),
     Row("compile", ["compile.enabled=true"]),
-    Row("activation checkpointing", ["training.activation_checkpointing=1"]),
-    Row("compile + activation checkpointing", ["compile.enabled=true", "training.activation_checkpointing=1"]),
+    Row("activation checkpointing", ["training.activation_checkpointing=full"]),
+    Row("activation checkpointing, MLPs only", ["training.activation_checkpointing=mlp"]),
+    Row("compile + activation checkpointing", ["compile.enabled=true", "training.activation_checkpointing=full"]),
+    Row("float8, bf16", ["training.dtype=bf16", "float8.enabled=true"], needs="fp8"),
     Row("DDP", ["parallel.strategy=ddp"], processes="all"),
     Row("FSDP, bf16", ["parallel.strategy=fsdp", "training.dtype=bf16"], processes="all"),
     Row("FSDP, CPU offload", ["parallel.strategy=fsdp", "training.dtype=bf16", "parallel.cpu_offload=true"],
@@ -74,9 +76,12 @@ ROWS = [
 def not_runnable(row: Row) -> str | None:
     """Why `row` cannot run on this machine, or None."""
     from perf.attention import installed_flash_modules, select_flash
+    from perf.float8 import FP8_CAPABILITY
     cuda = torch.cuda.is_available()
-    if row.needs in ("cuda", "flash") and not cuda:
+    if row.needs in ("cuda", "flash", "fp8") and not cuda:
         return "needs a CUDA GPU"
+    if row.needs == "fp8" and torch.cuda.get_device_capability() < FP8_CAPABILITY:
+        return "needs float8 tensor cores (compute capability 8.9 or newer)"
     if row.needs == "flash":
         device = torch.device("cuda")
         return select_flash(device, "bf16", 64, installed_flash_modules(), torch.cuda.get_device_capability(device))[1]

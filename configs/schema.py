@@ -185,14 +185,19 @@ class TrainingConfig:
     allow_tf32: bool = True  # CUDA only: fp32 matmuls on tensor cores, much faster, 10-bit mantissa
     deterministic: bool = False  # CUDA: kernels that repeat bit for bit (runs and resumes), at some speed
     attention_backend: Literal["auto", "flash", "sdpa", "math"] = "auto"  # auto: flash-attn when usable, else SDPA
-    activation_checkpointing: int = 0  # recompute every k-th block in backward: less memory, ~1/3 more compute; 0 off
+    # activations the backward recomputes instead of keeping (plan_memory.py picks the cheapest setting that fits):
+    #   none: keep all (no recompute); mlp: the MLPs' 4x-wide hidden activations, not attention's (about 1/6 more
+    #   compute at 1024 px); full: whole blocks keep only their inputs (about 1/3 more compute)
+    activation_checkpointing: Literal["none", "mlp", "full"] = "none"
+    activation_checkpointing_every: int = 1  # mlp/full in blocks 0, k, 2k, ... only: memory between that and none
     # non-finite steps in a row before stopping a diverged run; 0: no guard. The guard skips a step on the device
     # and reads its count on log steps only, so it costs no host synchronisation per step
     max_nonfinite_steps: int = 20
 
     def __post_init__(self):
-        positive(self, "train_batch_size", "gradient_accumulation_steps", "max_steps")
-        non_negative(self, "seed", "activation_checkpointing", "max_nonfinite_steps")
+        positive(self, "train_batch_size", "gradient_accumulation_steps", "max_steps",
+                 "activation_checkpointing_every")
+        non_negative(self, "seed", "max_nonfinite_steps")
 
 
 @dataclass
@@ -423,6 +428,15 @@ def load_config(path: str | Path = DEFAULT_CONFIG, overrides: list[str] = (), re
     if moved:
         raise ConfigError(f"{'; '.join(moved)}: rename {'it' if len(moved) == 1 else 'them'} in {path} or the "
                           f"command line")
+    every = OmegaConf.select(given, "training.activation_checkpointing")
+    if isinstance(every, int) and not isinstance(every, bool):  # the key once counted blocks
+        meant = {"activation_checkpointing": "none"} if every == 0 else \
+            {"activation_checkpointing": "full", "activation_checkpointing_every": every}
+        if resolve:
+            raise ConfigError(f"training.activation_checkpointing={every} is now 'none', 'mlp' or 'full': "
+                              f"{', '.join(f'training.{k}={v}' for k, v in meant.items())} is what {every} meant "
+                              f"(in {path} or the command line)")
+        given.training.update(meant)  # a run's saved config from before the change: what it meant
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(Config), given)
     except OmegaConfBaseException as e:

@@ -78,7 +78,7 @@ def apply_parallelism(model: nn.Module, cfg: DictConfig, world: World, device: t
     materialized from `initial_values` (see `materialize`)."""
     t, p = cfg.training, cfg.parallel
     apply_float8(model, cfg.float8, device, sharded=sharded(cfg, world))
-    apply_activation_checkpointing(model, t.activation_checkpointing)
+    apply_activation_checkpointing(model, t.activation_checkpointing, t.activation_checkpointing_every)
     apply_compile(model, cfg.compile)
     if not sharded(cfg, world):
         materialize(model, device, initial_values)

@@ -89,7 +89,7 @@ def test_ddp_with_compile_activation_checkpointing_and_bf16(tmp_path):
     (dynamo, through DDP's optimizer, captures graphs with the checkpointed regions), and 2 ranks x
     accumulation 2 equal 1 rank x accumulation 4, since each micro-batch holds the same samples either way."""
     plugins = [*TINY, "training.max_steps=3", "training.train_batch_size=2", "compile.enabled=true",
-               "compile.backend=aot_eager", "training.activation_checkpointing=1", "training.dtype=bf16"]
+               "compile.backend=aot_eager", "training.activation_checkpointing=full", "training.dtype=bf16"]
     two = [*plugins, "training.gradient_accumulation_steps=2", f"logging.output_dir={tmp_path / 'two'}"]
     ranks = spawn(2, train_counting_compiled_graphs, two, tmp_path=tmp_path)
     assert [r["status"] for r in ranks] == [0, 0], ranks

@@ -93,7 +93,7 @@ def test_exported_adapter_loads_into_diffusers_with_the_same_outputs(lora_run, t
 
 @pytest.mark.parametrize("plugin,weights_atol", [
     (["compile.enabled=true", "compile.backend=aot_eager"], 1e-7),  # decomposed ops: fp32 rounding only
-    (["training.activation_checkpointing=1", "checkpoint.async_save=false"], 0.0),  # the same math, bitwise
+    (["training.activation_checkpointing=full", "checkpoint.async_save=false"], 0.0),  # the same math, bitwise
     (["training.dtype=bf16"], None)])  # bf16 rounds activations: losses within 3 %
 def test_lora_with_a_plugin_trains_like_lora_without(lora_run, tmp_path, plugin, weights_atol):
     assert main(lora_run("training.max_steps=4", "optimizer.eps=1e-3", run="plain")) == 0

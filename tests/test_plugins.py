@@ -74,30 +74,55 @@ def test_a_failed_compilation_falls_back_to_eager(tiny, tmp_path, monkeypatch):
     assert_close(final_weights(tmp_path / "broken"), final_weights(tmp_path / "eager"))
 
 
-@pytest.mark.parametrize("every", [1, 2])
-def test_activation_checkpointing_gives_the_same_gradients_and_recomputes(every):
-    """The same gradients bitwise, and the checkpointed blocks (0, every, 2*every, ...) run their attention
-    twice: once in the forward, once when the backward recomputes it."""
+def checkpointing_model(mode: str, every: int):
+    """A 3-block model with non-zero weights (adaLN-Zero left as initialised would make blocks identities)."""
     cfg = load_config(overrides=["model.num_layers=3", "text_encoder.dim=32", "text_encoder.num_heads=2"])
+    torch.manual_seed(0)
+    model = build_model(cfg, ShapesDataset, build_tokenizer())
+    for p in model.parameters():
+        p.data.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.02)
+    apply_activation_checkpointing(model, mode, every)
+    return model
+
+
+@pytest.mark.parametrize("mode,every", [("full", 2), ("mlp", 2)])  # blocks 0 and 2 checkpointed, 1 not
+def test_activation_checkpointing_gives_the_same_gradients_and_recomputes(mode, every):
+    """The same gradients bitwise, and the checkpointed blocks (0, every, 2*every, ...) recompute what the mode
+    says: full the whole block (its attention runs twice), mlp its MLPs only (attention runs once)."""
     tokenizer = build_tokenizer()
-    grads, attention_calls = [], []
-    for checkpointing in (0, every):
-        torch.manual_seed(0)
-        model = build_model(cfg, ShapesDataset, tokenizer)
-        for p in model.parameters():  # leave the adaLN-Zero init so every block does real work
-            p.data.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.02)
-        apply_activation_checkpointing(model, checkpointing)
-        calls = [0, 0, 0]
-        for i, block in enumerate(model.transformer.transformer_blocks):
-            block.attn.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+    grads, calls = [], []
+    for checkpointing in ("none", mode):
+        model = checkpointing_model(checkpointing, every)
+        count = {"attn": [0, 0, 0], "ff": [0, 0, 0]}
+        for i, block in enumerate(model.transformer.transformer_blocks):  # inside the MLP: its recompute calls
+            for part, module in (("attn", block.attn), ("ff", block.ff.net[0])):  # ff.forward, not ff()
+                module.register_forward_pre_hook(lambda *_, i=i, p=part: count[p].__setitem__(i, count[p][i] + 1))
         g = torch.Generator().manual_seed(1)
         x, sigma = torch.randn(4, 3, 32, 32, generator=g), torch.rand(4, generator=g)
         model(x, sigma, tokenizer(["a red circle in the center"] * 4)).square().mean().backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-        attention_calls.append(calls)
+        calls.append(count)
     assert_close(grads[1], grads[0])
-    assert attention_calls[0] == [1, 1, 1]
-    assert attention_calls[1] == [2 if i % every == 0 else 1 for i in range(3)]
+    assert calls[0] == {"attn": [1, 1, 1], "ff": [1, 1, 1]}
+    twice = [2 if i % every == 0 else 1 for i in range(3)]
+    assert calls[1] == {"attn": twice if mode == "full" else [1, 1, 1], "ff": twice}
+
+
+@pytest.mark.parametrize("mode", ["mlp", "full"])
+def test_checkpointed_blocks_compile_without_graph_breaks(mode):
+    """Each block compiles to one graph with its checkpointed regions in it (fullgraph would raise on a break;
+    dynamo's counters say none happened), forward and backward."""
+    model = checkpointing_model(mode, 1)
+    block = model.transformer.transformer_blocks[0]
+    torch._dynamo.reset()
+    counters.clear()
+    block.compile(backend="aot_eager", fullgraph=True)
+    g, width = torch.Generator().manual_seed(1), block.attn.to_q.in_features
+    x, c, temb = (torch.randn(2, 5, width, generator=g), torch.randn(2, 3, width, generator=g),
+                  torch.randn(2, width, generator=g))
+    out_x, out_c = block(x, c, temb)
+    (out_x.square().mean() + out_c.square().mean()).backward()
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
 
 
 def test_compile_and_activation_checkpointing_compose(tiny, tmp_path):
@@ -108,7 +133,7 @@ def test_compile_and_activation_checkpointing_compose(tiny, tmp_path):
     results = {}
     for name, overrides in {"eager": [], "compiled": ["compile.enabled=true", "compile.backend=aot_eager"]}.items():
         counters.clear()
-        assert main(tiny("training.max_steps=2", "optimizer.eps=1e-3", "training.activation_checkpointing=1",
+        assert main(tiny("training.max_steps=2", "optimizer.eps=1e-3", "training.activation_checkpointing=full",
                          *overrides, run=name)) == 0
         results[name] = dict(counters["stats"])
     assert results["eager"] == {}
