@@ -5,8 +5,9 @@
 
 For the config as given and for the choices near it (activation checkpointing, a quantized base, FSDP over the
 GPUs, CPU offload, another micro-batch) it prints, per rank, the weights, gradients, optimizer state, EMA,
-weights in flight, activations and overhead, the total, and whether it fits (runtime/memory_plan.py says how each
-is counted). The architecture comes from model.init_from when that folder exists, else from the released model
+weights in flight, activations and overhead, the total, whether it fits, and the compute activation checkpointing
+adds; then the activation checkpointing setting that fits with the least recompute (runtime/memory_plan.py says
+how each is counted). The architecture comes from model.init_from when that folder exists, else from the released model
 the config is named after (or --model); the data's sizes from SD3's encoders at --resolution.
 """
 
@@ -23,7 +24,7 @@ from configs.schema import ARCHITECTURE_KEYS, Config
 from models.diffusers_io import read_config
 from models.lora import apply_lora
 from models.quantized import quantize_linears
-from runtime.memory_plan import GIB, count_model, plan
+from runtime.memory_plan import GIB, cheapest_checkpointing, count_model, plan
 
 # The released transformers' sizes (../shared/reference/sd3-mmdit-facts.md); text from CLIP-L + CLIP-G + T5
 RELEASED = {
@@ -101,11 +102,11 @@ def choices(cfg, gpus: int) -> list[tuple[str, dict]]:
     """The config as given, then one change at a time."""
     t, p = cfg.training, cfg.parallel
     given = {"strategy": p.strategy if gpus > 1 or p.cpu_offload else "ddp", "micro_batch": t.train_batch_size,
-             "checkpoint_every": t.activation_checkpointing, "quantization": cfg.lora.base_quantization,
-             "cpu_offload": p.cpu_offload}
+             "checkpointing": t.activation_checkpointing, "every": t.activation_checkpointing_every,
+             "quantization": cfg.lora.base_quantization, "cpu_offload": p.cpu_offload}
     rows = [("as configured", given)]
-    if not given["checkpoint_every"]:
-        rows.append(("+ activation checkpointing", {**given, "checkpoint_every": 1}))
+    rows += [(f"activation checkpointing {mode}", {**given, "checkpointing": mode, "every": 1})
+             for mode in ("none", "mlp", "full") if (mode, 1) != (given["checkpointing"], given["every"])]
     if cfg.lora.enabled:
         rows += [(f"base {q}", {**given, "quantization": q}) for q in ("none", "int8", "nf4") if q != given["quantization"]]
     if gpus > 1 and given["strategy"] == "ddp":
@@ -118,6 +119,14 @@ def choices(cfg, gpus: int) -> list[tuple[str, dict]]:
     return rows
 
 
+def settings(cfg, choice: dict, gpus: int) -> dict:
+    """plan()'s arguments for one choice, but for the activation checkpointing setting."""
+    shard_group = (cfg.parallel.shard_size or gpus) if choice["strategy"] == "hsdp" else gpus
+    return {"strategy": choice["strategy"], "ranks": shard_group, "micro_batch": choice["micro_batch"],
+            "dtype": cfg.training.dtype, "reshard_after_forward": cfg.parallel.reshard_after_forward,
+            "cpu_offload": choice["cpu_offload"]}
+
+
 def plan_rows(cfg, dataset, tokenizer, gpus: int, gpu_gib: float) -> list[dict]:
     counts = {}
     rows = []
@@ -125,40 +134,54 @@ def plan_rows(cfg, dataset, tokenizer, gpus: int, gpu_gib: float) -> list[dict]:
         quantization = choice["quantization"]
         if quantization not in counts:
             counts[quantization] = count(cfg, dataset, tokenizer, quantization)
-        shard_group = (cfg.parallel.shard_size or gpus) if choice["strategy"] == "hsdp" else gpus
-        result = plan(counts[quantization], strategy=choice["strategy"], ranks=shard_group,
-                      micro_batch=choice["micro_batch"], checkpoint_every=choice["checkpoint_every"],
-                      dtype=cfg.training.dtype, reshard_after_forward=cfg.parallel.reshard_after_forward,
-                      cpu_offload=choice["cpu_offload"])
+        result = plan(counts[quantization], checkpointing=choice["checkpointing"], every=choice["every"],
+                      **settings(cfg, choice, gpus))
         rows.append({"choice": name, **{k: getattr(result, k) / GIB for k in
                                         ("weights", "gradients", "optimizer", "ema", "in_flight", "activations",
                                          "workspace", "overhead", "host")},
-                     "total": result.peak / GIB, "fits": result.peak / GIB <= gpu_gib})
+                     "total": result.peak / GIB, "fits": result.peak / GIB <= gpu_gib,
+                     "recompute": 100 * result.recompute})
     return rows
+
+
+def cheapest_line(cfg, dataset, tokenizer, gpus: int, gpu_gib: float) -> str:
+    """The activation checkpointing setting that fits with the least recompute, the rest as configured."""
+    given = choices(cfg, gpus)[0][1]
+    found = cheapest_checkpointing(count(cfg, dataset, tokenizer, given["quantization"]), gpu_gib * GIB,
+                                   **settings(cfg, given, gpus))
+    if found is None:
+        return f"no activation checkpointing setting fits {gpu_gib:g} GiB as configured otherwise"
+    mode, every, result = found
+    return (f"least recompute that fits {gpu_gib:g} GiB: training.activation_checkpointing={mode}"
+            + (f" training.activation_checkpointing_every={every}" if every > 1 else "")
+            + f" ({result.peak / GIB:.2f} GiB, +{100 * result.recompute:.0f} % compute)")
 
 
 def print_rows(rows: list[dict], gpu_gib: float) -> None:
     columns = ("weights", "gradients", "optimizer", "ema", "in_flight", "activations", "workspace", "overhead", "total",
                "host")
-    print(f"{'per rank, GiB':<28}" + "".join(f"{c:>12}" for c in columns) + f"{'fits ' + format(gpu_gib, 'g') + ' GiB':>14}")
+    print(f"{'per rank, GiB':<36}" + "".join(f"{c:>12}" for c in columns) + f"{'+compute %':>12}"
+          + f"{'fits ' + format(gpu_gib, 'g') + ' GiB':>14}")
     for r in rows:
-        print(f"{r['choice']:<28}" + "".join(f"{r[c]:>12.2f}" for c in columns) + f"{'yes' if r['fits'] else 'NO':>14}")
+        print(f"{r['choice']:<36}" + "".join(f"{r[c]:>12.2f}" for c in columns) + f"{r['recompute']:>12.0f}"
+              + f"{'yes' if r['fits'] else 'NO':>14}")
 
 
 def readme_table(resolution: int) -> str:
     """For each released model, full and LoRA, at micro-batch 1 in bf16: the lightest setting that fits one GPU
     of 24, 48 and 80 GiB, and the per-GPU figure of FSDP over 8 GPUs of 80 GiB."""
-    settings = [  # tried in order: the first that fits is shown
-        ("bf16", {}), ("bf16 + AC", {"checkpoint_every": 1}),
-        ("bf16 + AC, int8 base", {"checkpoint_every": 1, "quantization": "int8"}),
-        ("bf16 + AC, nf4 base", {"checkpoint_every": 1, "quantization": "nf4"}),
-        ("bf16 + AC + CPU offload", {"checkpoint_every": 1, "cpu_offload": True, "strategy": "fsdp"})]
+    tried = [  # in order: the first that fits is shown
+        ("bf16", {}), ("bf16 + AC mlp", {"checkpointing": "mlp"}), ("bf16 + AC", {"checkpointing": "full"}),
+        ("bf16 + AC, int8 base", {"checkpointing": "full", "quantization": "int8"}),
+        ("bf16 + AC, nf4 base", {"checkpointing": "full", "quantization": "nf4"}),
+        ("bf16 + AC + CPU offload", {"checkpointing": "full", "cpu_offload": True, "strategy": "fsdp"})]
     lines = [f"| model ({resolution} px) | training | 1 x 24 GiB | 1 x 48 GiB | 1 x 80 GiB | 8 x 80 GiB, FSDP |",
              "|---|---|---|---|---|---|"]
     for model in RELEASED:
         for lora in (False, True):
             path = f"configs/{model.replace('-', '_')}{'_lora' if lora else ''}.yaml"
-            cfg, _ = planning_config(path, ["training.train_batch_size=1", "training.activation_checkpointing=0"], model)
+            cfg, _ = planning_config(path, ["training.train_batch_size=1", "training.activation_checkpointing=none"],
+                                     model)
             dataset, tokenizer = data_like(cfg, resolution)
             counts = {}
 
@@ -166,12 +189,12 @@ def readme_table(resolution: int) -> str:
                 if quantization not in counts:
                     counts[quantization] = count(cfg, dataset, tokenizer, quantization)
                 return plan(counts[quantization], ranks=ranks, micro_batch=1, dtype="bf16",
-                            **{"strategy": "ddp", "checkpoint_every": 0, **change})
+                            **{"strategy": "ddp", **change})
 
             cells = []
             for gib in (24, 48, 80):
                 cell = "no single-GPU setting fits"
-                for label, change in settings:
+                for label, change in tried:
                     if change.get("quantization", "none") != "none" and not lora:
                         continue
                     result = peak(**change)
@@ -181,7 +204,7 @@ def readme_table(resolution: int) -> str:
                         break
                 cells.append(cell)
             sharded = peak(strategy="fsdp", ranks=8)
-            checkpointed = peak(strategy="fsdp", ranks=8, checkpoint_every=1)
+            checkpointed = peak(strategy="fsdp", ranks=8, checkpointing="full")
             cells.append(f"{sharded.peak / GIB:.1f} GiB ({checkpointed.peak / GIB:.1f} with AC)")
             lines.append(f"| {model} | {'LoRA r16' if lora else 'full'} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -207,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.config}: {name or 'the configured architecture'}, {cfg.training.dtype}, {args.gpus} GPU(s) of "
           f"{args.gpu_gib:g} GiB" + (f", {args.resolution} px" if tokenizer is None else ""))
     print_rows(plan_rows(cfg, dataset, tokenizer, args.gpus, args.gpu_gib), args.gpu_gib)
+    print(cheapest_line(cfg, dataset, tokenizer, args.gpus, args.gpu_gib))
     return 0
 
 

@@ -12,8 +12,10 @@ micro-batch 1. The rest follows stated rules:
   weights gathered in the compute dtype (the running one and the prefetched one; every block when
   parallel.reshard_after_forward is off), and one block's full fp32 gradient before its reduce-scatter.
 - activations: the saved tensors per sample times the micro-batch, attention counted as a flash kernel keeps it
-  (q, k, v, output and row statistics, never the L x L scores); with activation checkpointing every k-th block
-  keeps only its inputs, and the backward recomputes one block at a time.
+  (q, k, v, output and row statistics, never the L x L scores). Activation checkpointing in every k-th block:
+  `full` keeps only the block's inputs, `mlp` its MLPs' inputs instead of their hidden activations; the backward
+  recomputes one block (or MLP) at a time, which holds its activations meanwhile. What it costs: the recomputed
+  forward FLOPs (counted on the meta device like the bytes) over the step's (3x the forward's).
 - workspace: dequantizing a quantized layer holds its 4-byte level indices and two weight-sized temporaries in
   the compute dtype (int8: three), for the largest such layer.
 - peak: everything that persists, plus the larger of the activations and the gradients (the backward frees
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 from torch.utils._pytree import tree_flatten
 
 from models import attention
@@ -51,6 +54,7 @@ class Plan:
     workspace: float = 0.0
     overhead: float = 0.0
     host: float = 0.0
+    recompute: float = 0.0  # activation checkpointing's extra FLOPs, as a share of the step's
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -72,6 +76,12 @@ class ModelCount:
     block_inputs: list[int]  # bytes of each block's inputs, per sample
     saved_outside: int  # saved outside the blocks (embeddings, final layer, loss), per sample
     dequantized: dict[str, int]  # the largest quantized layer's weights, by scheme
+    mlp_saved: list[int]  # of saved_per_block, what each block's MLPs save, per sample
+    mlp_inputs: list[int]  # bytes of the inputs of each block's MLPs, per sample
+    largest_mlp: int  # the most one MLP saves, per sample
+    block_flops: list[int]  # forward FLOPs of each block, per sample
+    mlp_flops: list[int]  # of block_flops, those of its MLPs
+    forward_flops: int  # of the whole model, per sample
 
 
 def count_model(model, example_inputs, activation_bytes: int, frozen_bytes: int) -> ModelCount:
@@ -80,8 +90,11 @@ def count_model(model, example_inputs, activation_bytes: int, frozen_bytes: int)
     per element, frozen float weights at `frozen_bytes` (the dtype training keeps them in)."""
     blocks = list(model.transformer.transformer_blocks)
     weights = {id(p) for p in model.parameters()}
-    saved, inputs, current = [0] * len(blocks), [0] * len(blocks), [None]
+    n = len(blocks)
+    saved, inputs, mlp_saved, mlp_inputs, one_mlp = [0] * n, [0] * n, [0] * n, [0] * n, [0]
+    block_flops, mlp_flops, current, mlp = [0] * n, [0] * n, [None], [None]
     outside, seen = [0], {}  # one tensor saved by several ops (a block's input by q, k and v) is held once
+    flops = FlopCounterMode(display=False)
 
     def size(t: torch.Tensor) -> int:
         return t.numel() * (activation_bytes if t.is_floating_point() else t.element_size())
@@ -94,6 +107,9 @@ def count_model(model, example_inputs, activation_bytes: int, frozen_bytes: int)
                 outside[0] += size(t)
             else:
                 saved[current[0]] += size(t)
+            if mlp[0] is not None:
+                mlp_saved[current[0]] += size(t)
+                mlp[0] += size(t)
         return t
 
     def flash_attention(q, k, v):  # what a flash kernel keeps for the backward: inputs, output, row statistics
@@ -107,12 +123,36 @@ def count_model(model, example_inputs, activation_bytes: int, frozen_bytes: int)
         def hook(module, args):
             current[0] = index
             inputs[index] = sum(size(a) for a in args if isinstance(a, torch.Tensor))
+            block_flops[index] -= flops.get_total_flops()
         return hook
 
-    handles = [b.register_forward_pre_hook(enter(i)) for i, b in enumerate(blocks)]
-    handles += [b.register_forward_hook(lambda *_: current.__setitem__(0, None)) for b in blocks]
+    def leave(index):
+        def hook(*_):
+            current[0] = None
+            block_flops[index] += flops.get_total_flops()
+        return hook
+
+    def enter_mlp(index):
+        def hook(module, args):
+            mlp[0] = 0
+            mlp_inputs[index] += sum(size(a) for a in args if isinstance(a, torch.Tensor))
+            mlp_flops[index] -= flops.get_total_flops()
+        return hook
+
+    def leave_mlp(index):
+        def hook(*_):
+            one_mlp[0], mlp[0] = max(one_mlp[0], mlp[0]), None
+            mlp_flops[index] += flops.get_total_flops()
+        return hook
+
+    handles = []
+    for i, block in enumerate(blocks):
+        handles += [block.register_forward_pre_hook(enter(i)), block.register_forward_hook(leave(i))]
+        for ff in (block.ff, block.ff_context):
+            if ff is not None:
+                handles += [ff.register_forward_pre_hook(enter_mlp(i)), ff.register_forward_hook(leave_mlp(i))]
     try:
-        with attention.attention_kernel(flash_attention), saved_tensors_hooks(pack, lambda t: t):
+        with attention.attention_kernel(flash_attention), saved_tensors_hooks(pack, lambda t: t), flops:
             model(*example_inputs).float().square().mean()
     finally:
         for handle in handles:
@@ -133,7 +173,8 @@ def count_model(model, example_inputs, activation_bytes: int, frozen_bytes: int)
         block_trained=[sum(p.numel() for p in b.parameters() if p.requires_grad) for b in blocks],
         root_bytes=stored(model) - sum(stored(b) for b in blocks),
         saved_per_block=saved, block_inputs=inputs, saved_outside=outside[0],
-        dequantized=largest_quantized(model))
+        dequantized=largest_quantized(model), mlp_saved=mlp_saved, mlp_inputs=mlp_inputs, largest_mlp=one_mlp[0],
+        block_flops=block_flops, mlp_flops=mlp_flops, forward_flops=flops.get_total_flops())
 
 
 def largest_quantized(model) -> dict[str, int]:
@@ -145,8 +186,8 @@ def largest_quantized(model) -> dict[str, int]:
     return largest
 
 
-def plan(count: ModelCount, *, strategy: str, ranks: int, micro_batch: int, checkpoint_every: int,
-         dtype: str, reshard_after_forward: bool = True, cpu_offload: bool = False, gpu: bool = True) -> Plan:
+def plan(count: ModelCount, *, strategy: str, ranks: int, micro_batch: int, dtype: str, checkpointing: str = "none",
+         every: int = 1, reshard_after_forward: bool = True, cpu_offload: bool = False, gpu: bool = True) -> Plan:
     """Bytes per rank for training with these settings (`ranks`: the shard group under FSDP/HSDP)."""
     p = Plan()
     split = ranks if strategy in ("fsdp", "hsdp") else 1
@@ -167,18 +208,33 @@ def plan(count: ModelCount, *, strategy: str, ranks: int, micro_batch: int, chec
         p.host = p.weights - count.buffer_bytes + p.gradients + p.optimizer + p.ema
         p.weights, p.gradients, p.optimizer, p.ema = count.buffer_bytes, 0.0, 0.0, 0.0
         p.notes.append("weights, gradients, AdamW state and EMA in host memory; the optimizer step runs there")
-    saved = list(count.saved_per_block)
-    if checkpoint_every > 0:
-        recomputed = max(saved[i] for i in range(0, len(saved), checkpoint_every))
-        for i in range(0, len(saved), checkpoint_every):
-            saved[i] = count.block_inputs[i]
-        saved.append(recomputed)  # the block the backward recomputes
-    p.activations = micro_batch * (sum(saved) + count.saved_outside)
+    checkpointed = range(0, len(count.saved_per_block), every) if checkpointing != "none" else range(0)
+    p.activations = micro_batch * (held_in_backward(count, checkpointing, set(checkpointed)) + count.saved_outside)
+    recomputed = count.block_flops if checkpointing == "full" else count.mlp_flops
+    p.recompute = sum(recomputed[i] for i in checkpointed) / (3 * count.forward_flops)
     p.workspace = max([n * (4 + 2 * compute) for s, n in count.dequantized.items() if s == "nf4"] +
                       [n * 3 * compute for s, n in count.dequantized.items() if s == "int8"] + [0])
     if gpu:
         p.overhead = CUDA_CONTEXT + FRAGMENTATION * (p.peak - p.overhead)
     return p
+
+
+def held_in_backward(count: ModelCount, checkpointing: str, checkpointed: set[int]) -> int:
+    """The most the blocks' saved activations take per sample: at the start of the backward, or while it runs a
+    block (from the last to the first), when the blocks before it still keep what they saved and a checkpointed
+    block (or MLP) holds its recomputed activations too."""
+    kept, running = [], []
+    for i, saved in enumerate(count.saved_per_block):
+        if i not in checkpointed:
+            kept.append(saved)
+            running.append(saved)
+        elif checkpointing == "full":
+            kept.append(count.block_inputs[i])
+            running.append(saved)
+        else:
+            kept.append(saved - count.mlp_saved[i] + count.mlp_inputs[i])
+            running.append(kept[-1] + count.largest_mlp)
+    return max([sum(kept)] + [sum(kept[:i]) + running[i] for i in range(len(kept))])
 
 
 class PeakMemory(TorchDispatchMode):
@@ -212,3 +268,15 @@ class PeakMemory(TorchDispatchMode):
         for tensor in tree_flatten(out)[0]:
             self.hold(tensor)
         return out
+
+
+# activation checkpointing settings (mode, every k-th block), from the least recompute to the least memory
+CHECKPOINTING = [("none", 1), *[(mode, every) for mode in ("mlp", "full") for every in (4, 2, 1)]]
+
+
+def cheapest_checkpointing(count: ModelCount, gpu_bytes: float, **settings) -> tuple[str, int, Plan] | None:
+    """The activation checkpointing setting that recomputes least among those whose plan fits in `gpu_bytes` (the
+    smaller peak on a tie), as (mode, every, plan); None if none fits. `settings`: plan()'s other arguments."""
+    plans = [(mode, every, plan(count, checkpointing=mode, every=every, **settings)) for mode, every in CHECKPOINTING]
+    fitting = [choice for choice in plans if choice[2].peak <= gpu_bytes]
+    return min(fitting, key=lambda choice: (choice[2].recompute, choice[2].peak), default=None)

@@ -1,6 +1,6 @@
 """The memory plan (plan_memory.py, runtime/memory_plan.py) against what a training step really holds: the peak
-of live tensor bytes through one step on this CPU, for a full fine-tune and a LoRA on an nf4 base with
-activation checkpointing, within 15 %."""
+of live tensor bytes through one step on this CPU, for a full fine-tune under each kind of activation
+checkpointing and a LoRA on an nf4 base with it, within 15 %; and the setting the plan picks for a memory size."""
 
 import pytest
 import torch
@@ -14,7 +14,7 @@ from optim.adamw import build_adamw
 from optim.ema import EMA
 from perf.parallel import apply_parallelism
 from runtime.distributed import World
-from runtime.memory_plan import PeakMemory, plan
+from runtime.memory_plan import CHECKPOINTING, PeakMemory, cheapest_checkpointing, plan
 from runtime.nonfinite import NonFiniteGuard
 from runtime.step_stats import SigmaBuckets
 from tests.conftest import LORA, export_random_base
@@ -50,16 +50,21 @@ def measured_peak(overrides: list[str]) -> float:
 
 def planned_peak(overrides: list[str]) -> float:
     cfg = load_config(overrides=overrides)
+    t = cfg.training
     dataset, tokenizer = plan_memory.data_like(cfg, 0)
     count = plan_memory.count(cfg, dataset, tokenizer, cfg.lora.base_quantization)
-    return plan(count, strategy="ddp", ranks=1, micro_batch=cfg.training.train_batch_size,
-                checkpoint_every=cfg.training.activation_checkpointing, dtype=cfg.training.dtype, gpu=False).peak
+    return plan(count, strategy="ddp", ranks=1, micro_batch=t.train_batch_size, checkpointing=t.activation_checkpointing,
+                every=t.activation_checkpointing_every, dtype=t.dtype, gpu=False).peak
 
 
-@pytest.mark.parametrize("kind", ["full fine-tune", "LoRA, nf4 base, activation checkpointing"])
+@pytest.mark.parametrize("kind", ["full fine-tune", "full fine-tune, mlp checkpointing",
+                                  "full fine-tune, full checkpointing in every 2nd block",
+                                  "LoRA, nf4 base, activation checkpointing"])
 def test_the_plan_is_within_15_percent_of_the_measured_peak(kind, tiny, lora_run, latent_run, tmp_path):
-    if kind == "full fine-tune":
-        overrides = tiny(*SIZE, "model.patch_size=2")
+    if kind.startswith("full fine-tune"):
+        checkpointing = {"full fine-tune": [], "full fine-tune, mlp checkpointing": ["training.activation_checkpointing=mlp"]}
+        overrides = tiny(*SIZE, "model.patch_size=2", *checkpointing.get(kind, [
+            "training.activation_checkpointing=full", "training.activation_checkpointing_every=2"]))
     else:
         from tests.conftest import write_latent_shards
         data = write_latent_shards(tmp_path / "data", per_shard=32)
@@ -77,3 +82,29 @@ def test_the_command_plans_a_released_model_without_its_files(capsys):
     assert "sd35-large" in out and "as configured" in out and "base nf4" in out and "FSDP + CPU offload" in out
     rows = {line.split("  ")[0]: line.split() for line in out.splitlines()[2:]}
     assert rows["base nf4"][-1] == "yes"  # 4-bit weights fit where bf16 ones are tight
+
+
+def test_the_plan_picks_the_setting_that_fits_with_the_least_recompute(tiny):
+    """For a memory size, the activation checkpointing setting that fits and recomputes least: none where all
+    fits, mlp in every 4th block where only a little must go (a 24th more compute: this width-128 model's MLPs
+    are half a block's FLOPs and a third of its saved bytes), full in every block as the last resort."""
+    cfg = load_config(overrides=tiny(*SIZE, "model.patch_size=2"))
+    dataset, tokenizer = plan_memory.data_like(cfg, 0)
+    count = plan_memory.count(cfg, dataset, tokenizer, "none")
+    settings = {"strategy": "ddp", "ranks": 1, "micro_batch": 16, "dtype": "fp32", "gpu": False}
+    plans = {(mode, every): plan(count, checkpointing=mode, every=every, **settings) for mode, every in CHECKPOINTING}
+    assert plans[("none", 1)].recompute == 0 < plans[("mlp", 1)].recompute < plans[("full", 1)].recompute
+    assert plans[("full", 1)].recompute == pytest.approx(1 / 3, rel=0.05)  # a block's forward, of 3 per step
+    assert plans[("full", 1)].peak < plans[("mlp", 1)].peak < plans[("mlp", 4)].peak < plans[("none", 1)].peak
+
+    def pick(budget):
+        return cheapest_checkpointing(count, budget, **settings)[:2]
+
+    assert pick(plans[("none", 1)].peak) == ("none", 1)
+    assert pick(plans[("mlp", 4)].peak) == ("mlp", 4)
+    assert pick(plans[("full", 1)].peak) == ("full", 1)
+    assert cheapest_checkpointing(count, plans[("full", 1)].peak - 1, **settings) is None
+    for budget in (p.peak for p in plans.values()):  # never one that recomputes more than another that fits
+        chosen = plans[pick(budget)]
+        assert chosen.peak <= budget
+        assert all(p.recompute >= chosen.recompute for p in plans.values() if p.peak <= budget)
