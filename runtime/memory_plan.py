@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import FlopCounterMode
 
 from models import attention
 from models.quantized import QuantizedLinear
