@@ -28,7 +28,7 @@ from optim.schedule import warmup_cosine
 from perf.attention import apply_attention_backend
 from perf.batch_sizer import build_batch_sizer
 from perf.checkpoint import Checkpointer, OptimizerState, TrainedWeights
-from perf.float8 import precompute_scales_after_step
+from perf.float8 import check_float8, precompute_scales_after_step
 from perf.parallel import apply_parallelism, check_all_parameters_used, check_parallel, sync_gradients, unwrap
 from perf.precision import autocast, configure_cuda_math, deterministic_kernels, grad_scaler
 from perf.profiler import build_profiler
@@ -82,6 +82,7 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
     batch_size = global_batch(cfg, world.world_size)
     with stop_together():  # checks before anything is put on the device or written; only rank 0 writes
         check_parallel(cfg, world)
+        check_float8(cfg.float8, device)
         dataset, tokenizer = build_data(cfg)
         items, holdout = holdout_split(cfg, dataset)
         check_batches(dataset, items, batch_size)

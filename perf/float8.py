@@ -16,6 +16,7 @@ optimizer step one all-reduce computes every weight's scale for the next step's 
 rounds to float8 but multiplies in high precision, on any device: the same numerics without the speed, for tests.
 """
 
+import importlib.util
 import logging
 
 import torch
@@ -29,8 +30,13 @@ FP8_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with float8 tensor cor
 
 
 def check_float8(cfg, device: torch.device) -> None:
-    """float8 where this device cannot run it, named before any compute (`cfg`: the config's float8 section)."""
-    if not cfg.enabled or cfg.emulate:
+    """float8 where this device cannot run it, or without torchao, named before any compute (`cfg`: the config's
+    float8 section)."""
+    if not cfg.enabled:
+        return
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError("float8.enabled=true needs torchao: pip install -e '.[float8]'")
+    if cfg.emulate:
         return
     if device.type != "cuda":
         raise ConfigError(f"float8.enabled=true needs a GPU with float8 tensor cores, and this run is on "
@@ -54,10 +60,7 @@ def apply_float8(model: nn.Module, cfg, device: torch.device, sharded: bool) -> 
     if not cfg.enabled:
         return
     check_float8(cfg, device)
-    try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    except ImportError:
-        raise ConfigError("float8.enabled=true needs torchao: pip install -e '.[float8]'") from None
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     config = Float8LinearConfig(emulate=cfg.emulate, enable_fsdp_float8_all_gather=sharded)
     blocks = model.transformer.transformer_blocks
     convert_to_float8_training(blocks, module_filter_fn=converts, config=config)

@@ -64,9 +64,10 @@ def test_float8_is_bf16_within_one_float8_rounding():
     assert (grad8 - grad).norm() / grad.norm() < 2**-3
 
 
-def test_float8_is_refused_where_it_cannot_run(tiny, caplog, monkeypatch):
+def test_float8_is_refused_where_it_cannot_run(tiny, tmp_path, caplog, monkeypatch):
     assert main(tiny("float8.enabled=true", "training.max_steps=1")) == 2  # a CPU, not emulated
     assert "float8.enabled=true needs a GPU with float8 tensor cores" in caplog.text
+    assert not (tmp_path / "run").exists()  # before anything is written
     assert main(tiny("float8.emulate=true")) == 2
     assert "float8.emulate must be false unless float8.enabled=true" in caplog.text
 
