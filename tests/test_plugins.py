@@ -12,6 +12,7 @@ import train_mmdit_stable
 from configs.build import build_model, build_tokenizer
 from configs.schema import load_config
 from data.shapes import ShapesDataset
+from errors import ConfigError
 from perf.activation_checkpointing import apply_activation_checkpointing
 from perf.checkpoint import checkpoints
 from tests.conftest import assert_close, assert_differs, checkpoint_state, final_weights, losses, metric_rows
@@ -106,6 +107,19 @@ def test_activation_checkpointing_gives_the_same_gradients_and_recomputes(mode, 
     assert calls[0] == {"attn": [1, 1, 1], "ff": [1, 1, 1]}
     twice = [2 if i % every == 0 else 1 for i in range(3)]
     assert calls[1] == {"attn": twice if mode == "full" else [1, 1, 1], "ff": twice}
+
+
+def test_the_old_integer_checkpointing_setting_is_named_with_what_it_meant(tmp_path):
+    """Given by a user: refused with its translation; in a run's saved config from before: read as it meant."""
+    with pytest.raises(ConfigError, match="training.activation_checkpointing=full, "
+                                          "training.activation_checkpointing_every=2 is what 2 meant"):
+        load_config(overrides=["training.activation_checkpointing=2"])
+    saved = tmp_path / "config.yaml"
+    saved.write_text("training:\n  activation_checkpointing: 2\n")
+    training = load_config(saved, resolve=False).training
+    assert (training.activation_checkpointing, training.activation_checkpointing_every) == ("full", 2)
+    saved.write_text("training:\n  activation_checkpointing: 0\n")
+    assert load_config(saved, resolve=False).training.activation_checkpointing == "none"
 
 
 @pytest.mark.parametrize("mode", ["mlp", "full"])
