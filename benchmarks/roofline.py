@@ -26,8 +26,10 @@ import argparse
 import json
 import math
 import sys
-from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, field
+import warnings
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -107,8 +109,6 @@ def op_class(packet) -> str:
 
 def footprint(t: torch.Tensor) -> int:
     """Bytes of memory a tensor spans as a kernel reads it: broadcast (stride 0) dimensions count once."""
-    if not isinstance(t, torch.Tensor) or t.dim() == 0 and not t.is_floating_point() and False:
-        return 0
     n = math.prod(size for size, stride in zip(t.shape, t.stride()) if stride != 0 and size > 1)
     return n * t.element_size()
 
@@ -155,8 +155,8 @@ class OpCensus(TorchDispatchMode):
             return out  # a no-op conversion
         read = sum(footprint(t) for t in tensors((args, kwargs)))
         written = sum(footprint(t) for t in tensors(out))
-        if func._schema.is_mutable:  # in place: the output is the input it wrote
-            written = 0 if packet not in (aten.copy_,) else written
+        if packet is aten.copy_:  # writes its first argument without reading it
+            read -= footprint(args[0])
         self.kernels.append(Kernel(op_class(packet), packet.__name__, flops_of(packet, args, kwargs, out),
                                    read + written))
         return out
@@ -202,12 +202,9 @@ def block_and_inputs(shape: Shape):
 CUDA_FP32_OPS = ["layer_norm", "native_layer_norm", "group_norm", "pow.Tensor_Scalar",
                  "pow.Tensor_Tensor", "rsqrt", "exp", "log", "reciprocal", "softplus", "mse_loss"]
 CUDA_FP32_DTYPE_OPS = ["sum", "sum.dim_IntList", "softmax.int", "log_softmax.int", "cumsum", "prod"]
-_policy = None
 # CUDA runs rms_norm as one kernel forward (`_fused_rms_norm`) and one backward where input and weight dtypes
 # match; on CPU the same op decomposes into pow/mean/rsqrt/mul before any dispatch mode sees it. The eager
-# census counts CUDA's kernels (`fused_rms_norm`, below); the compiled path keeps the decomposition, which is
-# what inductor fuses anyway.
-EAGER_FUSED_RMS_NORM = False
+# census counts CUDA's kernels (these two ops); the compiled path keeps the decomposition, which inductor fuses.
 
 
 @torch.library.custom_op("roofline::fused_rms_norm", mutates_args=())
@@ -242,17 +239,13 @@ def _backward(ctx, grad, _):
 fused_rms_norm_op.register_autograd(_backward, setup_context=_setup)
 
 
-def fused_rms_norm(x, weight, eps):
-    return fused_rms_norm_op(x, weight, 1e-6 if eps is None else eps)[0]
-
-
-def cuda_autocast_policy() -> None:
-    """Registers, once, CUDA's fp32 autocast policy for CUDA_FP32_OPS (floating inputs cast to fp32) and
-    CUDA_FP32_DTYPE_OPS (the op's dtype argument set to fp32) as these ops' AutocastCPU kernels."""
-    global _policy
-    if _policy is not None:
-        return
-    _policy = torch.library.Library("aten", "IMPL")
+@contextmanager
+def cuda_autocast_policy(fused_rms_norm_kernel: bool = False):
+    """Inside: CPU autocast follows CUDA's fp32 policy for CUDA_FP32_OPS (floating inputs cast to fp32) and
+    CUDA_FP32_DTYPE_OPS (the op's dtype argument set to fp32), as these ops' AutocastCPU kernels, and
+    F.rms_norm runs as on CUDA (fp32 under autocast; one fused kernel, `fused_rms_norm`, where input and weight
+    dtypes match, if `fused_rms_norm_kernel`). Everything is put back on exit."""
+    library = torch.library.Library("aten", "IMPL")
     no_autocast = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
     lower = (torch.bfloat16, torch.float16)
 
@@ -274,24 +267,30 @@ def cuda_autocast_policy() -> None:
 
     rms_norm_on_cpu = F.rms_norm
 
-    def rms_norm(x, normalized_shape, weight=None, eps=None):  # F.rms_norm as it runs on CUDA
+    def rms_norm(x, normalized_shape, weight=None, eps=None):
         if torch.is_autocast_enabled("cpu"):
             x, weight = x.float(), weight.float() if weight is not None else None
         with torch.autocast("cpu", enabled=False):
-            if EAGER_FUSED_RMS_NORM and weight is not None and weight.dtype == x.dtype:
-                return fused_rms_norm(x, weight, eps)
+            if fused_rms_norm_kernel and weight is not None and weight.dtype == x.dtype:
+                return fused_rms_norm_op(x, weight, 1e-6 if eps is None else eps)[0]
             return rms_norm_on_cpu(x, normalized_shape, weight, eps)
 
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Overriding a previously registered kernel")
+        warnings.filterwarnings("ignore", "Warning only once for all operators")
+        for names, policy in ((CUDA_FP32_OPS, fp32), (CUDA_FP32_DTYPE_OPS, fp32_dtype)):
+            for name in names:
+                packet, _, overload = name.partition(".")
+                library.impl(name, policy(getattr(getattr(aten, packet), overload or "default")), "AutocastCPU")
     F.rms_norm = rms_norm
-    for names, policy in ((CUDA_FP32_OPS, fp32), (CUDA_FP32_DTYPE_OPS, fp32_dtype)):
-        for name in names:
-            packet, _, overload = name.partition(".")
-            op = getattr(getattr(aten, packet), overload or "default")
-            _policy.impl(name, policy(op), "AutocastCPU")
+    try:
+        yield
+    finally:
+        F.rms_norm = rms_norm_on_cpu
+        library._destroy()
 
 
 def autocast(shape: Shape):
-    cuda_autocast_policy()
     return torch.autocast("cpu", dtype=torch.bfloat16, enabled=shape.dtype != "fp32")
 
 
@@ -302,14 +301,11 @@ def step(block, inputs, shape: Shape):
 
 
 def eager_census(shape: Shape) -> list[Kernel]:
-    global EAGER_FUSED_RMS_NORM
-    EAGER_FUSED_RMS_NORM = True
-    with FakeTensorMode():
+    with FakeTensorMode(), cuda_autocast_policy(fused_rms_norm_kernel=True):
         block, inputs = block_and_inputs(shape)
         census = OpCensus()
         with census:
             step(block, inputs, shape)
-    EAGER_FUSED_RMS_NORM = False
     return census.kernels
 
 
@@ -333,7 +329,7 @@ def compiled_graphs(shape: Shape) -> tuple[FakeTensorMode, dict[str, torch.fx.Gr
         return compiler
 
     mode = FakeTensorMode()
-    with mode:
+    with mode, cuda_autocast_policy():
         block, inputs = block_and_inputs(shape)
         params = dict(block.named_parameters())
 

@@ -172,12 +172,13 @@ def gated(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def modulation(linear: nn.Linear, c: torch.Tensor) -> torch.Tensor:
-    """linear(SiLU(c)) in fp32, outside autocast. It acts once per sample (B rows), so its matmul costs
-    nothing, but its weight is large (6-9 D^2): autocast would cast it to bf16 in every forward and cast its
-    gradient back in every backward, the largest cast traffic of a block. In fp32 the matmuls read the fp32
-    weight as it is, and the shifts, scales and gates keep fp32 precision."""
+    """linear(SiLU(c)) in its weight's dtype, outside autocast. It acts once per sample (B rows), so its
+    matmul costs nothing, but its weight is large (6-9 D^2): autocast would cast it to bf16 in every forward and
+    cast its gradient back in every backward, the largest cast traffic of a block. With fp32 master weights the
+    matmuls read them as they are, and the shifts, scales and gates keep fp32 precision (under FSDP's bf16
+    policy the weight, and so the modulation, is bf16)."""
     with autocast_off(c):
-        return linear(F.silu(c.float()))
+        return linear(F.silu(c.to(linear.weight.dtype)))
 
 
 class AdaLNZero(nn.Module):

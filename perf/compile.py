@@ -1,10 +1,11 @@
 """torch.compile, applied in place (`nn.Module.compile`), so state-dict keys stay those of the eager model.
 
 Scope `blocks` compiles each transformer block (one graph reused by identical blocks, short compile) with
-`fullgraph=True`: a block is one graph, so inductor fuses everything between its matmuls (a graph break would
-split the fusion regions and go unnoticed); `model` compiles the whole transformer (more fusion, longer
-compile; not held to one graph). A compilation failure falls back to
-eager for the failing frame, with dynamo's warning naming the reason, instead of stopping the run.
+`fullgraph=True`: a block is one graph, so inductor fuses everything between its matmuls. A graph break in a
+block (code dynamo cannot trace, added by a wrapper or a plugin) stops the run with dynamo's message naming it,
+instead of silently compiling the block in pieces. `model` compiles the whole transformer (more fusion,
+longer compile; not held to one graph). A failure of the compiler backend falls back to eager for the
+failing frame, with dynamo's warning naming the reason, instead of stopping the run.
 """
 
 import logging
