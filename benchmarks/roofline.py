@@ -316,7 +316,7 @@ def compiled_graphs(shape: Shape) -> tuple[FakeTensorMode, dict[str, torch.fx.Gr
     """The forward and backward graphs inductor receives for the block: AOTAutograd's joint graph with
     inductor's decompositions, split by the min-cut partitioner (what is saved, what the backward
     recomputes), as `torch.compile(block)` makes them."""
-    from torch._functorch.aot_autograd import aot_function
+    from torch._functorch.aot_autograd import aot_function, make_boxed_func
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
 
@@ -325,7 +325,7 @@ def compiled_graphs(shape: Shape) -> tuple[FakeTensorMode, dict[str, torch.fx.Gr
     def capture(name):
         def compiler(gm, example_inputs):
             graphs[name] = gm
-            return gm.forward
+            return make_boxed_func(gm.forward)  # run on the fake tensors, for the backward to be traced
         return compiler
 
     mode = FakeTensorMode()
@@ -449,17 +449,18 @@ def summarize(kernels: list[Kernel]) -> dict:
             "by_class": dict(sorted(by_class.items(), key=lambda kv: -kv[1]["bytes"]))}
 
 
-def census(shape: Shape) -> dict:
-    """Both paths of one block-step: counts per op class and the H100 time and MFU they imply."""
+def census(shape: Shape, kernels: dict[str, list[Kernel]] | None = None) -> dict:
+    """Both paths of one block-step (their `kernels`, counted here if not given): counts per op class and the
+    H100 time and MFU they imply."""
+    kernels = kernels or {"eager": eager_census(shape), "compiled": compiled_census(shape)}
     result = {"shape": asdict(shape), "rates": {"peak_bf16": PEAK_BF16, "matmul": MATMUL_RATE, "memory": MEMORY_RATE,
                                                 "attention": ATTENTION_RATES, "launch_floor_s": LAUNCH_FLOOR_S}}
-    for path, count in (("eager", eager_census), ("compiled", compiled_census)):
-        kernels = count(shape)
-        row = summarize(kernels)
+    for path in ("eager", "compiled"):
+        row = summarize(kernels[path])
         peak = PEAK_BF16 if shape.dtype == "bf16" else PEAK_TF32
         row["h100"] = {}
         for attention in ATTENTION_RATES:
-            seconds = predicted_time(kernels, path, attention, shape.dtype)
+            seconds = predicted_time(kernels[path], path, attention, shape.dtype)
             row["h100"][attention] = {"ms": round(seconds * 1e3, 3), "mfu": round(row["model_flops"] / seconds / peak, 3)}
         result[path] = row
     return result

@@ -161,8 +161,9 @@ class RMSNorm(nn.RMSNorm):
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x * (1 + scale) + shift, computed in fp32 (scale and shift are fp32) and rounded once to x's dtype."""
-    return torch.addcmul(shift[:, None], x, 1 + scale[:, None]).to(x.dtype)
+    """x * (1 + scale) + shift in x's dtype, one kernel with one rounding (the per-sample shift and 1 + scale
+    are cast to x's dtype: fp32 ones would make an fp32 copy of the activation, cast back by the next matmul)."""
+    return torch.addcmul(shift[:, None].to(x.dtype), x, (1 + scale[:, None]).to(x.dtype))
 
 
 def gated(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -175,8 +176,7 @@ def modulation(linear: nn.Linear, c: torch.Tensor) -> torch.Tensor:
     """linear(SiLU(c)) in its weight's dtype, outside autocast. It acts once per sample (B rows), so its
     matmul costs nothing, but its weight is large (6-9 D^2): autocast would cast it to bf16 in every forward and
     cast its gradient back in every backward, the largest cast traffic of a block. With fp32 master weights the
-    matmuls read them as they are, and the shifts, scales and gates keep fp32 precision (under FSDP's bf16
-    policy the weight, and so the modulation, is bf16)."""
+    matmuls read them as they are (under FSDP's bf16 policy the weight, and so the modulation, is bf16)."""
     with autocast_off(c):
         return linear(F.silu(c.to(linear.weight.dtype)))
 
