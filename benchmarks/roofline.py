@@ -317,7 +317,7 @@ def compiled_graphs(shape: Shape) -> tuple[FakeTensorMode, dict[str, torch.fx.Gr
     inductor's decompositions, split by the min-cut partitioner (what is saved, what the backward
     recomputes), as `torch.compile(block)` makes them."""
     from torch._functorch.aot_autograd import aot_function, make_boxed_func
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.compile_fx import partition_fn
     from torch._inductor.decomposition import select_decomp_table
 
     graphs = {}
@@ -338,7 +338,7 @@ def compiled_graphs(shape: Shape) -> tuple[FakeTensorMode, dict[str, torch.fx.Gr
                 return torch.func.functional_call(block, params, (x, c, temb))
 
         compiled = aot_function(forward, fw_compiler=capture("forward"), bw_compiler=capture("backward"),
-                                partition_fn=min_cut_rematerialization_partition, decompositions=select_decomp_table())
+                                partition_fn=partition_fn, decompositions=select_decomp_table())
         x, c = compiled(params, *inputs)
         torch.autograd.backward([x, c], [torch.empty_like(x), torch.empty_like(c)])
     return mode, graphs
@@ -376,6 +376,8 @@ def scheduled_kernels(gm: torch.fx.GraphModule, mode: FakeTensorMode, backward: 
     from torch._inductor.scheduler import ExternKernelSchedulerNode, NopKernelSchedulerNode
     from torch._inductor.virtualized import V
 
+    from torch._inductor.compile_fx import _recursive_post_grad_passes
+
     inductor_without_gpu()
     gm = on_gpu(gm)
     with mode:
@@ -383,6 +385,7 @@ def scheduled_kernels(gm: torch.fx.GraphModule, mode: FakeTensorMode, backward: 
                   for v in (n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder")]
     kernels = []
     with V.set_fake_mode(mode), mode, DebugContext():
+        _recursive_post_grad_passes(gm, is_inference=False)
         graph = GraphLowering(gm, example_inputs=inputs, is_inference=False, is_backward=backward)
         with V.set_graph_handler(graph):
             graph.run(*inputs)
