@@ -499,8 +499,8 @@ def main(argv=None) -> int:
     print(table(result))
     if str(args.json) != "-":
         runs = json.loads(args.json.read_text()) if args.json.exists() else {}
-        key = f"{args.preset} " + " ".join(f"{k}={v}" for k, v in asdict(shape).items()
-                                          if k not in PRESETS[args.preset])
+        preset = asdict(Shape(**PRESETS[args.preset]))
+        key = " ".join([args.preset, *(f"{k}={v}" for k, v in asdict(shape).items() if v != preset[k])])
         runs[key] = result
         args.json.write_text(json.dumps(runs, indent=1) + "\n")
     return 0
