@@ -371,12 +371,11 @@ def scheduled_kernels(gm: torch.fx.GraphModule, mode: FakeTensorMode, backward: 
     """Inductor's kernels for one graph: its lowering and scheduler (with fusion) run as `torch.compile`
     runs them for a CUDA device, stopped before code generation. Bytes per kernel are the scheduler's
     `get_read_write_buffers_sizes` (what inductor's `metrics.num_bytes_accessed` sums)."""
+    from torch._inductor.compile_fx import _recursive_post_grad_passes
     from torch._inductor.debug import DebugContext
     from torch._inductor.graph import GraphLowering
     from torch._inductor.scheduler import ExternKernelSchedulerNode, NopKernelSchedulerNode
     from torch._inductor.virtualized import V
-
-    from torch._inductor.compile_fx import _recursive_post_grad_passes
 
     inductor_without_gpu()
     gm = on_gpu(gm)
