@@ -3,19 +3,18 @@
     python benchmarks/roofline.py                       # SD3-medium block, 1024 px, batch 4, bf16: table + JSON
     python benchmarks/roofline.py --preset sd3.5-large  # or sd3.5-medium; --width/--heads/... for other shapes
 
-The block runs on fake CUDA tensors (no memory, no GPU: torch's FakeTensorMode) under CUDA's bf16 autocast,
-so autocast inserts the casts it inserts on a GPU. Two paths are counted:
+The block runs on fake tensors (no memory, no GPU: torch's FakeTensorMode) under bf16 autocast with CUDA's
+autocast policy (`cuda_autocast_policy`), so autocast inserts the casts it inserts on a GPU. Two paths:
 
 - eager: every aten op the forward and backward dispatch, recorded below autograd (a TorchDispatchMode), with
   its FLOPs (torch's flop counter formulas) and the bytes it reads and writes (the memory its tensors span;
   views launch nothing and are not counted).
-- compiled: the block as `torch.compile` gives it to inductor: dynamo's graph, AOTAutograd's joint graph
-  split by inductor's min-cut partitioner into a forward and a backward graph, decomposed with inductor's
-  decompositions. Then a model of inductor's fusion (`fused_regions`): the matmuls and attention kernels stay
-  as they are; every connected region of other ops between them becomes one kernel that reads its inputs
-  from memory once and writes its outputs once; a region splits where its reductions do not share one
-  iteration space. `--check-inductor` compares the model with inductor's own scheduler (its per-kernel
-  read/write buffer sizes, the count `torch._inductor.metrics.num_bytes_accessed` reports) on the same graphs.
+- compiled: the graphs `torch.compile` hands inductor (AOTAutograd's joint graph with inductor's
+  decompositions and joint-graph passes, split by its min-cut partitioner, then its post-grad passes), lowered
+  and scheduled by inductor itself for a CUDA device and stopped before code generation (`scheduled_kernels`):
+  its kernels after fusion, each with the bytes its scheduler node reads and writes
+  (`get_read_write_buffers_sizes`, what `torch._inductor.metrics.num_bytes_accessed` sums). Default mode:
+  matmuls are cuBLAS calls (extern kernels), nothing is fused into them.
 
 The time a path implies on an H100 SXM: each kernel takes the longest of its FLOPs at its rate, its bytes at
 the measured memory rate, and a floor per launch; the block-step time is their sum (no overlap between
