@@ -63,7 +63,7 @@ def test_fsdp_in_bf16_feeds_the_timestep_embedding_fp32_timesteps(tmp_path):
     are compiled and checkpointed under FSDP: each is one graph, with no graph break (DDP's compiled blocks:
     tests/test_distributed.py)."""
     common = [*TINY, "training.max_steps=2", "training.dtype=bf16", "training.train_batch_size=4"]
-    compiled = ["compile.enabled=true", "compile.backend=aot_eager", "training.activation_checkpointing=1"]
+    compiled = ["compile.enabled=true", "compile.backend=aot_eager", "training.activation_checkpointing=full"]
     timesteps = {}
     for strategy in ("ddp", "fsdp"):
         run = [*common, *(compiled if strategy == "fsdp" else []), f"parallel.strategy={strategy}",
