@@ -5,6 +5,8 @@ update is scaled by alpha / sqrt(rank) instead of alpha / rank)."""
 
 import torch.nn as nn
 
+from errors import ConfigError
+
 # The attention projections diffusers' SD3 LoRA training script targets (SD3.5's image-only attn2 is left alone).
 DIFFUSERS_SD3_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                          "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]
@@ -38,18 +40,18 @@ def apply_lora(model: nn.Module, lora) -> nn.Module:
     try:
         from peft import LoraConfig, inject_adapter_in_model
     except ImportError:
-        raise ValueError("lora.enabled=true needs peft: pip install -e '.[finetune]'") from None
+        raise ConfigError("lora.enabled=true needs peft: pip install -e '.[finetune]'") from None
     names = [name for name, _ in model.transformer.named_modules()]
     missing = [t for t in lora.target_modules if not any(n == t or n.endswith("." + t) for n in names)]
     if missing:
-        raise ValueError(f"lora.target_modules {missing} match no module of the MMDiT "
+        raise ConfigError(f"lora.target_modules {missing} match no module of the MMDiT "
                          f"(e.g. {DIFFUSERS_SD3_TARGETS[0]!r}, 'attn2.to_q', 'ff.net.2')")
     model.requires_grad_(False)
     adapted = {"transformer": (model.transformer, adapter_settings(lora))}
     for part, settings in text_encoder_settings(lora).items():
         encoder = getattr(model.text_encoder, part, None)
         if encoder is None:
-            raise ValueError(f"lora.text_encoders names {part}, but the model runs no such text encoder "
+            raise ConfigError(f"lora.text_encoders names {part}, but the model runs no such text encoder "
                              f"(data.text_encoding=on_the_fly runs SD3's CLIP-L and CLIP-G)")
         adapted[part] = (encoder, settings)
     for module, settings in adapted.values():

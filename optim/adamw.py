@@ -23,7 +23,8 @@ def decay_groups(model: nn.Module) -> tuple[list[str], list[str]]:
 
 
 def build_adamw(model: nn.Module, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                device: torch.device, fused: bool = True, lr_scales: dict[str, float] | None = None) -> torch.optim.AdamW:
+                device: torch.device, fused: bool = True,
+                lr_scales: dict[str, float] | None = None) -> torch.optim.AdamW:
     """`lr_scales`: parameter-name prefix -> factor on the learning rate for the parameters under it (the text
     encoders' adapters: lora.text_encoder_lr / optimizer.lr). Each group carries its factor as "lr_scale", which the
     schedule multiplies in every step. The groups: (decayed, not decayed) of the other parameters, then those of

@@ -64,9 +64,9 @@ def test_export_loads_into_the_sd3_pipeline_with_equal_embeddings_and_output(run
 
 def test_a_run_killed_with_sigkill_resumes_bit_for_bit(run, tmp_path):
     """With adapter dropout in the text encoders too (they stay in inference mode, their adapters do not)."""
-    common = ["training.max_steps=16", "checkpoint.every=4", "logging.log_every=4", "lora.dropout=0.2"]
+    common = ["training.max_steps=8", "checkpoint.every=2", "logging.log_every=2", "lora.dropout=0.2"]
     killed = run(*common, name="killed")
-    sigkill_after(killed, "step_00000008 complete")
+    sigkill_after(killed, "step_00000004 complete")
     assert checkpoints(tmp_path / "killed")
     assert main(killed) == 0
     assert main(run(*common, name="straight")) == 0
