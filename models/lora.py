@@ -45,14 +45,14 @@ def apply_lora(model: nn.Module, lora) -> nn.Module:
     missing = [t for t in lora.target_modules if not any(n == t or n.endswith("." + t) for n in names)]
     if missing:
         raise ConfigError(f"lora.target_modules {missing} match no module of the MMDiT "
-                         f"(e.g. {DIFFUSERS_SD3_TARGETS[0]!r}, 'attn2.to_q', 'ff.net.2')")
+                          f"(e.g. {DIFFUSERS_SD3_TARGETS[0]!r}, 'attn2.to_q', 'ff.net.2')")
     model.requires_grad_(False)
     adapted = {"transformer": (model.transformer, adapter_settings(lora))}
     for part, settings in text_encoder_settings(lora).items():
         encoder = getattr(model.text_encoder, part, None)
         if encoder is None:
             raise ConfigError(f"lora.text_encoders names {part}, but the model runs no such text encoder "
-                             f"(data.text_encoding=on_the_fly runs SD3's CLIP-L and CLIP-G)")
+                              f"(data.text_encoding=on_the_fly runs SD3's CLIP-L and CLIP-G)")
         adapted[part] = (encoder, settings)
     for module, settings in adapted.values():
         inject_adapter_in_model(LoraConfig(**settings), module, adapter_name=ADAPTER)
