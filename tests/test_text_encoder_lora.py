@@ -3,16 +3,20 @@ on all adapters: the export loads into diffusers' SD3 pipeline with equal prompt
 text encoders' adapters train at their own learning rate, a run killed with SIGKILL resumes bit for bit, FSDP over a
 quantized base trains like one process, and a dataset of precomputed embeddings is refused."""
 
+import json
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
 
 import export_mmdit
 from configs.build import build_data
+from models.diffusers_io import LORA_METADATA_KEY, LORA_WEIGHTS
 from perf.checkpoint import checkpoints
 from sample_mmdit import load_trained
-from tests.conftest import (LATENT_RUN, T5_TOKENS, assert_close, export_random_base, final_weights, sigkill_after,
-                            trains)
+from tests.conftest import (LATENT_RUN, T5_TOKENS, assert_close, export_random_base, final_weights,
+                            sigkill_after, trains)
 from tests.test_precompute import pipeline
 from train_mmdit_stable import main
 
@@ -42,6 +46,12 @@ def test_export_loads_into_the_sd3_pipeline_with_equal_embeddings_and_output(run
     assert [g["lr"] for g in groups[2:]] == pytest.approx([0.4 * groups[0]["lr"]] * 4)
     out = tmp_path / "lora"
     assert export_mmdit.main(["--checkpoint", str(tmp_path / "run"), "--out", str(out)]) == 0
+    with safe_open(out / LORA_WEIGHTS, "pt") as f:
+        keys, header = list(f.keys()), json.loads(f.metadata()[LORA_METADATA_KEY])
+    for prefix, adapted in (("transformer.", 8 + 7), ("text_encoder.", 2 * 4), ("text_encoder_2.", 2 * 4)):
+        assert sum(k.startswith(prefix) and k.endswith(".lora_magnitude_vector.weight") for k in keys) == adapted
+        # rsLoRA's scale alpha / sqrt(rank) = 4 folded into lora_B: the header says alpha = rank, no rsLoRA
+        assert header[f"{prefix}lora_alpha"] == 4 and header[f"{prefix}use_dora"] and not header[f"{prefix}use_rslora"]
     model, cfg = load_trained(checkpoints(tmp_path / "run")[-1])
     captions = ["a red cat", "a dog on the grass in snow"]
     pipe = pipeline(sd3_dir, diffusers.SD3Transformer2DModel.from_pretrained(cfg.model.init_from))
@@ -64,9 +74,9 @@ def test_export_loads_into_the_sd3_pipeline_with_equal_embeddings_and_output(run
 
 def test_a_run_killed_with_sigkill_resumes_bit_for_bit(run, tmp_path):
     """With adapter dropout in the text encoders too (they stay in inference mode, their adapters do not)."""
-    common = ["training.max_steps=8", "checkpoint.every=2", "logging.log_every=2", "lora.dropout=0.2"]
+    common = ["training.max_steps=6", "checkpoint.every=2", "logging.log_every=2", "lora.dropout=0.2"]
     killed = run(*common, name="killed")
-    sigkill_after(killed, "step_00000004 complete")
+    sigkill_after(killed, "step_00000002 complete")
     assert checkpoints(tmp_path / "killed")
     assert main(killed) == 0
     assert main(run(*common, name="straight")) == 0
