@@ -96,3 +96,12 @@ def test_mistakes_are_named_before_compute(run, tmp_path, caplog):
     assert main(run("lora.text_encoders=[t5]")) == 2
     assert "lora.text_encoders must be distinct names of ['clip_l', 'clip_g']" in caplog.text
     assert not (tmp_path / "run").exists()
+
+
+def test_a_resume_may_change_the_text_encoders_lr_only(run):
+    from configs.run_dir import identity_changes
+    from configs.schema import load_config
+    config = lambda *extra: load_config(overrides=run(*extra))
+    assert identity_changes(config(), config("lora.text_encoder_lr=1e-5")) == []
+    assert identity_changes(config(), config("lora.text_encoders=[clip_l]")) == \
+        ["lora.text_encoders: ['clip_l', 'clip_g'] -> ['clip_l']"]
