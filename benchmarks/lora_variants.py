@@ -129,7 +129,8 @@ def main() -> None:
     batch = (torch.randn(args.batch, 16, args.latent, args.latent, generator=gen),
              torch.randint(VOCAB, (args.batch, CLIP_TOKENS), generator=gen),
              torch.randint(VOCAB, (args.batch, CLIP_TOKENS), generator=gen),
-             torch.rand(args.batch, generator=gen), torch.randn(args.batch, 16, args.latent, args.latent, generator=gen))
+             torch.rand(args.batch, generator=gen),
+             torch.randn(args.batch, 16, args.latent, args.latent, generator=gen))
     with tempfile.TemporaryDirectory() as tmp:
         folder = pipeline_folder(Path(tmp))
         modes = [Mode(name, build(args, folder, mode)) for name, mode in MODES.items()]
@@ -146,7 +147,8 @@ def main() -> None:
                      "training_state_mib": sum(state.values()) / 2**20,
                      "activations_mib": activations[mode.name] / 2**20})
     plain = rows[0]
-    print(f"{'mode':<22} {'step s':>8} {'vs lora':>8} {'trained':>11} {'grad+Adam+EMA MiB':>18} {'activations MiB':>16}")
+    print(f"{'mode':<22} {'step s':>8} {'vs lora':>8} {'trained':>11} {'grad+Adam+EMA MiB':>18} "
+          f"{'activations MiB':>16}")
     for r in rows:
         print(f"{r['mode']:<22} {r['median_step_s']:>8.3f} {r['median_step_s'] / plain['median_step_s']:>8.2f} "
               f"{r['trained_params']:>11,} {r['training_state_mib']:>18.2f} {r['activations_mib']:>16.1f}")

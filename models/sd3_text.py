@@ -112,7 +112,8 @@ class SD3TextEncoders(nn.Module):
         hidden, pooled = [], []
         for encoder, ids in ((self.clip_l, clip_l_ids), (self.clip_g, clip_g_ids)):
             # a frozen encoder keeps no activations for a backward; one with trained adapters does
-            with torch.set_grad_enabled(torch.is_grad_enabled() and any(p.requires_grad for p in encoder.parameters())):
+            adapted = any(p.requires_grad for p in encoder.parameters())
+            with torch.set_grad_enabled(torch.is_grad_enabled() and adapted):
                 out = encoder(ids, output_hidden_states=True)
             hidden.append(out.hidden_states[-2])  # the penultimate layer, as SD3 was trained
             pooled.append(out.text_embeds)
@@ -135,8 +136,8 @@ class SD3TextEncoders(nn.Module):
         for part in ("clip_l", "clip_g", "t5"):
             if getattr(self, part) is None:
                 continue
-            expected = {name.replace(".base_layer.", "."): p.shape for name, p in getattr(self, part).named_parameters()
-                        if ".lora_" not in name}  # LoRA's adapters are not in the pipeline's files
+            expected = {name.replace(".base_layer.", "."): p.shape  # LoRA's adapters are not in the files
+                        for name, p in getattr(self, part).named_parameters() if ".lora_" not in name}
             found = {k: v for k, v in self.reader(part).shapes.items() if not k.endswith("position_ids")}
             tied = found.pop("encoder.embed_tokens.weight", None)  # T5's input embedding is shared.weight too
             if tied is not None:
