@@ -23,10 +23,10 @@ def started_model(overrides: list[str]):
         return model, model.transformer(*inputs())
 
 
-@pytest.mark.parametrize("quantization", ["none", "nf4"])
+@pytest.mark.parametrize("quantization", ["none", "nf4", "int8"])
 def test_dora_starts_as_the_base(lora_run, quantization):
-    """The magnitudes are the row norms of the weights the layers compute with (dequantized nf4 codes), so the
-    DoRA model's output is the plain LoRA model's (B = 0: the base's), bit for bit."""
+    """The magnitudes are the row norms of the weights the layers compute with (dequantized nf4 or int8 codes), so
+    the DoRA model's output is the plain LoRA model's (B = 0: the base's), bit for bit."""
     base = [f"lora.base_quantization={quantization}"]
     model, dora = started_model(lora_run(*base, *DORA))
     plain = started_model(lora_run(*base))[1]
