@@ -184,7 +184,11 @@ class TrainingConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
     allow_tf32: bool = True  # CUDA only: fp32 matmuls on tensor cores, much faster, 10-bit mantissa
     deterministic: bool = False  # CUDA: kernels that repeat bit for bit (runs and resumes), at some speed
-    attention_backend: Literal["auto", "flash", "sdpa", "math"] = "auto"  # auto: flash-attn when usable, else SDPA
+    # the attention kernel (perf/attention.py): auto takes the fastest that runs on this GPU generation and logs
+    # why; sdpa lets PyTorch pick; the others force one kernel (an error where it cannot run); math is the slow
+    # fp32 reference
+    attention_backend: Literal["auto", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flash_attn_2",
+                               "flash_attn_3", "flash_attn_4", "math"] = "auto"
     activation_checkpointing: int = 0  # recompute every k-th block in backward: less memory, ~1/3 more compute; 0 off
     # non-finite steps in a row before stopping a diverged run; 0: no guard. The guard skips a step on the device
     # and reads its count on log steps only, so it costs no host synchronisation per step
