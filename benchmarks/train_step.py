@@ -31,8 +31,10 @@ checkpointing and fused AdamW, eager and compiled per block (diffusers 0.42 list
 with the same loss, clipping and EMA. A row that cannot run here (a CUDA-only kernel, a missing package) is
 listed as "not runnable here" with the reason; one that runs out of memory as failed, with the error.
 
-`--overrides key=value ...` changes every row (a micro-batch, a resolution's worth of tokens...). `--size tiny` shrinks every model to 2 blocks at 128 px (compile with the aot_eager backend), so the whole
-table runs on a CPU in seconds: it checks the machinery, its times mean nothing. The table is printed and the
+`--overrides key=value ...` changes every row (e.g. training.train_batch_size=8), `--resolution` the image side.
+`--size tiny` shrinks every model to 2 blocks at 128 px (compile with the aot_eager backend), so the whole table
+runs on a CPU (about 5 minutes on a busy 2-core machine, far less with OMP_NUM_THREADS=1, as threads only
+contend at that size): it checks the machinery, its times mean nothing. The table is printed and the
 rows written to benchmarks/train_step_<device>.json (or --out).
 """
 
@@ -134,11 +136,11 @@ def benchmark_config(model: str, overrides: list[str], size: str):
     return cfg
 
 
-def data_shapes(size: str) -> SimpleNamespace:
+def data_shapes(size: str, resolution: int = RESOLUTION) -> SimpleNamespace:
     """What the model needs to know of the data: SD3 latents and text embeddings at the benchmark's size."""
     text = TINY["text"] if size == "tiny" else {"tokens": SD3_TEXT["tokens"], "joint": SD3_TEXT["joint"],
                                                 "pooled": SD3_TEXT["pooled"]}
-    side = (TINY["resolution"] if size == "tiny" else RESOLUTION) // SD3_TEXT["vae_factor"]
+    side = (TINY["resolution"] if size == "tiny" else resolution) // SD3_TEXT["vae_factor"]
     return SimpleNamespace(latent_channels=SD3_TEXT["latent_channels"], latent_sizes=[(side, side)],
                            text_dims=(text["joint"], text["pooled"]), text_tokens=text["tokens"])
 
@@ -208,6 +210,7 @@ def diffusers_anchor(cfg, data: SimpleNamespace, device: torch.device):
             joint_attention_dim=data.text_dims[0], caption_projection_dim=width, pooled_projection_dim=data.text_dims[1],
             out_channels=data.latent_channels, pos_embed_max_size=m.pos_embed_max_size,
             dual_attention_layers=tuple(m.dual_attention_layers), qk_norm=m.qk_norm)
+    model.to(device)  # buffers made from numpy (its position table) ignore the device context
     randomize(model)
     model.train()
     if t.activation_checkpointing:
@@ -266,10 +269,11 @@ def host_syncs(step, model, batch: dict, device: torch.device, i: int) -> int:
     return counter.total
 
 
-def measure(model_name: str, variant: Variant, size: str, steps: int, warmup: int, device: torch.device) -> dict:
+def measure(model_name: str, variant: Variant, size: str, steps: int, warmup: int, device: torch.device,
+            resolution: int = RESOLUTION) -> dict:
     """One row: build, warm up, time, count; or why it cannot run / failed."""
     cfg = benchmark_config(model_name, variant.overrides, size)
-    data = data_shapes(size)
+    data = data_shapes(size, resolution)
     (h, w), patch = data.latent_sizes[-1], cfg.model.patch_size
     tokens = (h // patch) * (w // patch) + data.text_tokens
     batch_size = cfg.training.train_batch_size
@@ -357,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", choices=("real", "tiny"), default="real", help="released sizes, or tiny (CPU check)")
     parser.add_argument("--models", nargs="*", choices=list(MODELS), help="default: all")
     parser.add_argument("--variants", nargs="*", help="variant names to run (default: all of each model)")
+    parser.add_argument("--resolution", type=int, default=RESOLUTION, help="image side in pixels (latents: /8)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per row (the median is reported)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, allocator)")
     parser.add_argument("--overrides", nargs="*", default=[], help="key=value for every row after its variant's, "
@@ -377,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
             variant.overrides += args.overrides
             reason, started = not_runnable_here(variant, device), time.perf_counter()
             row = ({"model": model_name, "variant": variant.name, "status": "not runnable", "reason": reason}
-                   if reason else measure(model_name, variant, args.size, args.steps, args.warmup, device))
+                   if reason else measure(model_name, variant, args.size, args.steps, args.warmup, device,
+                                          args.resolution))
             rows.append({**row, "seconds": round(time.perf_counter() - started, 1)})  # building, compiling, all steps
             print(f"  {model_name}, {variant.name}: {row['status']}"
                   + (f", {row['step_s']:.4f} s/step" if row["status"] == "passed" else
@@ -385,9 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     text = table(rows)
     print(text)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": info, "size": args.size, "resolution": RESOLUTION if args.size == "real"
-                               else TINY["resolution"], "warmup": args.warmup, "steps": args.steps, "rows": rows},
-                              indent=1))
+    resolution = args.resolution if args.size == "real" else TINY["resolution"]
+    out.write_text(json.dumps({"machine": info, "size": args.size, "resolution": resolution, "warmup": args.warmup,
+                               "steps": args.steps, "rows": rows}, indent=1))
     print(f"wrote {out}")
     return 1 if any(r["status"] == "failed" for r in rows) else 0
 

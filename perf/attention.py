@@ -125,8 +125,9 @@ def probe(kernel, device: torch.device, dtype: str, head_dim: int) -> str | None
             kernel(q, k, v).float().sum().backward()
             return None
         except Exception as e:  # any failure means it does not run here; its message says why
-            reasons = [str(w.message) for w in caught if "not used because" in str(w.message)]
-            return (" ".join(reasons) or f"{type(e).__name__}: {e}").replace("\n", " ")[:300]
+            # SDPA warns why each kernel was refused ("Flash attention kernel not used because:", then the reasons)
+            reasons = [str(w.message).strip() for w in caught]
+            return (" ".join(reasons) or f"{type(e).__name__}: {e}").replace("\n", " ")[:400]
 
 
 def why_not(backend: str, device: torch.device, dtype: str, head_dim: int) -> str | None:

@@ -2,8 +2,6 @@
 the math reference, one that cannot is refused with the reason; `auto` takes the fastest listed for the GPU
 generation that runs and says why; training agrees across the CPU backends."""
 
-import sys
-import types
 
 import pytest
 import torch

@@ -19,6 +19,7 @@ def test_selfcheck_measures_rows_and_names_what_it_cannot_run(tmp_path):
         assert report[name] == {"status": "not runnable", "reason": "needs a CUDA GPU"}, report[name]
     table = (tmp_path / "selfcheck.md").read_text()
     assert "| fp32, sdpa | passed |" in table and "| bf16, flash-attn | not runnable here: needs a CUDA GPU |" in table
+    assert next(line for line in table.splitlines() if line.startswith("| fp32, sdpa |")).endswith("| its own run |")
 
 
 def test_a_failing_row_is_reported_and_fails_the_command(tmp_path):
