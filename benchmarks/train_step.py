@@ -19,7 +19,9 @@ timed one by one with CUDA events (perf_counter on a CPU); the row reports their
   math formula's two matmuls; activation checkpointing's recompute is not counted (the copy is not
   checkpointed); adaLN's modulation linears are counted as they run, once per sample on the conditioning vector
   (not per token, as 6 x params x tokens would), and each stream's weights only on that stream's tokens; a
-  LoRA step's frozen weights get no weight gradient, so it counts 2 of the 3 matmuls per frozen linear;
+  LoRA step's frozen weights get no weight gradient, so it counts 2 of the 3 matmuls per frozen linear; the
+  diffusers anchor is counted on this project's model of the same architecture (SD3-medium at 1024 px: 26.7
+  TFLOP per sample, 107 per step of 4; SD3.5-large LoRA: 69.6 per sample);
 - peak device memory over the timed steps (CUDA allocator; not measured on a CPU);
 - host syncs per step in one more step (CUDA's sync debug mode; runtime/host_syncs.py's counter on a CPU);
 - graph breaks that torch.compile reported while building the row (dynamo's counters).

@@ -38,7 +38,7 @@ def test_the_tiny_benchmark_measures_rows_and_names_what_it_cannot_run(tmp_path)
         assert row["tokens_per_s"] == pytest.approx(row["images_per_s"] * (64 + 8))  # 8x8 patches + 8 text tokens
         assert row["model_tflop_per_step"] > 0 and row["host_syncs_per_step"] == 0 and row["graph_breaks"] == 0
         assert row["mfu"] is None and row["peak_memory_gib"] is None  # no known peak, no device allocator on a CPU
-    # the same model counts the same FLOPs compiled or not, and diffusers' model (same architecture) as many
+    # model FLOPs are the architecture's: the same compiled or not, and for diffusers' model (counted on ours)
     flops = [rows[key]["model_tflop_per_step"] for key in measured[:3]]
     assert flops[0] == flops[1] == pytest.approx(flops[2], rel=1e-3)
     cudnn = rows[("sd3-medium", "bf16 compiled, attention sdpa_cudnn")]
