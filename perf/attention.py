@@ -115,8 +115,23 @@ def requirement(backend: str, device: torch.device, dtype: str, head_dim: int,
     return None
 
 
-def probe(kernel, device: torch.device, dtype: str, head_dim: int) -> str | None:
-    """Run `kernel` forward and backward on tiny inputs; None, or the first line of why it cannot."""
+# When a forced SDPA kernel cannot run, SDPA warns why for each of its kernels, each list after a header
+SDPA_REFUSALS = {"sdpa_flash": "Flash attention kernel not used because:",
+                 "sdpa_cudnn": "cuDNN attention kernel not used because:",
+                 "sdpa_efficient": "Memory efficient kernel not used because:"}
+
+
+def refusal(messages: list[str], header: str | None) -> list[str]:
+    """The reasons listed after `header` up to the next header (all messages without a header)."""
+    if header not in messages:
+        return messages
+    after = messages[messages.index(header) + 1:]
+    ends = [i for i, m in enumerate(after) if m in SDPA_REFUSALS.values()]
+    return after[:ends[0]] if ends else after
+
+
+def probe(kernel, device: torch.device, dtype: str, head_dim: int, header: str | None = None) -> str | None:
+    """Run `kernel` forward and backward on tiny inputs; None, or why it cannot (SDPA's reasons after `header`)."""
     q, k, v = (torch.randn(1, 2, 64, head_dim, device=device, dtype=COMPUTE_DTYPES[dtype], requires_grad=True)
                for _ in range(3))
     with warnings.catch_warnings(record=True) as caught:
@@ -125,8 +140,7 @@ def probe(kernel, device: torch.device, dtype: str, head_dim: int) -> str | None
             kernel(q, k, v).float().sum().backward()
             return None
         except Exception as e:  # any failure means it does not run here; its message says why
-            # SDPA warns why each kernel was refused ("Flash attention kernel not used because:", then the reasons)
-            reasons = [str(w.message).strip() for w in caught]
+            reasons = refusal([str(w.message).strip() for w in caught], header)
             return (" ".join(reasons) or f"{type(e).__name__}: {e}").replace("\n", " ")[:400]
 
 
@@ -134,7 +148,7 @@ def why_not(backend: str, device: torch.device, dtype: str, head_dim: int) -> st
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     reason = requirement(backend, device, dtype, head_dim, capability)
     if reason is None and backend not in ("sdpa", "math"):
-        reason = probe(build_kernel(backend), device, dtype, head_dim)
+        reason = probe(build_kernel(backend), device, dtype, head_dim, SDPA_REFUSALS.get(backend))
     return reason
 
 

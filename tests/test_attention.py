@@ -98,6 +98,16 @@ def test_what_each_backend_needs(backend, device, dtype, head_dim, capability, r
     assert (found is None) if reason is None else (reason in found), found
 
 
+def test_a_refused_sdpa_kernel_is_explained_by_its_own_reasons():
+    """SDPA lists reasons for all its kernels when a forced one cannot run; the refusal quotes the forced one's."""
+    warned = ["Memory efficient kernel not used because:", "Mem efficient reason",
+              "Flash attention kernel not used because:", "Flash attention has been runtime disabled.",
+              "cuDNN attention kernel not used because:", "cuDNN SDPA is not deterministic."]
+    assert backends.refusal(warned, backends.SDPA_REFUSALS["sdpa_cudnn"]) == ["cuDNN SDPA is not deterministic."]
+    assert backends.refusal(warned, backends.SDPA_REFUSALS["sdpa_efficient"]) == ["Mem efficient reason"]
+    assert backends.refusal(["No available kernel"], None) == ["No available kernel"]
+
+
 def test_an_uninstalled_flash_attn_is_named():
     if backends.installed("flash_attn_2"):
         pytest.skip("flash-attn is installed here")
