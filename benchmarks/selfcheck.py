@@ -157,10 +157,12 @@ def device_batch_speed(row: Row, overrides: list[str]) -> dict:
     from benchmarks.train_step import Variant, measure
     settings = [o for o in overrides if o.split("=")[0] in ("training.dtype", "training.attention_backend",
                                                             "compile.enabled", "training.activation_checkpointing")]
+    gc.collect()  # the check's run is over: its model and optimizer go before the benchmark's come
+    torch.cuda.empty_cache()
     m = measure(SPEED["model"], Variant(row.name, [*SPEED["overrides"], *settings]), "real", SPEED["steps"],
                 SPEED["warmup"], torch.device("cuda"), SPEED["resolution"])
-    if m["status"] != "passed":
-        raise RuntimeError(f"the device-batch benchmark: {m.get('error') or m.get('reason')}")
+    if m["status"] != "passed":  # the plugin passed its check; only the speed columns stay the run's own
+        return {"speed_from": f"its own run (the device-batch benchmark: {m.get('error') or m.get('reason')})"}
     return {"step_s": m["step_s"], "images_per_s": m["images_per_s"], "mfu": m["mfu"],
             "peak_memory_gib": m["peak_memory_gib"], "host_syncs_per_step": m["host_syncs_per_step"],
             "speed_from": f"{SPEED['model']} {SPEED['resolution']} px, micro-batch {m['micro_batch']}, device batches"}

@@ -371,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="JSON file (default: benchmarks/train_step_<device>.json)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and args.size == "real":
+        parser.error("the released sizes need a CUDA GPU (SD3.5-large is 8B parameters); --size tiny checks the "
+                     "benchmark on a CPU")
     info = machine()
     out = args.out or ROOT / "benchmarks" / f"train_step_{device_slug(info['device'])}" \
         f"{'_tiny' if args.size == 'tiny' else ''}.json"
