@@ -174,7 +174,8 @@ def flops_per_sample(cfg, data: SimpleNamespace) -> int:
     joint, pooled = data.text_dims
 
     def inputs():  # made inside the counter's meta-device context
-        text = {"prompt_embeds": torch.zeros(1, data.text_tokens, joint), "pooled_prompt_embeds": torch.zeros(1, pooled)}
+        text = {"prompt_embeds": torch.zeros(1, data.text_tokens, joint),
+                "pooled_prompt_embeds": torch.zeros(1, pooled)}
         return torch.zeros(1, *shape), torch.full((1,), 0.5), text
     return train_flops_per_sample(lambda: apply_lora(build_model(cfg, data), cfg.lora), inputs)
 
@@ -209,7 +210,8 @@ def diffusers_anchor(cfg, data: SimpleNamespace, device: torch.device):
         model = SD3Transformer2DModel(
             sample_size=m.sample_size, patch_size=m.patch_size, in_channels=data.latent_channels,
             num_layers=m.num_layers, attention_head_dim=m.attention_head_dim, num_attention_heads=m.num_attention_heads,
-            joint_attention_dim=data.text_dims[0], caption_projection_dim=width, pooled_projection_dim=data.text_dims[1],
+            joint_attention_dim=data.text_dims[0], caption_projection_dim=width,
+            pooled_projection_dim=data.text_dims[1],
             out_channels=data.latent_channels, pos_embed_max_size=m.pos_embed_max_size,
             dual_attention_layers=tuple(m.dual_attention_layers), qk_norm=m.qk_norm)
     model.to(device)  # buffers made from numpy (its position table) ignore the device context

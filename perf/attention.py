@@ -107,7 +107,8 @@ def requirement(backend: str, device: torch.device, dtype: str, head_dim: int,
     if dtype == "fp32":
         return f"{module} computes in fp16/bf16 only (training.dtype=fp32)"
     if not low <= capability <= high:
-        return f"{module} runs on sm{low[0]}{low[1]} to sm{high[0]}{high[1]}, this GPU is sm{capability[0]}{capability[1]}"
+        return (f"{module} runs on sm{low[0]}{low[1]} to sm{high[0]}{high[1]}, this GPU is "
+                f"sm{capability[0]}{capability[1]}")
     if not (smallest <= head_dim <= largest and head_dim % step == 0):
         return f"{module} takes head dims {smallest}..{largest} in steps of {step}, not {head_dim}"
     if not installed(backend):
