@@ -30,6 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from errors import ConfigError
 from models.attention import math_attention, sdpa_attention, use_attention
+from perf.precision import DTYPES
 
 log = logging.getLogger("mmdit")
 
@@ -46,7 +47,6 @@ BACKENDS = ("auto", "sdpa", *SDPA_KERNELS, *FLASH_ATTN, "math")
 FASTEST_FIRST = {9: ("flash_attn_3", "sdpa_cudnn", "flash_attn_4", "flash_attn_2", "sdpa_flash"),
                  10: ("flash_attn_4", "sdpa_cudnn", "sdpa_flash", "flash_attn_2"),
                  8: ("flash_attn_2", "sdpa_flash", "sdpa_cudnn")}
-COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @functools.cache
@@ -133,7 +133,8 @@ def refusal(messages: list[str], header: str | None) -> list[str]:
 
 def probe(kernel, device: torch.device, dtype: str, head_dim: int, header: str | None = None) -> str | None:
     """Run `kernel` forward and backward on tiny inputs; None, or why it cannot (SDPA's reasons after `header`)."""
-    q, k, v = (torch.randn(1, 2, 64, head_dim, device=device, dtype=COMPUTE_DTYPES[dtype], requires_grad=True)
+    q, k, v = (torch.randn(1, 2, 64, head_dim, device=device, dtype=DTYPES.get(dtype, torch.float32),
+                           requires_grad=True)
                for _ in range(3))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

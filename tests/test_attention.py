@@ -2,15 +2,18 @@
 the math reference, one that cannot is refused with the reason; `auto` takes the fastest listed for the GPU
 generation that runs and says why; training agrees across the CPU backends."""
 
+import typing
 
 import pytest
 import torch
 
+from configs.schema import TrainingConfig
 from errors import ConfigError
 from models.attention import attention_kernels, math_attention, sdpa_attention
 from models.mmdit import MMDiT, MMDiTConfig
 from perf import attention as backends
 from perf.attention import BACKENDS, apply_attention_backend, build_kernel, flash_kernel, requirement, why_not
+from perf.precision import DTYPES
 from tests.conftest import losses
 from train_mmdit_stable import main
 
@@ -46,13 +49,17 @@ def test_each_backend_matches_the_math_reference_or_is_refused(backend):
         with pytest.raises(ConfigError, match=f"training.attention_backend={backend} cannot run here: "):
             apply_attention_backend(tiny_model(), backend, DEVICE, DTYPE, HEAD_DIM)
         return
-    dtype = backends.COMPUTE_DTYPES[DTYPE]
+    dtype = DTYPES.get(DTYPE, torch.float32)
     ref_out, ref_grads = output_and_grads(math_attention, qkv(torch.float32, DEVICE, HEAD_DIM))
     out, grads = output_and_grads(build_kernel(backend), qkv(dtype, DEVICE, HEAD_DIM))
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(out.float(), ref_out, **tol)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g.float(), r, **{k: 10 * v for k, v in tol.items()})
+
+
+def test_the_config_offers_every_backend():
+    assert typing.get_args(TrainingConfig.__annotations__["attention_backend"]) == BACKENDS
 
 
 def test_the_choice_is_the_models_and_auto_says_why(caplog):
