@@ -244,21 +244,22 @@ def diffusers_anchor(cfg, data: SimpleNamespace, device: torch.device):
 
 
 def timed(step, batch: dict, device: torch.device, first: int, count: int) -> list[float]:
-    """Seconds of each of `count` steps, one by one (CUDA events on the GPU's timeline)."""
-    seconds = []
-    for i in range(first, first + count):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step(batch, i)
-            end.record()
-            end.synchronize()
-            seconds.append(start.elapsed_time(end) / 1000)
-        else:
+    """Seconds of each of `count` steps: CUDA events on the GPU's timeline, read once after the last step (as in
+    training, the host queues step after step without waiting), perf_counter on a CPU."""
+    if device.type != "cuda":
+        seconds = []
+        for i in range(first, first + count):
             started = time.perf_counter()
             step(batch, i)
             seconds.append(time.perf_counter() - started)
-    return seconds
+        return seconds
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(count + 1)]
+    events[0].record()
+    for i, event in zip(range(first, first + count), events[1:]):
+        step(batch, i)
+        event.record()
+    events[-1].synchronize()
+    return [start.elapsed_time(end) / 1000 for start, end in zip(events, events[1:])]
 
 
 def host_syncs(step, model, batch: dict, device: torch.device, i: int) -> int:
