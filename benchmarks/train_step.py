@@ -10,7 +10,7 @@ are already on the device (the loader is measured apart): `forward_backward` the
 fused AdamW, the EMA), imported, not re-implemented; the model is built as training builds it
 (`build_trained_model`, `apply_attention_backend`, `apply_parallelism`: LoRA, the frozen base in bf16 or
 quantized, activation checkpointing, compile). After `--warmup` steps (compilation included) `--steps` steps are
-timed one by one with CUDA events (perf_counter on a CPU); the row reports their median. Then:
+timed with CUDA events between steps, read after the last (perf_counter on a CPU); a row reports their median:
 
 - images/s and tokens/s (image + text tokens) from the median step;
 - MFU: model FLOPs per step over the median step time over the GPU's dense peak for the row's precision (TF32 for
