@@ -18,7 +18,7 @@ from PIL import Image
 
 import precompute_latents
 from data.latents import LatentDataset
-from data.webdataset import expand_braces, expand_shards
+from data.webdataset import ShardError, expand_braces, expand_shards, read_samples
 from tests.conftest import LATENT_RUN, ROOT, T5_TOKENS, WORDS, assert_close, final_weights, free_port, trains
 from train_mmdit_stable import main
 
@@ -203,7 +203,7 @@ def test_too_many_bad_samples_stop_the_job_and_a_higher_limit_accepts_them(sd3_d
     assert len(LatentDataset(out, aspect_buckets=True)) == 9
 
 
-def test_an_unreadable_input_shard_fails_the_job_and_is_redone_once_fixed(sd3_dir, tars, tmp_path, caplog):
+def test_an_unreadable_input_shard_fails_the_job_and_is_redone_once_fixed(sd3_dir, tars, tmp_path, caplog, capsys):
     inputs = tmp_path / "inputs"
     inputs.mkdir()
     for s in range(SHARDS):
@@ -214,12 +214,25 @@ def test_an_unreadable_input_shard_fails_the_job_and_is_redone_once_fixed(sd3_di
     assert run_in_process(sd3_dir, out, f"{inputs}/*.tar") == 1
     said = caplog.text
     assert "1 input shard(s) could not be read" in said and "00002.tar: not a readable tar shard" in said
+    bar = capsys.readouterr().out.split("\r")[-1]
+    assert "3/4" in bar and "1 failed" in bar, bar  # not 4/4, 100 %
     assert sorted(p.name for p in (out / "reports").glob("*.json")) == ["00000.json", "00001.json", "00003.json"]
     finished = {p: p.stat().st_mtime_ns for p in out.glob("shard-*")}
     (inputs / "00002.tar").write_bytes(whole)  # downloaded again
     assert run_in_process(sd3_dir, out, f"{inputs}/*.tar") == 0
     assert {p: p.stat().st_mtime_ns for p in finished} == finished  # only the failed shard was encoded
     assert len(LatentDataset(out, aspect_buckets=True)) == SHARDS * PER_SHARD - len(BAD)
+
+
+@pytest.mark.parametrize("command, said", [("false", "exit status 1 (nothing on stderr)"),
+                                            ("cat {tars}/missing.tar", "missing.tar: No such file or directory"),
+                                            ("cat {tars}/00000.tar; echo denied >&2; exit 3", "exit status 3; its "
+                                             "stderr ended with:\n    denied")])
+def test_a_failed_pipe_command_is_reported_as_the_command_failing(tars, command, said):
+    """Not as a bad tar: an object-store download refused for its credentials must not look like corrupt data."""
+    with pytest.raises(ShardError, match="the command failed") as failure:
+        list(read_samples("pipe:" + command.format(tars=tars)))
+    assert said in str(failure.value) and "tar" not in str(failure.value).split(":")[-1]
 
 
 def test_a_damaged_output_shard_is_named_by_training_and_redone_by_the_rerun(sd3_dir, tars, one_rank, tmp_path,

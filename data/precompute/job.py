@@ -77,7 +77,9 @@ def precompute(units: list[Unit], encoders: SD3Encoders, out: Path, settings: di
             encode_unit(number, units[number], encoders, settings, out, progress)
         except ShardError as e:
             failed.append(str(e))
-        progress(units=1)
+            progress(failed=1)  # not a finished unit: the bar must not reach its end
+        else:
+            progress(units=1)
     store = DTYPES[settings["dtype"]]
     if ranks.rank == 0 and encoders.text is not None:
         encode_prompts(encoders, [""], store, out / EMPTY_PROMPT)
@@ -88,7 +90,8 @@ def precompute(units: list[Unit], encoders: SD3Encoders, out: Path, settings: di
         return 0
     if failed:
         log.error("precompute: %d input shard(s) could not be read; the others are finished. Fix or replace them "
-                  "(or rerun: a download may have failed) and rerun the same command: %s", len(failed), failed[:5])
+                  "(or rerun: a download may have failed) and rerun the same command:\n  %s%s", len(failed),
+                  "\n  ".join(failed[:5]), f"\n  ... and {len(failed) - 5} more" if len(failed) > 5 else "")
         return 1
     reports = [json.loads(report_path(out, n).read_text()) for n in range(len(units))]
     if not summarize(reports, out, max_bad_fraction):
