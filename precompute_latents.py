@@ -47,7 +47,7 @@ from data.precompute.encoders import SD3Encoders
 from data.precompute.inputs import (PrecomputeError, Unit, check_items, fingerprint, item_units,
                                     read_image_folder, read_manifest, read_validation_prompts, shard_units,
                                     vae_downsampling)
-from data.precompute.job import check_output_directory, precompute, start_output_directory
+from data.precompute.job import INPUT_NAMES, check_output_directory, precompute, start_output_directory
 from data.precompute.ranks import Ranks
 from data.precompute.units import DTYPES, REPORTS
 from data.webdataset import ShardError, expand_shards
@@ -95,21 +95,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def read_inputs(args: argparse.Namespace) -> tuple[list[Unit], str]:
-    """The units of work and the inputs' fingerprint; folder and JSONL inputs are checked whole first."""
+def read_inputs(args: argparse.Namespace) -> tuple[list[Unit], dict]:
+    """The units of work, and the inputs' fingerprint and names (for the settings: a rerun says what changed);
+    folder and JSONL inputs are checked whole first."""
     if args.shards:
         try:
             units = shard_units(expand_shards(args.shards), args.caption_field)
         except ShardError as e:
             raise PrecomputeError(str(e)) from None
-        return units, fingerprint(units, None)
+        return units, {"inputs": fingerprint(units, None), INPUT_NAMES: [unit.name for unit in units]}
     if args.caption_field:
         raise PrecomputeError("--caption-field applies to --shards inputs (folders and manifests give captions)")
     items = read_image_folder(args.images) if args.images else read_manifest(args.manifest)
     check_items(items)
     source = f"--images {args.images}" if args.images else f"--manifest {args.manifest}"
     units = item_units(items, args.shard_size, source)
-    return units, fingerprint(units, items)
+    return units, {"inputs": fingerprint(units, items), INPUT_NAMES: [str(path) for path, _ in items]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,7 +136,7 @@ def run(args: argparse.Namespace, ranks: Ranks, device: torch.device) -> int:
             raise PrecomputeError(f"--{name.replace('_', '-')} {getattr(args, name)} must be a multiple of {multiple} "
                                   f"(VAE downsampling {multiple // PATCH} x patch {PATCH})")
         compute = DTYPES[args.dtype] if device.type == "cuda" else torch.float32
-        settings = {"model": str(args.model.resolve()), "inputs": inputs, "resolution": args.resolution,
+        settings = {"model": str(args.model.resolve()), **inputs, "resolution": args.resolution,
                     "aspect_buckets": args.aspect_buckets, "bucket_step": args.bucket_step,
                     "random_flip": args.random_flip, "shard_size": args.shard_size, "dtype": args.dtype,
                     "max_sequence_length": args.max_sequence_length, "text_embeddings": args.text_embeddings,

@@ -23,6 +23,7 @@ from errors import InputError
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "bmp")  # in order of preference when a sample has several
 UNSUPPORTED_IMAGES = ("gif", "tif", "tiff", "avif", "heic", "heif", "jxl", "svg")
 PIPE = "pipe:"
+MISSING_NAMED = 10  # of the missing shards of a pattern, named in its error
 STDERR_LINES = 5  # of a failed `pipe:` command, in its error
 COMMAND_EXIT_WAIT_S = 5  # for a command whose output broke off, to tell its failure from a bad tar
 
@@ -64,19 +65,25 @@ def expand_shards(patterns: list[str]) -> list[str]:
     files must exist; a pattern that names nothing, or a shard named twice, is an error."""
     sources = []
     for pattern in patterns:
-        expanded = expand_braces(pattern)
+        expanded, missing = expand_braces(pattern), []
         for source in expanded:
             if source.startswith(PIPE):
                 sources.append(source)
             elif glob.has_magic(source):
                 matches = sorted(glob.glob(source))
                 if not matches:
-                    raise ShardError(f"--shards {pattern}: {source} matches no file")
+                    missing.append(f"{source} matches no file")
                 sources += matches
             elif not Path(source).is_file():
-                raise ShardError(f"--shards {pattern}: {source} does not exist")
+                missing.append(f"{source} does not exist")
             else:
                 sources.append(source)
+        if missing and len(expanded) == 1:
+            raise ShardError(f"--shards {pattern}: {missing[0]}")
+        if missing:  # every one: a range partly downloaded is then fixed in one go
+            raise ShardError(f"--shards {pattern}: {len(missing)} of {len(expanded)} shards are missing: "
+                             f"{', '.join(missing[:MISSING_NAMED])}" +
+                             (f" and {len(missing) - MISSING_NAMED} more" if len(missing) > MISSING_NAMED else ""))
     repeated = sorted({s for s in sources if sources.count(s) > 1})
     if repeated:
         raise ShardError(f"--shards names these shards more than once: {repeated[:5]}")

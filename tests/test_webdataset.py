@@ -277,7 +277,9 @@ def test_brace_ranges_lists_and_globs_expand_in_order(tmp_path):
     assert expand_shards([f"{tmp_path}/*.tar", "pipe:curl -s http://x/{0..1}.tar"]) == [
         f"{tmp_path}/a.tar", f"{tmp_path}/b.tar", "pipe:curl -s http://x/0.tar", "pipe:curl -s http://x/1.tar"]
     for patterns, message in (([f"{tmp_path}/none-*.tar"], "matches no file"), ([f"{tmp_path}/c.tar"], "does not exist"),
-                              ([f"{tmp_path}/a.tar", f"{tmp_path}/a.tar"], "more than once")):
+                              ([f"{tmp_path}/a.tar", f"{tmp_path}/a.tar"], "more than once"),
+                              ([f"{tmp_path}/{{a,b,c,d}}.tar"], f"2 of 4 shards are missing: {tmp_path}/c.tar does "
+                                                                 f"not exist, {tmp_path}/d.tar does not exist$")):
         with pytest.raises(ValueError, match=message):
             expand_shards(patterns)
 
