@@ -4,7 +4,7 @@
         [--resolution 1024] [--aspect-buckets] [--random-flip] [--validation-prompts FILE] [--batch-size 8]
         [--shard-size 1000] [--text-embeddings precomputed|none] [--caption-field NAME] [--max-bad-fraction 0.01]
         [--workers 4] [--device auto] [--dtype fp16]
-    torchrun --nproc_per_node N [--nnodes ...] precompute_latents.py ...   (the same command, on N processes)
+    NPROC_PER_NODE=N ./launch.sh precompute_latents.py ...   (the same command on N processes; NNODES=... as for training)
 
 SD3_DIR is a Stable Diffusion 3 / 3.5 pipeline directory as diffusers lays it out: vae/, text_encoder/ +
 tokenizer/ (CLIP-L), text_encoder_2/ + tokenizer_2/ (CLIP-G) and, optionally, text_encoder_3/ + tokenizer_3/
@@ -51,6 +51,9 @@ from data.precompute.job import INPUT_NAMES, check_output_directory, precompute,
 from data.precompute.ranks import Ranks
 from data.precompute.units import DTYPES, REPORTS
 from data.webdataset import ShardError, expand_shards
+from errors import InputError
+from runtime.distributed import stop_together
+from runtime.preemption import mark_exit
 
 log = logging.getLogger("mmdit")
 PATCH = 2  # the MMDiT's patch side in latents (SD3 / SD3.5)
@@ -121,13 +124,27 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.is_available() and args.device == "auto"
     device = torch.device(f"cuda:{ranks.local_rank}" if gpu else "cpu" if args.device == "auto" else args.device)
     try:
-        return run(args, ranks, device)
+        status = run(args, ranks, device)
+    except InputError as e:  # the user's input: one line, once (every rank stops alike: stop_together)
+        if ranks.rank == 0:
+            log.error("precompute: %s", e)
+        return mark_exit(ranks.rank, "input-error", status=2)
+    except KeyboardInterrupt:
+        if ranks.rank == 0:
+            done = len(list((args.out / REPORTS).glob("*.json")))
+            log.error("precompute: interrupted with %d unit(s) finished; the same command resumes from there", done)
+        return mark_exit(ranks.rank, "interrupted", status=130)
+    except Exception as e:
+        if getattr(e, "reported_by_main", False):  # rank 0 prints this rank's traceback (stop_together)
+            return 1
+        raise
     finally:
         ranks.close()
+    return mark_exit(ranks.rank, "failed", status=1) if status else 0  # rank 0 has said why
 
 
 def run(args: argparse.Namespace, ranks: Ranks, device: torch.device) -> int:
-    try:  # every rank checks the inputs alike, before anything is written or loaded
+    with stop_together():  # every rank checks the inputs alike and loads the encoders; rank 0 the output directory
         units, inputs = read_inputs(args)
         prompts = read_validation_prompts(args.validation_prompts) if args.validation_prompts else None
         multiple = vae_downsampling(args.model) * PATCH  # every latent side must divide into patches
@@ -142,27 +159,13 @@ def run(args: argparse.Namespace, ranks: Ranks, device: torch.device) -> int:
                     "max_sequence_length": args.max_sequence_length, "text_embeddings": args.text_embeddings,
                     "caption_field": args.caption_field,
                     "compute_dtype": str(compute)}  # a resume must not mix latents encoded at two precisions
-        refused = None
         if ranks.rank == 0:
-            try:
-                check_output_directory(args.out, settings)
-                start_output_directory(args.out, settings)
-            except PrecomputeError as e:
-                refused = str(e)
-        refused = ranks.share(refused)[0]
-        if refused:
-            raise PrecomputeError(refused)
+            check_output_directory(args.out, settings)
+            start_output_directory(args.out, settings)
         encoders = SD3Encoders(args.model, device, compute, args.max_sequence_length,
                                args.text_embeddings == "precomputed")
-        work = {**settings, "batch_size": args.batch_size, "workers": args.workers}
-        return precompute(units, encoders, args.out, work, ranks, prompts, args.max_bad_fraction)
-    except PrecomputeError as e:
-        log.error("precompute: %s", e)
-        return 2
-    except KeyboardInterrupt:
-        done = len(list((args.out / REPORTS).glob("*.json")))
-        log.error("precompute: interrupted with %d unit(s) finished; the same command resumes from there", done)
-        return 130
+    work = {**settings, "batch_size": args.batch_size, "workers": args.workers}
+    return precompute(units, encoders, args.out, work, ranks, prompts, args.max_bad_fraction)
 
 
 if __name__ == "__main__":

@@ -168,6 +168,27 @@ def test_a_precompute_killed_with_sigkill_reruns_to_the_same_dataset(sd3_dir, ta
     assert_same_dataset(tmp_path / "killed", tmp_path / "clean")
 
 
+def launch(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
+    """NPROC_PER_NODE=nproc ./launch.sh precompute_latents.py ARGS, as the README runs it."""
+    env = {**ONE_THREAD, "PYTHON": sys.executable, "NPROC_PER_NODE": str(nproc), "MASTER_PORT": str(free_port())}
+    return subprocess.run([str(ROOT / "launch.sh"), "precompute_latents.py", *args], env=env, cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("shards, extra, status, said", [
+    (["{tars}/00000.tar"], ["--bucket-step", "6"], 2, "precompute: --bucket-step 6 must be a multiple of 4"),
+    (["pipe:cat {tars}/missing.tar"], [], 1, "1 input shard(s) could not be read")])
+def test_precompute_on_two_ranks_reports_once_with_the_status_of_one_process(sd3_dir, tars, tmp_path, shards, extra,
+                                                                             status, said):
+    """An input error (exit 2) and a shard that cannot be read (exit 1): rank 0 says it once, and no torchrun
+    traceback (ChildFailedError) follows."""
+    shards = [s.format(tars=tars) for s in shards]
+    proc = launch(2, arguments(sd3_dir, tmp_path / "out", *shards, extra=extra))
+    output = without_progress_bars(proc.stdout)
+    assert proc.returncode == status, output
+    assert output.count(said) == 1 and "Traceback" not in output and "ChildFailedError" not in output, output
+
+
 def test_the_ranks_free_their_process_group_before_the_interpreter_exits(tmp_path):
     """diffusers imports torch.distributed.nn on first use; first imported after the group exists, its functions
     hold the group in default arguments past destroy_process_group, until the interpreter shuts down, where gloo
