@@ -5,7 +5,8 @@ diffusers snippet.
 The commands run in the environment `. .venv/bin/activate` gives (this interpreter's bin/ first on PATH, no
 PYTHON set), from the clone's root. Only the README's placeholders are bound, under the names it gives them:
 `SD3_DIR` and `SHARDS` are symlinks in the clone to a tiny random SD3 pipeline (saved by diffusers, with a VAE
-that downsamples 32x, so that the README's 1024 px make 32x32 latents) and to tar shards; `prompts.txt` is a
+that downsamples 32x, so that the README's 1024 px make 32x32 latents, and a transformer whose default
+sample size makes the snippet's image 256 px) and to tar shards; `prompts.txt` is a
 file there; the snippet's "path/to/stable-diffusion-3-medium-diffusers" is that pipeline. Not run: `pip install`
 (no package index here; this environment has the extras), the image-folder variant of step 1 and the full
 fine-tune of step 2a (tests/test_precompute.py runs both in-process), and the long LoRA run, which the test
@@ -60,7 +61,7 @@ def tiny_sd3_pipeline(directory: Path) -> Path:
         vocab_size=len(WORDS) + 3, d_model=24, d_kv=4, d_ff=32, num_layers=1, num_heads=2,
         relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=2))
     transformer = diffusers.SD3Transformer2DModel(
-        sample_size=32, patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=8,
+        sample_size=8, patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=8,
         num_attention_heads=2, joint_attention_dim=24, caption_projection_dim=16, pooled_projection_dim=16,
         pos_embed_max_size=32)
     diffusers.StableDiffusion3Pipeline(
@@ -118,6 +119,8 @@ def test_the_readme_fine_tuning_commands_run_as_printed(tmp_path):
     shell = [c for block in readme_blocks("bash") for c in commands(block)]
     python = readme_blocks("python")
 
+    quickstart = (ROOT / "README.md").read_text().split("## Quickstart")[1].split("\n## ")[0]
+    assert ". .venv/bin/activate" in quickstart  # what this test's environment stands for
     assert "pip install -e '.[finetune]'" in shell  # in the activated environment: pip is the venv's
     assert run("command -v pip python torchrun", clone, env).split() == [
         f"{Path(sys.executable).parent}/{name}" for name in ("pip", "python", "torchrun")]
@@ -140,6 +143,6 @@ def test_the_readme_fine_tuning_commands_run_as_printed(tmp_path):
     snippet = python[0]
     assert snippet.count(SNIPPET_SD3_DIR) == 1
     (clone / "snippet.py").write_text(snippet.replace(SNIPPET_SD3_DIR, '"SD3_DIR"') +
-                                      "\nassert image.size == (1024, 1024)\n")
+                                      "\nassert image.size == (256, 256)\n")  # sample_size 8 x the VAE's 32
     said = run("python snippet.py", clone, env)
     assert "torch_dtype" not in said, said[-2000:]  # no deprecation warning from current diffusers
