@@ -30,7 +30,7 @@ def apply_lora(model: nn.Module, lora) -> nn.Module:
     missing = [t for t in lora.target_modules if not any(n == t or n.endswith("." + t) for n in names)]
     if missing:
         raise ConfigError(f"lora.target_modules {missing} match no module of the MMDiT "
-                         f"(e.g. {DIFFUSERS_SD3_TARGETS[0]!r}, 'attn2.to_q', 'ff.net.2')")
+                          f"(e.g. {DIFFUSERS_SD3_TARGETS[0]!r}, 'attn2.to_q', 'ff.net.2')")
     model.requires_grad_(False)
     inject_adapter_in_model(LoraConfig(**adapter_settings(lora)), model.transformer, adapter_name=ADAPTER)
     for name, param in model.transformer.named_parameters():

@@ -244,7 +244,7 @@ class TrainedWeights:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         result = self.model.load_state_dict(state, strict=False)
         if result.unexpected_keys or set(result.missing_keys) & set(self.state_dict()):
-            raise ValueError(f"weights do not fit the model: missing {result.missing_keys[:5]}, unexpected "
+            raise InputError(f"weights do not fit the model: missing {result.missing_keys[:5]}, unexpected "
                              f"{result.unexpected_keys[:5]}")
 
 
