@@ -4,7 +4,7 @@
         [--resolution 1024] [--aspect-buckets] [--random-flip] [--validation-prompts FILE] [--batch-size 8]
         [--shard-size 1000] [--text-embeddings precomputed|none] [--caption-field NAME] [--max-bad-fraction 0.01]
         [--workers 4] [--device auto] [--dtype fp16]
-    NPROC_PER_NODE=N ./launch.sh precompute_latents.py ...   (the same command on N processes; NNODES=... as for training)
+    NPROC_PER_NODE=N ./launch.sh precompute_latents.py ...   (the same command on N processes; NNODES=... too)
 
 SD3_DIR is a Stable Diffusion 3 / 3.5 pipeline directory as diffusers lays it out: vae/, text_encoder/ +
 tokenizer/ (CLIP-L), text_encoder_2/ + tokenizer_2/ (CLIP-G) and, optionally, text_encoder_3/ + tokenizer_3/
@@ -26,7 +26,7 @@ alone. Each image is resized to cover its target size and centre-cropped; the ta
 or with --aspect-buckets the bucket of about that area nearest its aspect ratio.
 
 The work is split into units: each input shard (or, for folder and JSONL inputs, each run of --shard-size
-items), spread over the processes of a torchrun launch (each holds one copy of the encoders, on its own GPU).
+items), spread over the processes of a launch (each holds one copy of the encoders, on its own GPU).
 A unit becomes output shards of at most about --shard-size items each, then its report (`reports/NNNNN.json`:
 its samples, what was skipped and why, its shards' sizes and checksums), published last, by rename: the marker
 that the unit is finished. A rerun of the same command, on any number of processes, verifies finished units
