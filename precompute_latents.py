@@ -57,6 +57,7 @@ from runtime.preemption import mark_exit
 
 log = logging.getLogger("mmdit")
 PATCH = 2  # the MMDiT's patch side in latents (SD3 / SD3.5)
+MAX_INPUT_NAMES = 100_000  # images of a folder or manifest named in precompute.json (to say what changed on a rerun)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -113,7 +114,8 @@ def read_inputs(args: argparse.Namespace) -> tuple[list[Unit], dict]:
     check_items(items)
     source = f"--images {args.images}" if args.images else f"--manifest {args.manifest}"
     units = item_units(items, args.shard_size, source)
-    return units, {"inputs": fingerprint(units, items), INPUT_NAMES: [str(path) for path, _ in items]}
+    names = [str(path) for path, _ in items] if len(items) <= MAX_INPUT_NAMES else None  # precompute.json stays small
+    return units, {"inputs": fingerprint(units, items), INPUT_NAMES: names}
 
 
 def main(argv: list[str] | None = None) -> int:

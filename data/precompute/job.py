@@ -47,7 +47,7 @@ def describe_change(key: str, old: dict, new: dict) -> str:
     """A changed setting as `key: before -> now`; changed inputs as the inputs added and removed, by name."""
     if key != "inputs":
         return f"{key}: {old.get(key)} -> {new[key]}"
-    if INPUT_NAMES not in old:  # started by an earlier version, which kept only the fingerprint
+    if old.get(INPUT_NAMES) is None or new[INPUT_NAMES] is None:  # too many to keep, or an earlier version's
         return "the inputs differ"
     before, now = old[INPUT_NAMES], new[INPUT_NAMES]
     added = [n for n in now if n not in set(before)]
