@@ -37,6 +37,7 @@ once every unit is finished.
 
 import argparse
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -125,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                         stream=sys.stdout)
     gpu = torch.cuda.is_available() and args.device == "auto"
     device = torch.device(f"cuda:{ranks.local_rank}" if gpu else "cpu" if args.device == "auto" else args.device)
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # a scheduler's stop, taken as Ctrl-C is
     try:
         status = run(args, ranks, device)
     except InputError as e:  # the user's input: one line, once (every rank stops alike: stop_together)
@@ -141,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         raise
     finally:
+        signal.signal(signal.SIGTERM, previous)
         ranks.close()
     return mark_exit(ranks.rank, "failed", status=1) if status else 0  # rank 0 has said why
 

@@ -4,6 +4,7 @@ the whole fine-tuning path: image folder -> precompute -> full and LoRA fine-tun
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -151,13 +152,14 @@ def test_an_interrupted_precompute_says_the_rerun_resumes(sd3_dir, tmp_path, mon
     real = encode_unit
 
     def interrupt_second_unit(number, *args):
-        if number == 1:
-            raise KeyboardInterrupt
+        if number == 1:  # a scheduler's SIGTERM (the launcher passes it on), taken as Ctrl-C is
+            os.kill(os.getpid(), signal.SIGTERM)
         return real(number, *args)
 
     monkeypatch.setattr(data.precompute.job, "encode_unit", interrupt_second_unit)
     assert run_precompute(sd3_dir, images, tmp_path / "out") == 130
     assert "interrupted with 1 unit(s) finished; the same command resumes from there" in caplog.text
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # as it was before
     monkeypatch.undo()
     assert run_precompute(sd3_dir, images, tmp_path / "out") == 0
     assert "resuming: 1 of 2 units already finished" in caplog.text
