@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as e:  # the user's input: one line, once
         if world.is_main:
             log.error("%s: %s", "config error" if isinstance(e, ConfigError) else "input error", e)
-        return mark_exit(world.rank, "config-error", status=2)
+        return mark_exit(world.rank, "input-error", status=2)
     except Exception as e:
         if getattr(e, "reported_by_main", False):  # rank 0 prints this rank's traceback (stop_together)
             return 1
