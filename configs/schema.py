@@ -199,7 +199,11 @@ class TrainingConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
     allow_tf32: bool = True  # CUDA only: fp32 matmuls on tensor cores, much faster, 10-bit mantissa
     deterministic: bool = False  # CUDA: kernels that repeat bit for bit (runs and resumes), at some speed
-    attention_backend: Literal["auto", "flash", "sdpa", "math"] = "auto"  # auto: flash-attn when usable, else SDPA
+    # the attention kernel (perf/attention.py): auto takes the fastest that runs on this GPU generation and logs
+    # why; sdpa lets PyTorch pick; the others force one kernel (an error where it cannot run); math is the slow
+    # fp32 reference
+    attention_backend: Literal["auto", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flash_attn_2",
+                               "flash_attn_3", "flash_attn_4", "math"] = "auto"
     # activations the backward recomputes instead of keeping (plan_memory.py picks the cheapest setting that fits):
     #   none: keep all (no recompute); mlp: the MLPs' 4x-wide hidden activations, not attention's (SD3 at 1024 px:
     #   a third less memory for 15 % more compute); full: whole blocks keep only their inputs (a third more compute)
@@ -426,6 +430,8 @@ RENAMED = {"sampling.every": "validation.every", "logging.save_freq": "checkpoin
            "training.compile_scope": "compile.scope", "training.ddp_bucket_cap_mb": "parallel.ddp_bucket_cap_mb",
            "training.dist_timeout_s": "parallel.timeout_s", "training.enable_profiling": "profiler.enabled",
            "training.profile_steps": "profiler.active_steps"}
+# values that were renamed: a user's config is told the new one; a run directory's saved config takes it
+RENAMED_VALUES = {("training.attention_backend", "flash"): "flash_attn_2"}
 
 
 def load_config(path: str | Path = DEFAULT_CONFIG, overrides: list[str] = (), resolve: bool = True) -> DictConfig:
@@ -447,6 +453,9 @@ def load_config(path: str | Path = DEFAULT_CONFIG, overrides: list[str] = (), re
         raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(loaded).__name__}")
     given = OmegaConf.merge(loaded, OmegaConf.from_dotlist(list(overrides)))
     moved = [f"{old} is now {new}" for old, new in RENAMED.items() if OmegaConf.select(given, old) is not None]
+    if resolve:  # a user's file or command line; a saved run config just takes the new value below
+        moved += [f"{key}={old} is now {key}={new}" for (key, old), new in RENAMED_VALUES.items()
+                  if OmegaConf.select(given, key) == old]
     if moved:
         raise ConfigError(f"{'; '.join(moved)}: rename {'it' if len(moved) == 1 else 'them'} in {path} or the "
                           f"command line")
@@ -459,6 +468,9 @@ def load_config(path: str | Path = DEFAULT_CONFIG, overrides: list[str] = (), re
                               f"{', '.join(f'training.{k}={v}' for k, v in meant.items())} is what {every} meant "
                               f"(in {path} or the command line)")
         given.training.update(meant)  # a run's saved config from before the change: what it meant
+    for (key, old), new in RENAMED_VALUES.items():
+        if OmegaConf.select(given, key) == old:
+            OmegaConf.update(given, key, new)
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(Config), given)
     except OmegaConfBaseException as e:

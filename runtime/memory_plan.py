@@ -152,7 +152,7 @@ def count_model(model, example_inputs, activation_bytes: int, frozen_bytes: int)
             if ff is not None:
                 handles += [ff.register_forward_pre_hook(enter_mlp(i)), ff.register_forward_hook(leave_mlp(i))]
     try:
-        with attention.attention_kernel(flash_attention), saved_tensors_hooks(pack, lambda t: t), flops:
+        with attention.attention_kernel(model, flash_attention), saved_tensors_hooks(pack, lambda t: t), flops:
             model(*example_inputs).float().square().mean()
     finally:
         for handle in handles:
