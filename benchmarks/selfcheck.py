@@ -152,7 +152,7 @@ def run_row(row: Row, overrides: list[str], steps: int, out: Path) -> dict:
 # The speed rows' step on a GPU: SD3-medium's architecture at 512 px (1024 image + 333 text tokens), micro-batch 4,
 # eager fp32 with TF32, SDPA, no checkpointing, unless the row says otherwise (its overrides go on top)
 SPEED = {"model": "sd3-medium", "resolution": 512, "steps": 10, "warmup": 3,
-         "overrides": ["training.dtype=fp32", "compile.enabled=false", "training.activation_checkpointing=0",
+         "overrides": ["training.dtype=fp32", "compile.enabled=false", "training.activation_checkpointing=none",
                        "training.attention_backend=sdpa"]}
 
 

@@ -51,8 +51,8 @@ def test_on_a_gpu_speed_rows_are_measured_on_device_batches_at_a_real_size(monke
     row = rows["compile + activation checkpointing"]
     speed = selfcheck.device_batch_speed(row, [*selfcheck.SIZES["medium"], *row.overrides])
     assert asked == [("sd3-medium", ["training.dtype=fp32", "compile.enabled=false",
-                                     "training.activation_checkpointing=0", "training.attention_backend=sdpa",
-                                     "compile.enabled=true", "training.activation_checkpointing=1"], "real", 512)]
+                                     "training.activation_checkpointing=none", "training.attention_backend=sdpa",
+                                     "compile.enabled=true", "training.activation_checkpointing=full"], "real", 512)]
     assert speed["step_s"] == 0.5 and speed["speed_from"] == "sd3-medium 512 px, micro-batch 4, device batches"
     assert selfcheck.device_batch_speed(rows["DDP"], rows["DDP"].overrides) == {}
     monkeypatch.setattr(train_step, "measure", lambda *a: {"status": "failed", "error": "out of memory"})
