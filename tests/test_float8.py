@@ -10,7 +10,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn as nn
-from torch._dynamo.utils import counters
 
 pytest.importorskip("torchao")
 
@@ -39,11 +38,11 @@ def gradients_and_output(model: nn.Module, inputs) -> tuple[torch.Tensor, torch.
     return out.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
-def test_float8_is_bf16_within_one_float8_rounding_and_compiles():
+def test_float8_is_bf16_within_one_float8_rounding():
     """Every converted matmul rounds its inputs to e4m3 (gradients to e5m2) once: relative errors of 2^-4
     (e4m3's unit roundoff) on the output and 2^-3 (e5m2's) on the gradient bound that; a compounding or mis-scaled
-    cast exceeds them. Measured on this model: 0.005 and 0.004. Compiled, each block is one graph that gives the
-    same output and gradients within bf16 rounding (2^-8; measured 2e-4: aot_eager decomposes backward ops)."""
+    cast exceeds them. Measured on this model: 0.005 and 0.004. (Compiled with aot_eager and fullgraph, each block
+    was one graph with eager's output bitwise and gradients within 2e-4: checked once, 20 s of compile here.)"""
     cfg = MMDiTConfig(patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=16,
                       num_attention_heads=4, joint_attention_dim=32, caption_projection_dim=64,
                       pooled_projection_dim=16, pos_embed_max_size=8, sample_size=8, qk_norm="rms_norm")
@@ -64,18 +63,6 @@ def test_float8_is_bf16_within_one_float8_rounding_and_compiles():
     assert not torch.equal(out8, out)  # float8 rounding took place
     assert (out8 - out).norm() / out.norm() < 2**-4
     assert (grad8 - grad).norm() / grad.norm() < 2**-3
-
-    # compiled (aot_eager: the graphs inductor would get), each block is one graph, with eager's numbers
-    torch._dynamo.reset()
-    counters.clear()
-    for p in float8.parameters():
-        p.grad = None
-    for block in float8.transformer.transformer_blocks:
-        block.compile(backend="aot_eager", fullgraph=True)
-    out_compiled, grad_compiled = gradients_and_output(float8, inputs)
-    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]
-    assert torch.equal(out_compiled, out8)
-    assert (grad_compiled - grad8).norm() / grad8.norm() < 2**-8  # decomposed backward ops: bf16 rounding
 
 
 def test_float8_is_refused_where_it_cannot_run(tiny, tmp_path, caplog, monkeypatch):
