@@ -11,7 +11,7 @@ import json
 import logging
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from configs.schema import load_config
 from errors import ConfigError
@@ -20,8 +20,8 @@ log = logging.getLogger("mmdit")
 RUN_FORMAT = 2  # run.json's "format"; directories of format 1 (before run.json) are refused
 RUN_INFO = "run.json"
 # What an existing run directory's checkpoints and data position mean; a resume must not change them.
-RUN_IDENTITY_KEYS = ("model", "text_encoder", "lora", "data.name", "data.path", "data.aspect_buckets",
-                     "data.text_encoding", "data.num_items", "data.holdout", "training.seed")
+RUN_IDENTITY_KEYS = ("model", "text_encoder", "lora", "data.name", "data.path", "data.datasets", "data.use_masks",
+                     "data.aspect_buckets", "data.text_encoding", "data.num_items", "data.holdout", "training.seed")
 
 
 def global_batch(cfg: DictConfig, world_size: int = 1) -> int:
@@ -72,6 +72,8 @@ def identity_part(cfg: DictConfig, key: str):
     """The part of the config under `key` that a resume must keep. Where full training's weights started does
     not count (checkpoints hold all weights); under LoRA it does (they hold only the adapters)."""
     value = OmegaConf.select(cfg, key)
+    if isinstance(value, ListConfig):
+        value = OmegaConf.to_container(value)
     if isinstance(value, DictConfig):
         value = OmegaConf.to_container(value)
         if not OmegaConf.select(cfg, "lora.enabled"):

@@ -7,11 +7,13 @@ A dataset directory (written by precompute_latents.py) holds
       latents_flipped       [N, C, h, w]  optional (--random-flip): the latents of the image mirrored left-right
       prompt_embeds         [N, L, J]     text-token embeddings (SD3: CLIP-L ++ CLIP-G, padded, then T5)
       pooled_prompt_embeds  [N, P]        pooled text embeddings
+      loss_mask             [N, 1, h, w]  optional: per-latent-element loss weights in [0, 1] from the image's
+                                          mask (white = 1); shards without it belong to items without a mask
   (the two text fields are absent from datasets of `--text-embeddings none`, whose captions training encodes:
   data.text_encoding=on_the_fly), and the captions as a JSON list under the header key "captions";
 - `dataset.json`: the format, the shards in order with their item count, latent size, bytes and sha256 (what a
   published shard must still be), the fields' sizes, whether text embeddings are stored, the VAE and pipeline
-  that encoded it (and its T5 sequence length);
+  that encoded it (and its T5 sequence length), and whether any item has a loss mask (`masks`);
 - `index/`: the per-item table as arrays, memory-mapped when the dataset opens (no shard is read for it, and
   loader workers share the pages): each item's shard, row and latent-size bucket, and where its caption lies
   in `index/captions.bin`;
@@ -133,9 +135,11 @@ def check_shards(directory: Path, shards: list[dict]) -> None:
 
 class LatentDataset(torch.utils.data.Dataset):
     """Items: `latents` (float32), `caption`, and `prompt_embeds` / `pooled_prompt_embeds` (float32) with
-    `text_embeddings` (the dataset must store them; without, training encodes the captions)."""
+    `text_embeddings` (the dataset must store them; without, training encodes the captions), and `loss_mask`
+    ([1, h, w] float32; all ones for an item without a mask) with `masks`."""
 
-    def __init__(self, directory: str | Path, aspect_buckets: bool = False, text_embeddings: bool = True):
+    def __init__(self, directory: str | Path, aspect_buckets: bool = False, text_embeddings: bool = True,
+                 masks: bool = False):
         self.directory = Path(directory)
         self.index = read_index(self.directory)
         check_shards(self.directory, self.index["shards"])
@@ -148,6 +152,11 @@ class LatentDataset(torch.utils.data.Dataset):
             raise DataFormatError(f"data.path={self.directory} stores captions without text embeddings "
                                   f"(precompute_latents.py --text-embeddings none): set data.text_encoding=on_the_fly")
         self.text_encoded = text_embeddings  # else the captions are encoded in the training step
+        self.has_masks = bool(self.index.get("masks"))
+        if masks and not self.has_masks:
+            raise DataFormatError(f"data.use_masks=true but {self.directory} has no loss masks (its images had no "
+                                  f"alpha channel and no NAME.mask.png beside them); set data.use_masks=auto or false")
+        self.masks = masks
         self.text_tokens, self.text_dims = self.index.get("text_tokens"), tuple(self.index.get("text_dims") or ())
         self.fields = ["latents", *(["latents_flipped"] if self.index["flipped"] else []),
                        *(TEXT_FIELDS if self.text_encoded else [])]
@@ -235,8 +244,9 @@ class LatentDataset(torch.utils.data.Dataset):
             (n, (h, w)), c = (record["count"], record["latent_size"]), self.latent_channels
             expected = {"latents": [n, c, h, w], "latents_flipped": [n, c, h, w],
                         "prompt_embeds": [n, self.text_tokens, *self.text_dims[:1]],
-                        "pooled_prompt_embeds": [n, *self.text_dims[1:]]}
-            expected = {field: expected[field] for field in self.fields}
+                        "pooled_prompt_embeds": [n, *self.text_dims[1:]], "loss_mask": [n, 1, h, w]}
+            fields = [*self.fields, *(["loss_mask"] if self.masks and record.get("masks") else [])]
+            expected = {field: expected[field] for field in fields}
             found = {field: (f.get_slice(field).get_shape() if field in f.keys() else "missing") for field in expected}
             wrong_type = [field for field in expected if field in f.keys()
                           and f.get_slice(field).get_dtype() not in ("F16", "BF16", "F32")]
@@ -254,6 +264,10 @@ class LatentDataset(torch.utils.data.Dataset):
         shard, row = int(self.shard_of[index]), int(self.row_of[index])
         f = self.handle(shard)
         item = {name: f.get_slice(name)[row : row + 1][0].float() for name in self.fields}
+        if self.masks:
+            masked = self.index["shards"][shard].get("masks")
+            item["loss_mask"] = (f.get_slice("loss_mask")[row : row + 1][0].float() if masked
+                                 else torch.ones_like(item["latents"][:1]))
         return {**item, "caption": self.caption(index)}
 
 

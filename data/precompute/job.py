@@ -131,6 +131,7 @@ def write_dataset(reports: list[dict], encoders: SD3Encoders, out: Path, setting
             "vae": {"scaling_factor": vae.scaling_factor, "shift_factor": vae.shift_factor or 0.0,
                     "folder": str(Path(settings["model"]) / "vae")},
             "validation_prompts": validation_prompts if encoders.text is None else None,
+            "masks": any(s.get("masks") for s in shards),  # a loss mask per item (items of other shards: all 1)
             "skipped": sum(len(r["skipped"]) for r in reports)}
     write_index(out, shards, (captions for r in reports for captions in r["captions"]), info)
     if encoders.truncated:
