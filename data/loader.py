@@ -98,15 +98,15 @@ class ItemOrder:
         self.buckets = list(buckets.values()) if buckets else None
         self.per_epoch = (batches_per_epoch(tuple((s, len(b)) for s, b in buckets.items()), global_batch)
                           if buckets else None)
+        # each dataset's last two epochs (a step can straddle two), cached per dataset: a mixture alternates
+        self.permutation, self.bucket_batches = lru_cache(2)(self.permutation), lru_cache(2)(self.bucket_batches)
 
     def generator(self, name) -> torch.Generator:
         return torch.Generator().manual_seed(sample_key(self.seed, ORDER_STREAM, f"{self.key}{name}"))
 
-    @lru_cache(maxsize=2)
     def permutation(self, epoch: int) -> torch.Tensor:
         return self.items[torch.randperm(len(self.items), generator=self.generator(epoch))]
 
-    @lru_cache(maxsize=2)
     def bucket_batches(self, epoch: int) -> list[torch.Tensor]:
         """The epoch's global batches, each from one bucket; a bucket's remainder waits for another shuffle."""
         batches = []
