@@ -70,6 +70,9 @@ def build_data(cfg: DictConfig) -> tuple[torch.utils.data.Dataset, WordTokenizer
                    if cfg.data.datasets else datasets[0])
     except InputError as e:
         raise ConfigError(str(e)) from None
+    if len(dataset.latent_sizes) > 1 and not cfg.data.aspect_buckets:  # a batch is of one size
+        raise ConfigError(f"data.datasets hold latents of {len(dataset.latent_sizes)} sizes {dataset.latent_sizes}; "
+                          f"set data.aspect_buckets=true to train on several sizes")
     return dataset, sd3_tokenizers(cfg, dataset) if on_the_fly else None
 
 
@@ -237,7 +240,7 @@ def build_validation(cfg: DictConfig, dataset, tokenizer: WordTokenizer | SD3Tok
                                None, list(range(len(captions))))
     elif on:
         log.warning("%s holds no validation prompts (precompute_latents.py --validation-prompts FILE): no "
-                    "validation images", cfg.data.path)
+                    "validation images", cfg.data.path or "no dataset of data.datasets")
     losses = []
     if on and holdout:
         groups = [("val/", holdout)]

@@ -140,7 +140,7 @@ class StepBatchSampler:
             raise ValueError(f"global batch {global_batch} is not divisible by world size {world_size}")
         parts, part_buckets = (items, buckets) if weights else ([items], [buckets])
         self.global_batch, self.mixture = global_batch, Mixture(weights or [1.0])
-        self.bucketed = part_buckets[0] is not None
+        self.bucketed = bool(part_buckets[0])
         self.orders = [ItemOrder(part, global_batch, seed, f"dataset{d}/" if d else "", b)
                        for d, (part, b) in enumerate(zip(parts, part_buckets))]
         self.rank_batch = global_batch // world_size

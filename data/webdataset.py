@@ -1,6 +1,6 @@
 """Samples from webdataset tar shards, as img2dataset writes them: `KEY.jpg` (or .png/.webp), `KEY.txt` (the
-caption), `KEY.json` (metadata), optionally `KEY.mask.png` (a loss mask), files of one sample next to each other in the
-tar.
+caption), `KEY.json` (metadata), optionally `KEY.mask.png` (a loss mask), files of one sample next to each other
+in the tar.
 
 Read with the standard library's `tarfile` in streaming mode: one pass over a local file or over the output of
 a `pipe:` command (`pipe:aws s3 cp s3://bucket/00000.tar -`, as webdataset spells object-store URLs), each
