@@ -78,9 +78,9 @@ def build_data(cfg: DictConfig) -> tuple[torch.utils.data.Dataset, WordTokenizer
 
 def open_latents(cfg: DictConfig, path: str, text_embeddings: bool) -> LatentDataset:
     """A latent dataset, with loss masks as data.use_masks says (auto: where it has them)."""
-    dataset = LatentDataset(path, cfg.data.aspect_buckets, text_embeddings, masks=cfg.data.use_masks == "true")
-    if cfg.data.use_masks == "auto" and dataset.has_masks:
-        dataset.masks = True
+    masks = {"auto": None, "true": True, "false": False}[cfg.data.use_masks]
+    dataset = LatentDataset(path, cfg.data.aspect_buckets, text_embeddings, masks)
+    if masks is None and dataset.masks:
         log.info("%s has loss masks: the loss is weighted by them (data.use_masks=false to ignore them)", path)
     return dataset
 

@@ -136,10 +136,10 @@ def check_shards(directory: Path, shards: list[dict]) -> None:
 class LatentDataset(torch.utils.data.Dataset):
     """Items: `latents` (float32), `caption`, and `prompt_embeds` / `pooled_prompt_embeds` (float32) with
     `text_embeddings` (the dataset must store them; without, training encodes the captions), and `loss_mask`
-    ([1, h, w] float32; all ones for an item without a mask) with `masks`."""
+    ([1, h, w] float32; all ones for an item without a mask) with `masks` (None: if the dataset has masks)."""
 
     def __init__(self, directory: str | Path, aspect_buckets: bool = False, text_embeddings: bool = True,
-                 masks: bool = False):
+                 masks: bool | None = False):
         self.directory = Path(directory)
         self.index = read_index(self.directory)
         check_shards(self.directory, self.index["shards"])
@@ -156,7 +156,7 @@ class LatentDataset(torch.utils.data.Dataset):
         if masks and not self.has_masks:
             raise DataFormatError(f"data.use_masks=true but {self.directory} has no loss masks (its images had no "
                                   f"alpha channel and no NAME.mask.png beside them); set data.use_masks=auto or false")
-        self.masks = masks
+        self.masks = self.has_masks if masks is None else masks
         self.text_tokens, self.text_dims = self.index.get("text_tokens"), tuple(self.index.get("text_dims") or ())
         self.fields = ["latents", *(["latents_flipped"] if self.index["flipped"] else []),
                        *(TEXT_FIELDS if self.text_encoded else [])]
