@@ -8,7 +8,9 @@ batch comes from one bucket: each epoch shuffles every bucket, cuts it into whol
 batches, all keyed by (seed, epoch) as well.
 
 The training items are the dataset less a held-out set (`split_holdout`), itself a permutation keyed by the
-seed. Datasets that store mirrored latents (`latents_flipped`) give one of the two per (seed, epoch, item).
+seed. Datasets that store mirrored latents (`latents_flipped`) give one of the two per (seed, epoch, item), and
+the item's loss mask with it. Several datasets (`data.datasets`, data/mixture.py) each keep their own epochs;
+which dataset each position of the stream takes is dealt by their weights, a function of the position alone.
 """
 
 import logging
