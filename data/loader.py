@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from data.mixture import Mixture
-from errors import InputError
+from errors import ConfigError
 from models.rectified_flow import FLIP_STREAM, HOLDOUT_STREAM, ORDER_STREAM, draw_sample_noise, sample_key
 
 log = logging.getLogger("mmdit")
@@ -31,7 +31,7 @@ def split_holdout(num_items: int, holdout: int, seed: int, dataset: int = 0) -> 
     the seed (and the dataset's number in a mixture), so they are the same for every run of that seed and never
     trained on. The training items are an array (8 bytes an item, where a Python list would take 36)."""
     if holdout >= num_items:
-        raise ValueError(f"data.holdout={holdout} leaves nothing to train on: the dataset has {num_items} items")
+        raise ConfigError(f"data.holdout={holdout} leaves nothing to train on: the dataset has {num_items} items")
     if not holdout:
         return np.arange(num_items), []
     key = sample_key(seed, HOLDOUT_STREAM, dataset)
@@ -65,11 +65,8 @@ def check_batches(dataset, items, global_batch: int) -> None:
     """Before a run starts: with several latent sizes, some size must fill a global batch (in every dataset)."""
     order = training_order(dataset, items)
     for buckets in order["buckets"] if "weights" in order else [order["buckets"]]:
-        try:
-            if buckets:
-                batches_per_epoch(tuple((size, len(b)) for size, b in buckets.items()), global_batch)
-        except ValueError as e:  # the user's data and batch size: one line, exit 2
-            raise InputError(str(e)) from None
+        if buckets:
+            batches_per_epoch(tuple((size, len(b)) for size, b in buckets.items()), global_batch)
 
 
 @lru_cache
@@ -80,7 +77,7 @@ def batches_per_epoch(bucket_sizes: tuple[tuple[tuple[int, int], int], ...], glo
     count = sum(n // global_batch for _, n in bucket_sizes)
     sizes = ", ".join(f"{h}x{w}: {n}" for (h, w), n in bucket_sizes)
     if not count:
-        raise ValueError(f"no latent size has enough items for one global batch of {global_batch} (items per "
+        raise ConfigError(f"no latent size has enough items for one global batch of {global_batch} (items per "
                          f"latent size: {sizes}); lower training.train_batch_size or "
                          f"training.gradient_accumulation_steps, or precompute without --aspect-buckets")
     never = [f"{h}x{w} ({n} items)" for (h, w), n in bucket_sizes if n < global_batch]
@@ -139,7 +136,7 @@ class StepBatchSampler:
     def __init__(self, items, global_batch: int, seed: int, rank: int, world_size: int,
                  start_step: int, end_step: int, buckets=None, weights: list[float] | None = None):
         if global_batch % world_size:
-            raise ValueError(f"global batch {global_batch} is not divisible by world size {world_size}")
+            raise ConfigError(f"global batch {global_batch} is not divisible by world size {world_size}")
         parts, part_buckets = (items, buckets) if weights else ([items], [buckets])
         self.global_batch, self.mixture = global_batch, Mixture(weights or [1.0])
         self.bucketed = bool(part_buckets[0])
