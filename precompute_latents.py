@@ -19,6 +19,11 @@ Inputs:
   A bad sample (corrupt image, no caption, unsupported format) is skipped, counted and named in its shard's
   report; past --max-bad-fraction of all samples the job fails, because then the input is wrong, not noisy.
 
+Loss masks (white = train): `NAME.mask.png` beside an image of a folder or manifest, `KEY.mask.png` in a shard,
+else a PNG's or WebP's alpha channel unless it is opaque everywhere; cropped with the image and averaged over
+each latent element's pixels into `loss_mask` weights stored with the latents (data.use_masks). An image whose
+mask is black over its whole crop is skipped as bad ("empty mask").
+
 The latents are the VAE posterior mean, shifted and scaled as the pipeline expects; the text embeddings are what
 `StableDiffusion3Pipeline.encode_prompt` gives (models/sd3_text.py), or, with --text-embeddings none, not
 stored: training encodes the captions itself (data.text_encoding=on_the_fly), and a sample costs its latents
