@@ -11,17 +11,19 @@ import logging
 import sys
 from pathlib import Path
 
+import torch
 from omegaconf import DictConfig
 
-from configs.build import build_model, build_tokenizer
+from configs.build import build_data, build_model, build_tokenizer
 from configs.schema import load_config
 from data.images import save_png, to_unit
 from data.shapes import ShapesDataset
-from errors import ConfigError
+from errors import ConfigError, InputError
 from models.diffusers_io import load_diffusers_weights
 from models.lora import apply_lora
 from models.mmdit import MMDiT, MMDiTConfig
 from models.pipeline import generate, initial_noise
+from models.sd3_text import SD3TextEncoders
 from models.text_encoder import TextToImage
 from perf.checkpoint import find_checkpoint, read_checkpoint
 
@@ -30,12 +32,18 @@ log = logging.getLogger("mmdit")
 
 def load_trained(checkpoint: Path, use_ema: bool = True) -> tuple[TextToImage, DictConfig]:
     """The model a checkpoint describes: built from its config (latent runs: from the MMDiT config it
-    records, so the data need not be present), the base weights from model.init_from under LoRA, then the
+    records, so the data need not be present, unless it adapted SD3's text encoders: their pipeline is found as in
+    training), the base weights from model.init_from under LoRA, then the
     checkpoint's trained weights, or their EMA."""
     cfg = load_config(checkpoint / "config.yaml", resolve=False)  # as the run resolved it
     tensors, meta = read_checkpoint(checkpoint)
     if cfg.data.name == "shapes":
         model = build_model(cfg, ShapesDataset, build_tokenizer())
+    elif cfg.lora.enabled and cfg.lora.text_encoders:  # adapted text encoders: SD3's, read from their pipeline
+        tokenizer = build_data(cfg)[1]
+        encoders = SD3TextEncoders(tokenizer.folder, tokenizer.max_sequence_length).load(torch.device("cpu"),
+                                                                                          torch.float32)
+        model = TextToImage(MMDiT(MMDiTConfig(**meta["mmdit"])), encoders)
     else:
         model = TextToImage(MMDiT(MMDiTConfig(**meta["mmdit"])))
     if cfg.lora.enabled:
@@ -51,15 +59,21 @@ def load_trained(checkpoint: Path, use_ema: bool = True) -> tuple[TextToImage, D
 
 
 def load_for_sampling(path: Path, use_ema: bool = True):
-    try:
-        checkpoint = find_checkpoint(path)
-        if load_config(checkpoint / "config.yaml", resolve=False).data.name != "shapes":
-            raise SystemExit(f"{checkpoint} was trained on precomputed latents: export it (export_mmdit.py) and "
-                             f"sample with a diffusers StableDiffusion3Pipeline")
-        model, cfg = load_trained(checkpoint, use_ema)
-    except ValueError as e:  # ConfigError, CheckpointFormatError, an unusable checkpoint
-        raise SystemExit(f"{path}: {e}") from None
+    checkpoint = find_checkpoint(path)
+    if load_config(checkpoint / "config.yaml", resolve=False).data.name != "shapes":
+        raise InputError(f"{checkpoint} was trained on precomputed latents: export it (export_mmdit.py) and "
+                         f"sample with a diffusers StableDiffusion3Pipeline")
+    model, cfg = load_trained(checkpoint, use_ema)
     return model, build_tokenizer(), cfg, checkpoint
+
+
+def read_prompts(path: Path) -> list[str]:
+    if not path.is_file():
+        raise InputError(f"prompts file {path} does not exist")
+    prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise InputError(f"prompts file {path} has no prompts")
+    return prompts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,20 +86,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="image i uses noise keyed by (seed, i)")
     parser.add_argument("--no-ema", action="store_true", help="use the raw trained weights instead of the EMA")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-
-    if not args.prompts.is_file():
-        raise SystemExit(f"prompts file {args.prompts} does not exist")
-    prompts = [line.strip() for line in args.prompts.read_text().splitlines() if line.strip()]
-    if not prompts:
-        raise SystemExit(f"prompts file {args.prompts} has no prompts")
-    model, tokenizer, cfg, checkpoint = load_for_sampling(args.checkpoint, use_ema=not args.no_ema)
-    try:
-        tokenizer(prompts)
-    except ValueError as e:
-        raise SystemExit(f"{args.prompts}: {e}") from None
     if args.steps is not None and args.steps < 1:
-        raise SystemExit(f"--steps must be >= 1, got {args.steps}")
+        parser.error(f"--steps must be >= 1, got {args.steps}")
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    try:  # the user's input (prompts, checkpoint, its config): one line, exit 2
+        prompts = read_prompts(args.prompts)
+        model, tokenizer, cfg, checkpoint = load_for_sampling(args.checkpoint, use_ema=not args.no_ema)
+        try:
+            tokenizer(prompts)
+        except ValueError as e:  # a word outside the dataset's vocabulary
+            raise InputError(f"{args.prompts}: {e}") from None
+    except InputError as e:
+        log.error("sample: %s", e)
+        return 2
     steps = cfg.sampling.steps if args.steps is None else args.steps
     cfg_scale = cfg.sampling.cfg_scale if args.cfg is None else args.cfg
     shape = (ShapesDataset.latent_channels, *ShapesDataset.latent_sizes[0])

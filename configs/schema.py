@@ -18,7 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from errors import ConfigError
 from models.diffusers_io import CheckpointFormatError, read_config
-from models.lora import DIFFUSERS_SD3_TARGETS
+from models.lora import DIFFUSERS_SD3_TARGETS, TEXT_ENCODER_PARTS
 
 DEFAULT_CONFIG = Path(__file__).parent / "shapes.yaml"
 
@@ -146,12 +146,27 @@ class LoraConfig:
     # frozen base weights stored in 4-bit NormalFloat or 8-bit integers, per row (models/quantized.py): ~1/8 or
     # ~1/4 of their fp32 memory, at a small output error (benchmarks/RESULTS.md); adapters train in full precision
     base_quantization: Literal["none", "nf4", "int8"] = "none"
+    # DoRA (peft's use_dora): each adapted weight also learns a per-row magnitude; closer to a full fine-tune at the
+    # same rank, for a weight norm in each forward and two more layer outputs kept for the backward (README: cost)
+    use_dora: bool = False
+    # rsLoRA (peft's use_rslora): scale the adapter by alpha / sqrt(rank) instead of alpha / rank, so higher ranks
+    # keep learning instead of being damped; same cost
+    use_rslora: bool = False
+    # also train LoRA on SD3's CLIP text encoders (their attention projections; T5 stays frozen); needs
+    # data.text_encoding=on_the_fly. Fits prompts to the data better, costs their activations and backward per step
+    text_encoders: List[str] = field(default_factory=list)
+    text_encoder_lr: Optional[float] = None  # peak lr of the text encoders' adapters; None: optimizer.lr
 
     def __post_init__(self):
         positive(self, "rank", "alpha")
         fraction(self, "dropout")
         if self.enabled and not self.target_modules:
             raise FieldError("target_modules", [], "the modules to adapt, e.g. attn.to_q")
+        unknown = [t for t in self.text_encoders if t not in TEXT_ENCODER_PARTS]
+        if unknown or len(set(self.text_encoders)) < len(self.text_encoders):
+            raise FieldError("text_encoders", list(self.text_encoders), f"distinct names of {list(TEXT_ENCODER_PARTS)}")
+        if self.text_encoder_lr is not None:
+            positive(self, "text_encoder_lr")
 
 
 @dataclass
@@ -208,7 +223,11 @@ class TrainingConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
     allow_tf32: bool = True  # CUDA only: fp32 matmuls on tensor cores, much faster, 10-bit mantissa
     deterministic: bool = False  # CUDA: kernels that repeat bit for bit (runs and resumes), at some speed
-    attention_backend: Literal["auto", "flash", "sdpa", "math"] = "auto"  # auto: flash-attn when usable, else SDPA
+    # the attention kernel (perf/attention.py): auto takes the fastest that runs on this GPU generation and logs
+    # why; sdpa lets PyTorch pick; the others force one kernel (an error where it cannot run); math is the slow
+    # fp32 reference
+    attention_backend: Literal["auto", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flash_attn_2",
+                               "flash_attn_3", "flash_attn_4", "math"] = "auto"
     activation_checkpointing: int = 0  # recompute every k-th block in backward: less memory, ~1/3 more compute; 0 off
     # non-finite steps in a row before stopping a diverged run; 0: no guard. The guard skips a step on the device
     # and reads its count on log steps only, so it costs no host synchronisation per step
@@ -392,6 +411,13 @@ def check_combinations(cfg: DictConfig) -> None:
     if cfg.data.use_masks == "true" and cfg.data.name != "latents":
         raise ConfigError("data.use_masks=true weighs the loss by the masks of a latent dataset; the shapes data has "
                           "none")
+    if lora.text_encoders and not lora.enabled:
+        raise ConfigError(f"lora.text_encoders={list(lora.text_encoders)} trains adapters of a LoRA run; set "
+                          f"lora.enabled=true")
+    if lora.text_encoders and cfg.data.text_encoding != "on_the_fly":
+        raise ConfigError(f"lora.text_encoders={list(lora.text_encoders)} needs data.text_encoding=on_the_fly: with "
+                          f"precomputed embeddings the text was encoded once, before training, and the encoders do "
+                          f"not run in the step")
     if cfg.data.text_encoding == "on_the_fly" and cfg.data.name != "latents":
         raise ConfigError("data.text_encoding=on_the_fly runs SD3's text encoders over a latent dataset's captions; "
                           "the shapes data trains its own text encoder (data.name=latents to use it)")
@@ -413,6 +439,8 @@ RENAMED = {"sampling.every": "validation.every", "logging.save_freq": "checkpoin
            "training.compile_scope": "compile.scope", "training.ddp_bucket_cap_mb": "parallel.ddp_bucket_cap_mb",
            "training.dist_timeout_s": "parallel.timeout_s", "training.enable_profiling": "profiler.enabled",
            "training.profile_steps": "profiler.active_steps"}
+# values that were renamed: a user's config is told the new one; a run directory's saved config takes it
+RENAMED_VALUES = {("training.attention_backend", "flash"): "flash_attn_2"}
 
 
 def load_config(path: str | Path = DEFAULT_CONFIG, overrides: list[str] = (), resolve: bool = True) -> DictConfig:
@@ -436,9 +464,15 @@ def load_config(path: str | Path = DEFAULT_CONFIG, overrides: list[str] = (), re
     if OmegaConf.select(given, "data.datasets") and OmegaConf.is_missing(given.data, "path"):
         given.data.path = None  # the shipped configs ask for data.path, which data.datasets replaces
     moved = [f"{old} is now {new}" for old, new in RENAMED.items() if OmegaConf.select(given, old) is not None]
+    if resolve:  # a user's file or command line; a saved run config just takes the new value below
+        moved += [f"{key}={old} is now {key}={new}" for (key, old), new in RENAMED_VALUES.items()
+                  if OmegaConf.select(given, key) == old]
     if moved:
         raise ConfigError(f"{'; '.join(moved)}: rename {'it' if len(moved) == 1 else 'them'} in {path} or the "
                           f"command line")
+    for (key, old), new in RENAMED_VALUES.items():
+        if OmegaConf.select(given, key) == old:
+            OmegaConf.update(given, key, new)
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(Config), given)
     except OmegaConfBaseException as e:

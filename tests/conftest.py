@@ -187,14 +187,6 @@ def tiny(tmp_path):
     return make
 
 
-@pytest.fixture(autouse=True)
-def default_attention_kernel():
-    """A run may select another attention kernel for the process; tests start from the default."""
-    from models.attention import sdpa_attention, set_attention_kernel
-    yield
-    set_attention_kernel(sdpa_attention)
-
-
 LATENT_DIMS = {"channels": 4, "tokens": 6, "joint": 24, "pooled": 16}
 
 
@@ -323,6 +315,19 @@ def sd3_dir(tmp_path_factory):
     for folder, length in (("tokenizer", CLIP_TOKENS), ("tokenizer_2", CLIP_TOKENS), ("tokenizer_3", T5_TOKENS)):
         word_tokenizer(length).save_pretrained(root / folder)
     return root
+
+
+@pytest.fixture(scope="session")
+def sd3_data(sd3_dir, tmp_path_factory):
+    """Latents and fp32 embeddings of eight captioned images of the tiny SD3 pipeline, with validation prompts."""
+    import precompute_latents
+    root = tmp_path_factory.mktemp("text")
+    images = image_folder(root / "images", [(16, 16), (20, 18), (16, 16), (24, 24)] * 2)
+    (root / "prompts.txt").write_text("a red cat\na dog on the grass\n")
+    assert precompute_latents.main(["--model", str(sd3_dir), "--images", str(images), "--out", str(root / "data"),
+                                    "--resolution", "16", "--dtype", "fp32", "--max-sequence-length", str(T5_TOKENS),
+                                    "--validation-prompts", str(root / "prompts.txt")]) == 0
+    return root / "data"
 
 
 def image_folder(directory: Path, sizes) -> Path:
