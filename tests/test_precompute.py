@@ -16,7 +16,7 @@ import data.precompute.job
 import export_mmdit
 import precompute_latents
 from data.latents import LatentDataset
-from data.precompute.images import load_image
+from data.precompute.images import open_image, resize_crop, to_unit_range
 from data.precompute.inputs import EXIF_ORIENTATION, image_size
 from data.precompute.units import encode_unit
 from models.diffusers_io import LORA_WEIGHTS
@@ -26,6 +26,13 @@ from train_mmdit_stable import main
 diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_image(path: Path, size: tuple[int, int]) -> torch.Tensor:
+    """[3, H, W] in [-1, 1], as precompute feeds it to the VAE."""
+    return to_unit_range(resize_crop(open_image(path), size))
+
+
 def run_precompute(sd3_dir, images, out, *extra):
     return precompute_latents.main(["--model", str(sd3_dir), "--images", str(images), "--out", str(out), "--resolution", "16",
                             "--bucket-step", "8", "--batch-size", "3", "--shard-size", "4", "--dtype", "fp32",

@@ -57,11 +57,6 @@ def resize_crop(image: Image.Image, size: tuple[int, int]) -> torch.Tensor:
     return pixels.view(height, width, 3).permute(2, 0, 1)
 
 
-def load_image(path: Path, size: tuple[int, int]) -> torch.Tensor:
-    """[3, H, W] in [-1, 1], as precompute feeds it to the VAE."""
-    return to_unit_range(resize_crop(open_image(path), size))
-
-
 def to_unit_range(pixels: torch.Tensor) -> torch.Tensor:
     return pixels.float() / 127.5 - 1
 
