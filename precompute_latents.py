@@ -49,8 +49,9 @@ from data.precompute.inputs import (PrecomputeError, Unit, check_items, fingerpr
                                     vae_downsampling)
 from data.precompute.job import check_output_directory, precompute, start_output_directory
 from data.precompute.ranks import Ranks
-from data.precompute.units import DTYPES, REPORTS
+from data.precompute.units import REPORTS
 from data.webdataset import ShardError, expand_shards
+from formats import DTYPES
 
 log = logging.getLogger("mmdit")
 PATCH = 2  # the MMDiT's patch side in latents (SD3 / SD3.5)

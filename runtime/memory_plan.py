@@ -27,13 +27,13 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
+from formats import DTYPES
 from models import attention
 from models.quantized import QuantizedLinear
 
 GIB = 2**30
 CUDA_CONTEXT = 0.6 * GIB
 FRAGMENTATION = 0.10
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass
@@ -147,7 +147,7 @@ def plan(count: ModelCount, *, strategy: str, ranks: int, micro_batch: int, chec
     """Bytes per rank for training with these settings (`ranks`: the shard group under FSDP/HSDP)."""
     p = Plan()
     split = ranks if strategy in ("fsdp", "hsdp") else 1
-    compute = DTYPE_BYTES[dtype]
+    compute = DTYPES[dtype].itemsize
     p.weights = (4 * count.trained + count.frozen_bytes) / split + count.buffer_bytes
     p.gradients = 4 * count.trained / split
     p.optimizer = 8 * count.trained / split
