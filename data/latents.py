@@ -75,7 +75,7 @@ def write_index(directory: Path, shards: list[dict], captions: Iterable[list[str
     with open(index / "captions.bin", "wb") as blob:
         for shard, start, texts in zip(shards, np.cumsum(counts) - counts, captions, strict=True):
             if len(texts) != shard["count"]:
-                raise ValueError(f"{shard['file']}: {len(texts)} captions for {shard['count']} items")
+                raise DataFormatError(f"{shard['file']}: {len(texts)} captions for {shard['count']} items")
             encoded = [text.encode() for text in texts]
             lengths[start : start + len(encoded)] = [len(e) for e in encoded]
             blob.write(b"".join(encoded))

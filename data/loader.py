@@ -17,6 +17,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from errors import ConfigError
 from models.rectified_flow import FLIP_STREAM, HOLDOUT_STREAM, ORDER_STREAM, draw_sample_noise, sample_key
 
 log = logging.getLogger("mmdit")
@@ -27,7 +28,7 @@ def split_holdout(num_items: int, holdout: int, seed: int) -> tuple[np.ndarray, 
     the seed, so they are the same for every run of that seed and never trained on. The training items are an
     array (8 bytes an item, where a Python list would take 36)."""
     if holdout >= num_items:
-        raise ValueError(f"data.holdout={holdout} leaves nothing to train on: the dataset has {num_items} items")
+        raise ConfigError(f"data.holdout={holdout} leaves nothing to train on: the dataset has {num_items} items")
     if not holdout:
         return np.arange(num_items), []
     order = torch.randperm(num_items, generator=torch.Generator().manual_seed(sample_key(seed, HOLDOUT_STREAM, 0)))
@@ -59,7 +60,7 @@ def batches_per_epoch(bucket_sizes: tuple[tuple[tuple[int, int], int], ...], glo
     count = sum(n // global_batch for _, n in bucket_sizes)
     sizes = ", ".join(f"{h}x{w}: {n}" for (h, w), n in bucket_sizes)
     if not count:
-        raise ValueError(f"no latent size has enough items for one global batch of {global_batch} (items per "
+        raise ConfigError(f"no latent size has enough items for one global batch of {global_batch} (items per "
                          f"latent size: {sizes}); lower training.train_batch_size or "
                          f"training.gradient_accumulation_steps, or precompute without --aspect-buckets")
     never = [f"{h}x{w} ({n} items)" for (h, w), n in bucket_sizes if n < global_batch]
@@ -75,7 +76,7 @@ class StepBatchSampler:
     def __init__(self, items, global_batch: int, seed: int, rank: int, world_size: int,
                  start_step: int, end_step: int, buckets: dict | None = None):
         if global_batch % world_size:
-            raise ValueError(f"global batch {global_batch} is not divisible by world size {world_size}")
+            raise ConfigError(f"global batch {global_batch} is not divisible by world size {world_size}")
         self.items, self.global_batch, self.seed = torch.as_tensor(np.asarray(items)), global_batch, seed
         self.buckets = list(buckets.values()) if buckets else None
         self.per_epoch = (batches_per_epoch(tuple((s, len(b)) for s, b in buckets.items()), global_batch)

@@ -2,6 +2,8 @@
 
 import torch.nn as nn
 
+from errors import ConfigError
+
 # The attention projections diffusers' SD3 LoRA training script targets (SD3.5's image-only attn2 is left alone).
 DIFFUSERS_SD3_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                          "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]
@@ -23,12 +25,12 @@ def apply_lora(model: nn.Module, lora) -> nn.Module:
     try:
         from peft import LoraConfig, inject_adapter_in_model
     except ImportError:
-        raise ValueError("lora.enabled=true needs peft: pip install -e '.[finetune]'") from None
+        raise ConfigError("lora.enabled=true needs peft: pip install -e '.[finetune]'") from None
     names = [name for name, _ in model.transformer.named_modules()]
     missing = [t for t in lora.target_modules if not any(n == t or n.endswith("." + t) for n in names)]
     if missing:
-        raise ValueError(f"lora.target_modules {missing} match no module of the MMDiT "
-                         f"(e.g. {DIFFUSERS_SD3_TARGETS[0]!r}, 'attn2.to_q', 'ff.net.2')")
+        raise ConfigError(f"lora.target_modules {missing} match no module of the MMDiT "
+                          f"(e.g. {DIFFUSERS_SD3_TARGETS[0]!r}, 'attn2.to_q', 'ff.net.2')")
     model.requires_grad_(False)
     inject_adapter_in_model(LoraConfig(**adapter_settings(lora)), model.transformer, adapter_name=ADAPTER)
     for name, param in model.transformer.named_parameters():

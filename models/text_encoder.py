@@ -7,6 +7,7 @@ vector [B, dim]. Datasets of precomputed embeddings bypass both (see `TextToImag
 import torch
 import torch.nn as nn
 
+from errors import InputError
 from models.mmdit import init_generator, initialize, xavier_uniform
 
 PAD = "<pad>"
@@ -29,10 +30,10 @@ class WordTokenizer:
         for row, caption in enumerate(captions):
             words = caption.lower().split()
             if len(words) > self.max_length:
-                raise ValueError(f"caption {caption!r} has {len(words)} words; the encoder takes {self.max_length}")
+                raise InputError(f"caption {caption!r} has {len(words)} words; the encoder takes {self.max_length}")
             unknown = [w for w in words if w not in self.ids]
             if unknown:
-                raise ValueError(f"caption {caption!r} has words outside the vocabulary: {unknown}; "
+                raise InputError(f"caption {caption!r} has words outside the vocabulary: {unknown}; "
                                  f"known words: {self.vocab[1:]}")
             out[row, : len(words)] = torch.tensor([self.ids[w] for w in words], dtype=torch.long)
         return out

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
-from errors import ConfigError
+from errors import ConfigError, InputError
 from formats import check_format, sha256
 from perf.parallel import unwrap
 from runtime.distributed import gather_objects, host_group, is_distributed
@@ -125,11 +125,11 @@ def find_checkpoint(path: Path) -> Path:
     if (path / MANIFEST).is_file():
         problem = verify(path)
         if problem:
-            raise ValueError(f"checkpoint {path} is not usable: {problem}")
+            raise InputError(f"checkpoint {path} is not usable: {problem}")
         return path
     found = next((p for p in reversed(checkpoints(path)) if verify(p) is None), None)
     if found is None:
-        raise ValueError(f"{path} is neither a checkpoint directory nor a run directory with a complete checkpoint")
+        raise InputError(f"{path} is neither a checkpoint directory nor a run directory with a complete checkpoint")
     return found
 
 
@@ -237,7 +237,7 @@ class TrainedWeights:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         result = self.model.load_state_dict(state, strict=False)
         if result.unexpected_keys or set(result.missing_keys) & set(self.state_dict()):
-            raise ValueError(f"weights do not fit the model: missing {result.missing_keys[:5]}, unexpected "
+            raise InputError(f"weights do not fit the model: missing {result.missing_keys[:5]}, unexpected "
                              f"{result.unexpected_keys[:5]}")
 
 

@@ -35,6 +35,7 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecision
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from errors import ConfigError
 from models.sd3_text import SD3TextEncoders
 from perf.activation_checkpointing import apply_activation_checkpointing
 from perf.compile import apply_compile
@@ -58,7 +59,7 @@ def check_parallel(cfg: DictConfig, world: World) -> None:
         return
     size = shard_size(cfg, world)
     if world.world_size % size:
-        raise ValueError(f"parallel.shard_size={size} must divide the world size {world.world_size} "
+        raise ConfigError(f"parallel.shard_size={size} must divide the world size {world.world_size} "
                          f"(hsdp: world = shard groups x parallel.shard_size)")
 
 
