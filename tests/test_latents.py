@@ -10,8 +10,6 @@ from safetensors.torch import load_file, save_file
 
 from data.latents import DataFormatError, LatentDataset
 from data.loader import StepBatchSampler, step_batches
-from errors import InputError
-from models.vae import VAE, load_vae
 from perf.checkpoint import checkpoints
 from tests.conftest import LATENT_DIMS, assert_close, final_weights, losses, write_latent_shards
 from train_mmdit_stable import main
@@ -38,24 +36,6 @@ def test_a_dataset_of_an_earlier_format_is_named(tmp_path):
     with pytest.raises(DataFormatError, match=r"earlier version of precompute_latents.py \(format 1; this "
                                               r"version reads 2\): rerun it into a new --out"):
         LatentDataset(directory)
-
-
-def test_the_vae_encodes_and_decodes_as_the_sd3_pipeline_does(sd3_dir, tmp_path):
-    """Latents are the posterior mean shifted and scaled by the VAE config's factors; decoding undoes the
-    factors given (a dataset's recorded ones), as StableDiffusion3Pipeline undoes its config's before
-    vae.decode."""
-    diffusers = pytest.importorskip("diffusers")
-    autoencoder = diffusers.AutoencoderKL.from_pretrained(sd3_dir / "vae")
-    vae = load_vae(sd3_dir / "vae", torch.device("cpu"), torch.float32)
-    pixels = torch.rand(2, 3, 8, 8, generator=torch.Generator().manual_seed(0)) * 2 - 1
-    with torch.no_grad():
-        latents = vae.encode(pixels)
-        assert torch.equal(latents, (autoencoder.encode(pixels).latent_dist.mean - 0.0609) * 1.5305)
-        assert torch.equal(vae.decode(latents), autoencoder.decode(latents / 1.5305 + 0.0609).sample)
-        recorded = VAE(autoencoder, scaling_factor=2.0, shift_factor=0.5)
-        assert torch.equal(recorded.decode(latents), autoencoder.decode(latents / 2.0 + 0.5).sample)
-    with pytest.raises(InputError, match=f"the VAE in {re.escape(str(tmp_path))} does not load"):
-        load_vae(tmp_path, torch.device("cpu"), torch.float32)
 
 
 def test_a_damaged_shard_is_named_when_the_dataset_opens(tmp_path):
