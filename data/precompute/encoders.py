@@ -20,7 +20,7 @@ class SD3Encoders:
 
     def __init__(self, model_dir: Path, device: torch.device, dtype: torch.dtype, max_sequence_length: int,
                  text_embeddings: bool):
-        self.device, self.dtype = device, dtype
+        self.device = device
         self.vae = load_vae(model_dir / "vae", device, dtype)
         self.tokenizers = SD3Tokenizers(model_dir, max_sequence_length)
         with torch.device("meta"):
