@@ -5,7 +5,9 @@
 PATH is a run directory (its newest complete checkpoint is used) or one checkpoint directory. A full
 fine-tune becomes an `SD3Transformer2DModel` directory (`SD3Transformer2DModel.from_pretrained(DIR)`, or a
 pipeline's `transformer=`); a LoRA run becomes `DIR/pytorch_lora_weights.safetensors`
-(`StableDiffusion3Pipeline.load_lora_weights(DIR)`). DIR must not exist: nothing is ever overwritten.
+(`StableDiffusion3Pipeline.load_lora_weights(DIR)`), with the text encoders' adapters of lora.text_encoders
+(`text_encoder.*` for CLIP-L, `text_encoder_2.*` for CLIP-G) beside the transformer's. DIR must not exist:
+nothing is ever overwritten.
 """
 
 import argparse
@@ -18,6 +20,7 @@ import torch
 from formats import DTYPES
 from models.diffusers_io import (CheckpointFormatError, check_state_dict, export_diffusers_lora,
                                  export_diffusers_transformer)
+from models.lora import TEXT_ENCODER_PARTS
 from models.mmdit import MMDiT, MMDiTConfig
 from perf.checkpoint import find_checkpoint, read_checkpoint
 
@@ -31,9 +34,13 @@ def export(checkpoint: Path, out: Path, use_ema: bool = True, dtype: torch.dtype
         raise CheckpointFormatError(f"{checkpoint} predates export support (no 'mmdit' in state.json); "
                                     f"resume it for one step to write a new checkpoint")
     weights = {**tensors["model"], **(tensors["ema"] if use_ema else {})}  # the EMA covers trained parameters
-    transformer = {k.removeprefix(PREFIX): v for k, v in weights.items() if k.startswith(PREFIX)}
+    part = lambda prefix: {k.removeprefix(prefix): v for k, v in weights.items() if k.startswith(prefix)}
+    transformer = part(PREFIX)
     if meta["lora"]:
-        return export_diffusers_lora(transformer, meta["lora"], out, dtype)
+        adapters = {"transformer": (transformer, meta["lora"])}
+        for encoder, settings in meta.get("text_encoder_lora", {}).items():  # lora.text_encoders
+            adapters[TEXT_ENCODER_PARTS[encoder]] = (part(f"text_encoder.{encoder}."), settings)
+        return export_diffusers_lora(adapters, out, dtype)
     model = MMDiT(MMDiTConfig(**meta["mmdit"]))
     check_state_dict(model.state_dict(), transformer, checkpoint)
     model.load_state_dict(transformer)

@@ -11,9 +11,10 @@ import logging
 import sys
 from pathlib import Path
 
+import torch
 from omegaconf import DictConfig
 
-from configs.build import build_model, build_tokenizer
+from configs.build import build_data, build_model, build_tokenizer
 from configs.schema import load_config
 from data.images import save_png, to_unit
 from data.shapes import ShapesDataset
@@ -22,6 +23,7 @@ from models.diffusers_io import load_diffusers_weights
 from models.lora import apply_lora
 from models.mmdit import MMDiT, MMDiTConfig
 from models.pipeline import generate, initial_noise
+from models.sd3_text import SD3TextEncoders
 from models.text_encoder import TextToImage
 from perf.checkpoint import find_checkpoint, read_checkpoint
 
@@ -30,12 +32,18 @@ log = logging.getLogger("mmdit")
 
 def load_trained(checkpoint: Path, use_ema: bool = True) -> tuple[TextToImage, DictConfig]:
     """The model a checkpoint describes: built from its config (latent runs: from the MMDiT config it
-    records, so the data need not be present), the base weights from model.init_from under LoRA, then the
+    records, so the data need not be present, unless it adapted SD3's text encoders: their pipeline is found as in
+    training), the base weights from model.init_from under LoRA, then the
     checkpoint's trained weights, or their EMA."""
     cfg = load_config(checkpoint / "config.yaml", resolve=False)  # as the run resolved it
     tensors, meta = read_checkpoint(checkpoint)
     if cfg.data.name == "shapes":
         model = build_model(cfg, ShapesDataset, build_tokenizer())
+    elif cfg.lora.enabled and cfg.lora.text_encoders:  # adapted text encoders: SD3's, read from their pipeline
+        tokenizer = build_data(cfg)[1]
+        encoders = SD3TextEncoders(tokenizer.folder, tokenizer.max_sequence_length).load(torch.device("cpu"),
+                                                                                          torch.float32)
+        model = TextToImage(MMDiT(MMDiTConfig(**meta["mmdit"])), encoders)
     else:
         model = TextToImage(MMDiT(MMDiTConfig(**meta["mmdit"])))
     if cfg.lora.enabled:

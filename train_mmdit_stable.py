@@ -20,7 +20,7 @@ from configs.run_dir import global_batch, prepare_run_dir, save_run_config
 from configs.schema import DEFAULT_CONFIG, load_config
 from data.loader import check_batches, micro_batches, step_batches, to_device
 from errors import ConfigError, InputError
-from models.lora import adapter_settings, apply_lora
+from models.lora import adapter_settings, apply_lora, text_encoder_settings
 from models.rectified_flow import interpolate, per_sample_loss, sample_key
 from optim.adamw import build_adamw
 from optim.ema import EMA
@@ -93,7 +93,7 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
     # checkpointing, compile, the wrap, and the weights: each rank reads or draws only what it holds
     model = apply_parallelism(model, cfg, world, device, InitialValues(model, training.seed, cfg.model.init_from))
     optimizer = build_adamw(unwrap(model), optim.lr, (optim.beta1, optim.beta2), optim.eps, optim.weight_decay,
-                            device, optim.fused)
+                            device, optim.fused, lr_scales(cfg))
     ema = EMA(unwrap(model), optim.ema_decay)
     scaler = grad_scaler(device, training.dtype)
     configure_cuda_math(device, training.allow_tf32)
@@ -140,7 +140,7 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
             timer.lap("data")
             lr = warmup_cosine(step, optim.lr, optim.warmup_steps, training.max_steps, optim.min_lr_ratio)
             for group in optimizer.param_groups:
-                group["lr"] = lr
+                group["lr"] = lr * group["lr_scale"]
             loss = sizer.run(step, lambda micro_batch, reduce: forward_backward(
                 model, batch, cfg, scaler, sigma_losses, micro_batch, reduce), model, sigma_losses)
             if step == start_step:
@@ -216,10 +216,19 @@ def optimizer_step(model, optimizer, scaler, ema: EMA, guard: NonFiniteGuard, st
     return grad_norm
 
 
+def lr_scales(cfg: DictConfig) -> dict[str, float]:
+    """The text encoders' adapters train at lora.text_encoder_lr (default optimizer.lr): a factor on the
+    schedule's learning rate, so they warm up and decay with the rest."""
+    lora = cfg.lora
+    scale = 1.0 if lora.text_encoder_lr is None else lora.text_encoder_lr / cfg.optimizer.lr
+    return {f"text_encoder.{part}.": scale for part in lora.text_encoders}
+
+
 def checkpoint_meta(cfg: DictConfig, model, world: World) -> dict:
     """What a checkpoint records beside the state: what export needs, without the data or the config."""
     return {"mmdit": dataclasses.asdict(unwrap(model).transformer.cfg),
             "lora": adapter_settings(cfg.lora) if cfg.lora.enabled else None,
+            "text_encoder_lora": text_encoder_settings(cfg.lora) if cfg.lora.enabled else {},
             "world_size": world.world_size, "strategy": cfg.parallel.strategy}
 
 

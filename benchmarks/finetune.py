@@ -39,7 +39,7 @@ def build(layers: int, heads: int, lora_rank: int) -> TextToImage:
     for p in model.parameters():  # released-like weights: non-zero gates, so adapters get gradients
         p.data.normal_(0, 0.02)
     lora = SimpleNamespace(enabled=lora_rank > 0, rank=lora_rank, alpha=lora_rank, dropout=0.0,
-                           target_modules=DIFFUSERS_SD3_TARGETS)
+                           target_modules=DIFFUSERS_SD3_TARGETS, use_dora=False, use_rslora=False, text_encoders=[])
     return apply_lora(model, lora)
 
 

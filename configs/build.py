@@ -19,7 +19,7 @@ from formats import DTYPES
 from models.diffusers_io import CheckpointFormatError, WeightReader, read_config
 from models.lora import apply_lora
 from models.mmdit import MMDiT, MMDiTConfig
-from models.quantized import QuantizedLinear, quantize, quantize_linears
+from models.quantized import QuantizedLinear, dequantize, quantize, quantize_linears
 from models.rectified_flow import training_sigmas
 from models.sd3_text import SD3TextEncoders, SD3Tokenizers, check_pipeline
 from models.text_encoder import TextToImage, TinyTextEncoder, WordTokenizer
@@ -160,10 +160,14 @@ class InitialValues:
         self.last_quantized = (None, None)  # the rows a quantized layer's codes came from, for its scales
 
     def __call__(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+        if ".lora_magnitude_vector." in name:
+            return self.dora_magnitude(name, offsets, sizes)
+        block = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
+        if ".lora_" in name:
+            return self.model.initial_value(name, self.seed)[block]
         if name.startswith("text_encoder.") and isinstance(self.model.text_encoder, SD3TextEncoders):
             return self.model.text_encoder.read(name.removeprefix("text_encoder."), offsets, sizes)
-        block = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
-        if self.reader is None or not name.startswith("transformer.") or ".lora_" in name:
+        if self.reader is None or not name.startswith("transformer."):
             return self.model.initial_value(name, self.seed)[block]
         module_name, _, kind = name.rpartition(".")
         key = f"{module_name.removeprefix('transformer.').replace('.base_layer', '')}.{kind}"
@@ -176,6 +180,20 @@ class InitialValues:
                                       (sizes[0], module.in_features))
             self.last_quantized = (rows, quantize(weight, module.scheme))
         return self.last_quantized[1][kind][(slice(None), *block[1:])]
+
+    def dora_magnitude(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+        """DoRA's magnitude for rows offsets[0]...: the norms of those rows of the frozen weight as the model holds
+        it (dequantized, or in its dtype), as peft computes them when it injects the adapter into a filled layer,
+        so that the adapted model starts as the base."""
+        layer = name.partition(".lora_magnitude_vector.")[0]
+        base = self.model.get_submodule(layer).get_base_layer()
+        rows = lambda kind: self(f"{layer}.base_layer.{kind}", (offsets[0], 0),
+                                 (sizes[0], getattr(base, kind).shape[1]))
+        if isinstance(base, QuantizedLinear):
+            weight = dequantize(rows("codes"), rows("scales"), base.scheme, torch.float32)
+        else:
+            weight = rows("weight").to(base.weight.dtype)
+        return torch.linalg.norm(weight.float(), dim=1)
 
 
 def build_collate(cfg: DictConfig, dataset, tokenizer: WordTokenizer | None) -> Collate:

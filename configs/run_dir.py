@@ -75,6 +75,8 @@ def identity_part(cfg: DictConfig, key: str):
         value = OmegaConf.to_container(value)
         if not OmegaConf.select(cfg, "lora.enabled"):
             value.pop("init_from", None)
+        if key == "lora":  # a learning rate, like optimizer.lr
+            value.pop("text_encoder_lr", None)
     return value
 
 

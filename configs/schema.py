@@ -18,7 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from errors import ConfigError
 from models.diffusers_io import CheckpointFormatError, read_config
-from models.lora import DIFFUSERS_SD3_TARGETS
+from models.lora import DIFFUSERS_SD3_TARGETS, TEXT_ENCODER_PARTS
 
 DEFAULT_CONFIG = Path(__file__).parent / "shapes.yaml"
 
@@ -122,12 +122,27 @@ class LoraConfig:
     # frozen base weights stored in 4-bit NormalFloat or 8-bit integers, per row (models/quantized.py): ~1/8 or
     # ~1/4 of their fp32 memory, at a small output error (benchmarks/RESULTS.md); adapters train in full precision
     base_quantization: Literal["none", "nf4", "int8"] = "none"
+    # DoRA (peft's use_dora): each adapted weight also learns a per-row magnitude; closer to a full fine-tune at the
+    # same rank, for a weight norm in each forward and two more layer outputs kept for the backward (README: cost)
+    use_dora: bool = False
+    # rsLoRA (peft's use_rslora): scale the adapter by alpha / sqrt(rank) instead of alpha / rank, so higher ranks
+    # keep learning instead of being damped; same cost
+    use_rslora: bool = False
+    # also train LoRA on SD3's CLIP text encoders (their attention projections; T5 stays frozen); needs
+    # data.text_encoding=on_the_fly. Fits prompts to the data better, costs their activations and backward per step
+    text_encoders: List[str] = field(default_factory=list)
+    text_encoder_lr: Optional[float] = None  # peak lr of the text encoders' adapters; None: optimizer.lr
 
     def __post_init__(self):
         positive(self, "rank", "alpha")
         fraction(self, "dropout")
         if self.enabled and not self.target_modules:
             raise FieldError("target_modules", [], "the modules to adapt, e.g. attn.to_q")
+        unknown = [t for t in self.text_encoders if t not in TEXT_ENCODER_PARTS]
+        if unknown or len(set(self.text_encoders)) < len(self.text_encoders):
+            raise FieldError("text_encoders", list(self.text_encoders), f"distinct names of {list(TEXT_ENCODER_PARTS)}")
+        if self.text_encoder_lr is not None:
+            positive(self, "text_encoder_lr")
 
 
 @dataclass
@@ -361,6 +376,13 @@ def check_combinations(cfg: DictConfig) -> None:
     if lora.base_quantization != "none" and not lora.enabled:
         raise ConfigError(f"lora.base_quantization={lora.base_quantization} quantizes the frozen base of a LoRA run; "
                           f"set lora.enabled=true (a full fine-tune trains every weight in full precision)")
+    if lora.text_encoders and not lora.enabled:
+        raise ConfigError(f"lora.text_encoders={list(lora.text_encoders)} trains adapters of a LoRA run; set "
+                          f"lora.enabled=true")
+    if lora.text_encoders and cfg.data.text_encoding != "on_the_fly":
+        raise ConfigError(f"lora.text_encoders={list(lora.text_encoders)} needs data.text_encoding=on_the_fly: with "
+                          f"precomputed embeddings the text was encoded once, before training, and the encoders do "
+                          f"not run in the step")
     if cfg.data.text_encoding == "on_the_fly" and cfg.data.name != "latents":
         raise ConfigError("data.text_encoding=on_the_fly runs SD3's text encoders over a latent dataset's captions; "
                           "the shapes data trains its own text encoder (data.name=latents to use it)")

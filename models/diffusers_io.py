@@ -21,7 +21,6 @@ WEIGHTS = "diffusion_pytorch_model.safetensors"
 INDEX = "diffusion_pytorch_model.safetensors.index.json"
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 LORA_METADATA_KEY = "lora_adapter_metadata"
-LORA_PREFIX = "transformer"  # diffusers' name of the pipeline component the adapter belongs to
 # config.json keys diffusers writes that do not change the architecture this MMDiT implements
 IGNORED_KEYS = {"_class_name", "_diffusers_version", "_name_or_path", "qk_norm_eps"}
 # architecture features of newer diffusers configs; accepted only at the value that means "absent"
@@ -183,21 +182,37 @@ def export_diffusers_transformer(model: MMDiT, directory: Path, dtype: torch.dty
     return write_new_directory(directory, write)
 
 
-def diffusers_lora_state(adapter_weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """peft parameter names relative to the MMDiT (`…to_q.lora_A.default.weight`) -> diffusers' SD3 names."""
-    return {f"{LORA_PREFIX}.{name.replace(f'.{ADAPTER}.', '.')}": w for name, w in adapter_weights.items()}
+def diffusers_lora_state(adapter_weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """peft parameter names relative to an adapted module (`…to_q.lora_A.default.weight`) -> the names diffusers'
+    `save_lora_weights` writes, under the component's prefix: the adapter name dropped. DoRA's magnitudes keep their
+    `.weight` (`…lora_magnitude_vector.weight`), which peft's own files drop: peft's loader (the transformer's)
+    accepts both, transformers' `load_adapter` (the text encoders', transformers 5) only this one."""
+    return {f"{prefix}.{name.replace(f'.{ADAPTER}.', '.')}": w for name, w in adapter_weights.items()}
 
 
-def export_diffusers_lora(adapter_weights: dict[str, torch.Tensor], settings: dict, directory: Path,
+def lora_scale(settings: dict) -> float:
+    """The factor peft applies to B @ A: alpha / rank, or alpha / sqrt(rank) with rsLoRA."""
+    return settings["lora_alpha"] / (settings["r"] ** 0.5 if settings.get("use_rslora") else settings["r"])
+
+
+def export_diffusers_lora(adapters: dict[str, tuple[dict[str, torch.Tensor], dict]], directory: Path,
                           dtype: torch.dtype = torch.float32) -> Path:
     """Write `pytorch_lora_weights.safetensors` as `StableDiffusion3Pipeline.save_lora_weights` does, for
-    `pipe.load_lora_weights(directory)` or `transformer.load_lora_adapter(directory, prefix="transformer",
-    weight_name="pytorch_lora_weights.safetensors")`. The scale alpha / rank is folded into lora_B and alpha
-    written as the rank, so loaders that ignore the `lora_adapter_metadata` header (older diffusers, other
-    tools) apply the adapter at the strength it was trained with."""
-    scale = settings["lora_alpha"] / settings["r"]
-    folded = {k: v * scale if ".lora_B." in k else v for k, v in adapter_weights.items()}
-    header = {f"{LORA_PREFIX}.{k}": v for k, v in {**settings, "lora_alpha": settings["r"]}.items()}
+    `pipe.load_lora_weights(directory)` (or `transformer.load_lora_adapter(directory, prefix="transformer",
+    weight_name="pytorch_lora_weights.safetensors")`). `adapters`: pipeline component ("transformer",
+    "text_encoder", "text_encoder_2") -> (its adapter weights under peft's names, their LoraConfig fields).
+
+    The scale (alpha / rank, or alpha / sqrt(rank) with rsLoRA) is folded into lora_B and the header says
+    alpha = rank without rsLoRA: diffusers has no rank-stabilised flag outside the header, and loaders that ignore
+    the `lora_adapter_metadata` header (older diffusers, other tools) then apply the adapter at the strength it was
+    trained with. DoRA is unchanged by the fold: its output depends on W + scale * B @ A only."""
+    tensors, header = {}, {}
+    for prefix, (weights, settings) in adapters.items():
+        scale = lora_scale(settings)
+        folded = {k: v * scale if ".lora_B." in k else v for k, v in weights.items()}
+        tensors.update(diffusers_lora_state(folded, prefix))
+        header.update({f"{prefix}.{k}": v for k, v in {**settings, "lora_alpha": settings["r"],
+                                                       "use_rslora": False}.items()})
     metadata = {"format": "pt", LORA_METADATA_KEY: json.dumps(header)}
     return write_new_directory(directory, lambda tmp: save_safetensors(
-        cpu_tensors(diffusers_lora_state(folded), dtype), tmp / LORA_WEIGHTS, metadata=metadata))
+        cpu_tensors(tensors, dtype), tmp / LORA_WEIGHTS, metadata=metadata))

@@ -1,4 +1,7 @@
-"""LoRA adapters on the MMDiT through peft (exported by `models.diffusers_io.export_diffusers_lora`)."""
+"""LoRA adapters on the MMDiT, and optionally on SD3's CLIP text encoders, through peft (exported by
+`models.diffusers_io.export_diffusers_lora`). Variants are peft's: DoRA (`use_dora`: a trained magnitude per output
+row, `lora_magnitude_vector`, initialised to the row norms of the frozen weight) and rsLoRA (`use_rslora`: the
+update is scaled by alpha / sqrt(rank) instead of alpha / rank)."""
 
 import torch.nn as nn
 
@@ -7,19 +10,31 @@ from errors import ConfigError
 # The attention projections diffusers' SD3 LoRA training script targets (SD3.5's image-only attn2 is left alone).
 DIFFUSERS_SD3_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                          "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]
+# The CLIP projections the same script adapts when it trains the text encoders (T5 is never adapted).
+TEXT_ENCODER_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
+# lora.text_encoders' names -> the pipeline component (and exported file prefix) diffusers gives each
+TEXT_ENCODER_PARTS = {"clip_l": "text_encoder", "clip_g": "text_encoder_2"}
 ADAPTER = "default"  # peft's adapter name; it appears in parameter names and is dropped on export
 
 
-def adapter_settings(lora) -> dict:
-    """The LoraConfig fields that define the adapter (from the config's `lora` section); diffusers rebuilds
-    the adapter from exactly these, saved in the exported file's header."""
+def adapter_settings(lora, targets: list[str] | None = None) -> dict:
+    """The LoraConfig fields that define the adapter (from the config's `lora` section; `targets`: other
+    modules than lora.target_modules); diffusers rebuilds the adapter from exactly these, saved in the exported
+    file's header."""
     return {"r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
-            "target_modules": sorted(lora.target_modules), "init_lora_weights": "gaussian"}
+            "target_modules": sorted(targets or lora.target_modules), "init_lora_weights": "gaussian",
+            "use_dora": lora.use_dora, "use_rslora": lora.use_rslora}
+
+
+def text_encoder_settings(lora) -> dict[str, dict]:
+    """{"clip_l": LoraConfig fields, ...} of the adapted text encoders; empty when none is."""
+    return {part: adapter_settings(lora, TEXT_ENCODER_TARGETS) for part in lora.text_encoders}
 
 
 def apply_lora(model: nn.Module, lora) -> nn.Module:
-    """Inject adapters into `model.transformer` and freeze everything but them; a no-op when lora.enabled is
-    off. B starts at zero, so the adapted model is the base model until the first step."""
+    """Inject adapters into `model.transformer` (and into the text encoders lora.text_encoders names) and freeze
+    everything but them; a no-op when lora.enabled is off. B starts at zero (and DoRA's magnitude at the frozen
+    weight's row norms), so the adapted model is the base model until the first step."""
     if not lora.enabled:
         return model
     try:
@@ -32,7 +47,15 @@ def apply_lora(model: nn.Module, lora) -> nn.Module:
         raise ConfigError(f"lora.target_modules {missing} match no module of the MMDiT "
                           f"(e.g. {DIFFUSERS_SD3_TARGETS[0]!r}, 'attn2.to_q', 'ff.net.2')")
     model.requires_grad_(False)
-    inject_adapter_in_model(LoraConfig(**adapter_settings(lora)), model.transformer, adapter_name=ADAPTER)
-    for name, param in model.transformer.named_parameters():
-        param.requires_grad = ".lora_" in name
+    adapted = {"transformer": (model.transformer, adapter_settings(lora))}
+    for part, settings in text_encoder_settings(lora).items():
+        encoder = getattr(model.text_encoder, part, None)
+        if encoder is None:
+            raise ConfigError(f"lora.text_encoders names {part}, but the model runs no such text encoder "
+                              f"(data.text_encoding=on_the_fly runs SD3's CLIP-L and CLIP-G)")
+        adapted[part] = (encoder, settings)
+    for module, settings in adapted.values():
+        inject_adapter_in_model(LoraConfig(**settings), module, adapter_name=ADAPTER)
+        for name, param in module.named_parameters():
+            param.requires_grad = ".lora_" in name
     return model

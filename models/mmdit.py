@@ -6,6 +6,7 @@ tokens come first in the joint sequence, text tokens second, as in the reference
 """
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -133,12 +134,51 @@ class TimeTextEmbed(nn.Module):
 # ----------------------------------------------------------------------------------------------- modulation
 
 
+# The norms run in their input's dtype, outside autocast. CUDA's autocast runs layer_norm and rms_norm in fp32:
+# a bf16 activation would be cast to fp32 and back around every norm (three extra passes over it), and an
+# RMSNorm given a bf16 input (autocast off) with its fp32 weight decomposes into pow/mean/rsqrt kernels
+# ("Cannot dispatch to fused implementation"). The kernels accumulate their statistics in fp32 whatever the
+# input dtype; the output is rounded to the input's dtype, the precision the next matmul reads anyway.
+
+
+def autocast_off(x: torch.Tensor):
+    if not torch.amp.is_autocast_available(x.device.type):  # meta
+        return nullcontext()
+    return torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=False)  # the dtype is unused when off
+
+
 def layer_norm(x: torch.Tensor) -> torch.Tensor:
-    return F.layer_norm(x, x.shape[-1:], eps=1e-6)
+    with autocast_off(x):
+        return F.layer_norm(x, x.shape[-1:], eps=1e-6)
+
+
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm in the input's dtype: the weight is cast to it so that the fused kernel runs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with autocast_off(x):
+            return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return x * (1 + scale[:, None]) + shift[:, None]
+    """x * (1 + scale) + shift in x's dtype, one kernel with one rounding (the per-sample shift and 1 + scale
+    are cast to x's dtype: fp32 ones would make an fp32 copy of the activation, cast back by the next matmul)."""
+    return torch.addcmul(shift[:, None].to(x.dtype), x, (1 + scale[:, None]).to(x.dtype))
+
+
+def gated(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The residual update x + gate * y in x's dtype, one kernel with one rounding (the per-sample gate is
+    cast to x's dtype: an fp32 gate would promote the whole residual stream to fp32)."""
+    return torch.addcmul(x, gate[:, None].to(x.dtype), y)
+
+
+def modulation(linear: nn.Linear, c: torch.Tensor) -> torch.Tensor:
+    """linear(SiLU(c)) in its weight's dtype, outside autocast. It acts once per sample (B rows), so its
+    matmul costs nothing, but its weight is large (6-9 D^2): autocast would cast it to bf16 in every forward and
+    cast its gradient back in every backward, the largest cast traffic of a block. With fp32 master weights the
+    matmuls read them as they are (under FSDP's bf16 policy the weight, and so the modulation, is bf16)."""
+    with autocast_off(c):
+        return linear(F.silu(c.to(linear.weight.dtype)))
 
 
 class AdaLNZero(nn.Module):
@@ -150,7 +190,7 @@ class AdaLNZero(nn.Module):
         self.linear = nn.Linear(dim, chunks * dim)
 
     def forward(self, c: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.linear(F.silu(c)).chunk(self.chunks, dim=-1)
+        return modulation(self.linear, c).chunk(self.chunks, dim=-1)
 
 
 class AdaLNContinuous(nn.Module):
@@ -161,7 +201,7 @@ class AdaLNContinuous(nn.Module):
         self.linear = nn.Linear(dim, 2 * dim)
 
     def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        scale, shift = self.linear(F.silu(c)).chunk(2, dim=-1)
+        scale, shift = modulation(self.linear, c).chunk(2, dim=-1)
         return modulate(layer_norm(x), shift, scale)
 
 
@@ -185,8 +225,8 @@ class SelfAttention(nn.Module):
         self.to_q, self.to_k, self.to_v = (nn.Linear(dim, dim) for _ in range(3))
         self.to_out = nn.ModuleList([nn.Linear(dim, dim)])
         head_dim = dim // heads
-        self.norm_q = nn.RMSNorm(head_dim, eps=1e-6) if qk_norm else nn.Identity()
-        self.norm_k = nn.RMSNorm(head_dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.norm_q = RMSNorm(head_dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.norm_k = RMSNorm(head_dim, eps=1e-6) if qk_norm else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = self.norm_q(split_heads(self.to_q(x), self.heads))
@@ -202,8 +242,8 @@ class JointAttention(SelfAttention):
         super().__init__(dim, heads, qk_norm)
         self.add_q_proj, self.add_k_proj, self.add_v_proj = (nn.Linear(dim, dim) for _ in range(3))
         head_dim = dim // heads
-        self.norm_added_q = nn.RMSNorm(head_dim, eps=1e-6) if qk_norm else nn.Identity()
-        self.norm_added_k = nn.RMSNorm(head_dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.norm_added_q = RMSNorm(head_dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.norm_added_k = RMSNorm(head_dim, eps=1e-6) if qk_norm else nn.Identity()
         self.to_add_out = None if context_pre_only else nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -262,16 +302,16 @@ class JointTransformerBlock(nn.Module):
             c_in = modulate(layer_norm(c), c_shift_msa, c_scale_msa)
 
         attn_x, attn_c = self.attn(modulate(x_normed, shift_msa, scale_msa), c_in)
-        x = x + gate_msa[:, None] * attn_x
+        x = gated(x, gate_msa, attn_x)
         if self.dual_attention:
             shift_msa2, scale_msa2, gate_msa2 = dual
-            x = x + gate_msa2[:, None] * self.attn2(modulate(x_normed, shift_msa2, scale_msa2))
-        x = x + gate_mlp[:, None] * self.ff(modulate(layer_norm(x), shift_mlp, scale_mlp))
+            x = gated(x, gate_msa2, self.attn2(modulate(x_normed, shift_msa2, scale_msa2)))
+        x = gated(x, gate_mlp, self.ff(modulate(layer_norm(x), shift_mlp, scale_mlp)))
 
         if self.context_pre_only:
             return x, None
-        c = c + c_gate_msa[:, None] * attn_c
-        c = c + c_gate_mlp[:, None] * self.ff_context(modulate(layer_norm(c), c_shift_mlp, c_scale_mlp))
+        c = gated(c, c_gate_msa, attn_c)
+        c = gated(c, c_gate_mlp, self.ff_context(modulate(layer_norm(c), c_shift_mlp, c_scale_mlp)))
         return x, c
 
 

@@ -92,6 +92,12 @@ class QuantizedLinear(nn.Module):
                                                dtype=torch.bfloat16, device=device), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, device=device), requires_grad=False) if bias else None
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight in fp32, for code that reads a linear layer's weight: peft's DoRA takes its row
+        norms in each forward (as it dequantizes bitsandbytes' layers). A fresh tensor, neither stored nor trained."""
+        return dequantize(self.codes, self.scales, self.scheme, torch.float32)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         device = x.device.type
         if not (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)):

@@ -1,7 +1,8 @@
 """SD3's text conditioning: CLIP-L, CLIP-G and (optionally) T5-XXL combined as diffusers'
 `StableDiffusion3Pipeline.encode_prompt` combines them. Precompute stores what this computes; training with
-data.text_encoding=on_the_fly computes it per micro-batch (frozen, without gradients) instead of storing 2.7 MB
-of embeddings per image.
+data.text_encoding=on_the_fly computes it per micro-batch (frozen, without gradients, unless lora.text_encoders
+adapts CLIP-L or CLIP-G: those then run with gradients for their adapters) instead of storing 2.7 MB of embeddings
+per image.
 
 - tokens [B, clip_length + max_sequence_length, joint]: the penultimate hidden states of CLIP-L and CLIP-G
   (both padded to CLIP-L's length), concatenated, zero-padded to T5's width, then T5's last hidden states (zeros
@@ -90,8 +91,13 @@ class SD3TextEncoders(nn.Module):
         self.pooled_dim = self.clip_l.config.projection_dim + self.clip_g.config.projection_dim
 
     def train(self, mode: bool = True) -> "SD3TextEncoders":
-        """Always in inference mode, whatever the model around it is switched to (T5 has dropout)."""
-        return super().train(False)
+        """Always in inference mode, whatever the model around it is switched to (T5 has dropout), except the LoRA
+        layers of adapted encoders (lora.text_encoders), whose adapter dropout follows `mode`."""
+        super().train(False)
+        for module in self.modules():
+            if hasattr(module, "lora_dropout"):  # a peft LoRA layer
+                module.train(mode)
+        return self
 
     def blocks(self) -> list[nn.Module]:
         """The layers FSDP shards one by one (the rest of each encoder is sharded with it)."""
@@ -101,19 +107,22 @@ class SD3TextEncoders(nn.Module):
     def encoders(self) -> list[nn.Module]:
         return [self.clip_l, self.clip_g, *([self.t5] if self.t5 is not None else [])]
 
-    @torch.no_grad()
     def forward(self, clip_l_ids: torch.Tensor, clip_g_ids: torch.Tensor,
                 t5_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, pooled = [], []
         for encoder, ids in ((self.clip_l, clip_l_ids), (self.clip_g, clip_g_ids)):
-            out = encoder(ids, output_hidden_states=True)
+            # a frozen encoder keeps no activations for a backward; one with trained adapters does
+            adapted = any(p.requires_grad for p in encoder.parameters())
+            with torch.set_grad_enabled(torch.is_grad_enabled() and adapted):
+                out = encoder(ids, output_hidden_states=True)
             hidden.append(out.hidden_states[-2])  # the penultimate layer, as SD3 was trained
             pooled.append(out.text_embeds)
         clip = torch.cat(hidden, dim=-1)
         if self.t5 is None:
             t5 = clip.new_zeros(len(clip), self.max_sequence_length, self.joint_dim)
         else:
-            t5 = self.t5(t5_ids).last_hidden_state.to(clip.dtype)
+            with torch.no_grad():
+                t5 = self.t5(t5_ids).last_hidden_state.to(clip.dtype)
         clip = nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
         return torch.cat([clip, t5], dim=-2), torch.cat(pooled, dim=-1)
 
@@ -127,7 +136,8 @@ class SD3TextEncoders(nn.Module):
         for part in ("clip_l", "clip_g", "t5"):
             if getattr(self, part) is None:
                 continue
-            expected = {name: p.shape for name, p in getattr(self, part).named_parameters()}
+            expected = {name.replace(".base_layer.", "."): p.shape  # LoRA's adapters are not in the files
+                        for name, p in getattr(self, part).named_parameters() if ".lora_" not in name}
             found = {k: v for k, v in self.reader(part).shapes.items() if not k.endswith("position_ids")}
             tied = found.pop("encoder.embed_tokens.weight", None)  # T5's input embedding is shared.weight too
             if tied is not None:
@@ -137,7 +147,7 @@ class SD3TextEncoders(nn.Module):
     def read(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
         """The block of parameter or buffer `name` (e.g. "t5.shared.weight") at `offsets` of `sizes`, read from
         the pipeline's files."""
-        part, _, key = name.partition(".")
+        part, _, key = name.replace(".base_layer.", ".").partition(".")  # a LoRA layer's frozen weight
         reader = self.reader(part)
         if key.endswith("embeddings.position_ids") and key not in reader.shapes:  # not saved by newer versions
             return torch.arange(offsets[1], offsets[1] + sizes[1]).expand(sizes)

@@ -23,11 +23,21 @@ def decay_groups(model: nn.Module) -> tuple[list[str], list[str]]:
 
 
 def build_adamw(model: nn.Module, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                device: torch.device, fused: bool = True) -> torch.optim.AdamW:
+                device: torch.device, fused: bool = True,
+                lr_scales: dict[str, float] | None = None) -> torch.optim.AdamW:
+    """`lr_scales`: parameter-name prefix -> factor on the learning rate for the parameters under it (the text
+    encoders' adapters: lora.text_encoder_lr / optimizer.lr). Each group carries its factor as "lr_scale", which the
+    schedule multiplies in every step. The groups: (decayed, not decayed) of the other parameters, then those of
+    each prefix that has any; the layout depends on the prefixes only, so a resume may change a factor."""
     params = dict(model.named_parameters())
     decay, no_decay = decay_groups(model)
-    groups = [{"params": [params[n] for n in decay], "weight_decay": weight_decay},
-              {"params": [params[n] for n in no_decay], "weight_decay": 0.0}]
+    scales = dict(lr_scales or {})
+    prefix_of = lambda name: next((prefix for prefix in scales if name.startswith(prefix)), None)
+    groups = [{"params": [params[n] for n in names if prefix_of(n) == prefix], "weight_decay": wd,
+               "lr_scale": scales.get(prefix, 1.0)}
+              for prefix in [None, *scales] for names, wd in ((decay, weight_decay), (no_decay, 0.0))]
+    groups = groups[:2] + [g for g in groups[2:] if g["params"]]
     impl = "fused" if fused and device.type in ("cuda", "cpu") else "foreach"
-    log.info("AdamW (%s): %d tensors decayed, %d not", impl, len(decay), len(no_decay))
+    log.info("AdamW (%s): %d tensors decayed, %d not%s", impl, len(decay), len(no_decay),
+             "".join(f"; {prefix}* at {scale:g} x lr" for prefix, scale in scales.items()))
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **{impl: True})

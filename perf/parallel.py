@@ -5,11 +5,11 @@ rank holds, so no rank ever holds the whole model (an 8B model is 32 GB in fp32)
 
 - ddp: every rank holds the whole model and optimizer; gradients are all-reduced in buckets during the last
   micro-step's backward (`no_sync` before it).
-- fsdp: FSDP2 `fully_shard` on every transformer block (and on every layer, then every encoder, of SD3's frozen
-  text encoders when they run in the step), then on the root. Each rank keeps 1/N of the fp32
-  weights, gradients, AdamW state and EMA; a block's weights are all-gathered for its forward (and again for
-  its backward when `parallel.reshard_after_forward`), its gradients reduce-scattered after its backward, every
-  micro-step, so gradients never exist unsharded for more than one block at a time.
+- fsdp: FSDP2 `fully_shard` on every transformer block (and on every layer, then every encoder, of SD3's
+  text encoders when they run in the step, frozen or with LoRA adapters), then on the root. Each rank keeps 1/N
+  of the fp32 weights, gradients, AdamW state and EMA; a block's weights are all-gathered for its forward (and
+  again for its backward when `parallel.reshard_after_forward`), its gradients reduce-scattered after its backward,
+  every micro-step, so gradients never exist unsharded for more than one block at a time.
 - hsdp: the same within shard groups of `parallel.shard_size` ranks (usually a node), replicated across groups;
   the cross-group all-reduce of the (sharded) gradients runs once per optimizer step, on the last micro-step.
 
@@ -94,7 +94,9 @@ def apply_parallelism(model: nn.Module, cfg: DictConfig, world: World, device: t
                     mp_policy=MixedPrecisionPolicy(**bf16), offload_policy=offload)
     frozen = ([*model.text_encoder.blocks(), *model.text_encoder.encoders()]
               if isinstance(model.text_encoder, SD3TextEncoders) else [])
-    for module in frozen:  # forward only: gathered for it, freed after it
+    # gathered for the forward, freed after it; a CLIP with adapters (lora.text_encoders) is gathered again for its
+    # backward, and its adapters' gradients reduce-scattered, like a transformer block's
+    for module in frozen:
         fully_shard(module, mesh=mesh, mp_policy=MixedPrecisionPolicy(**bf16), offload_policy=offload)
     # The root leaves its inputs as they come (FSDP would cast sigma to bf16, and timesteps would move in steps
     # of 2-4): autocast casts them where its matmuls need it, as under DDP. Its weights start the backward, so

@@ -325,6 +325,19 @@ def sd3_dir(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="session")
+def sd3_data(sd3_dir, tmp_path_factory):
+    """Latents and fp32 embeddings of eight captioned images of the tiny SD3 pipeline, with validation prompts."""
+    import precompute_latents
+    root = tmp_path_factory.mktemp("text")
+    images = image_folder(root / "images", [(16, 16), (20, 18), (16, 16), (24, 24)] * 2)
+    (root / "prompts.txt").write_text("a red cat\na dog on the grass\n")
+    assert precompute_latents.main(["--model", str(sd3_dir), "--images", str(images), "--out", str(root / "data"),
+                                    "--resolution", "16", "--dtype", "fp32", "--max-sequence-length", str(T5_TOKENS),
+                                    "--validation-prompts", str(root / "prompts.txt")]) == 0
+    return root / "data"
+
+
 def image_folder(directory: Path, sizes) -> Path:
     """Random-coloured images of the given (width, height) with captions from the tokenizers' vocabulary."""
     from PIL import Image

@@ -51,18 +51,27 @@ def train_recording_timesteps(overrides: list[str]) -> dict:
     build.build_trained_model = build_trained_model
     import train_mmdit_stable
     train_mmdit_stable.build_trained_model = build_trained_model
-    return {"status": main(overrides), "timesteps": seen}
+    from torch._dynamo.utils import counters
+    status = main(overrides)
+    return {"status": status, "timesteps": seen, "graphs": counters["stats"]["unique_graphs"],
+            "graph breaks": sum(counters["graph_break"].values())}
 
 
 def test_fsdp_in_bf16_feeds_the_timestep_embedding_fp32_timesteps(tmp_path):
     """sigma * 1000 reaches the timestep embedding in fp32 under FSDP's bf16 policy, exactly as under DDP with
-    bf16 autocast (FSDP's default cast of the root's inputs made it bf16: steps of 2-4 above 256)."""
+    bf16 autocast (FSDP's default cast of the root's inputs made it bf16: steps of 2-4 above 256). The blocks
+    are compiled and checkpointed under FSDP: each is one graph, with no graph break (DDP's compiled blocks:
+    tests/test_distributed.py)."""
     common = [*TINY, "training.max_steps=2", "training.dtype=bf16", "training.train_batch_size=4"]
+    compiled = ["compile.enabled=true", "compile.backend=aot_eager", "training.activation_checkpointing=1"]
     timesteps = {}
     for strategy in ("ddp", "fsdp"):
-        run = [*common, f"parallel.strategy={strategy}", f"logging.output_dir={tmp_path / strategy}"]
+        run = [*common, *(compiled if strategy == "fsdp" else []), f"parallel.strategy={strategy}",
+               f"logging.output_dir={tmp_path / strategy}"]
         ranks = spawn(2, train_recording_timesteps, run, tmp_path=tmp_path)
         assert [r["status"] for r in ranks] == [0, 0], ranks
+        if strategy == "fsdp":
+            assert all(r["graphs"] >= 1 and r["graph breaks"] == 0 for r in ranks), ranks
         timesteps[strategy] = [r["timesteps"] for r in ranks]
     assert timesteps["fsdp"] == timesteps["ddp"] and len(timesteps["ddp"][0]) == 2
     assert all(dtype == "torch.float32" for rank in timesteps["fsdp"] for dtype, _ in rank)

@@ -5,25 +5,11 @@ captions, in one process and under FSDP (where the encoders are sharded like the
 import pytest
 import torch
 
-import precompute_latents
 from perf.checkpoint import checkpoints
-from tests.conftest import (LATENT_RUN, T5_TOKENS, assert_close, final_weights, image_folder, metric_rows,
-                            sigkill_after, spawn, trains)
+from tests.conftest import LATENT_RUN, assert_close, final_weights, metric_rows, sigkill_after, spawn, trains
 from train_mmdit_stable import main
 
 pytest.importorskip("diffusers")
-
-
-@pytest.fixture(scope="module")
-def sd3_data(sd3_dir, tmp_path_factory):
-    """Latents and fp32 embeddings of eight captioned images, with validation prompts."""
-    root = tmp_path_factory.mktemp("text")
-    images = image_folder(root / "images", [(16, 16), (20, 18), (16, 16), (24, 24)] * 2)
-    (root / "prompts.txt").write_text("a red cat\na dog on the grass\n")
-    assert precompute_latents.main(["--model", str(sd3_dir), "--images", str(images), "--out", str(root / "data"),
-                            "--resolution", "16", "--dtype", "fp32", "--max-sequence-length", str(T5_TOKENS),
-                            "--validation-prompts", str(root / "prompts.txt")]) == 0
-    return root / "data"
 
 
 @pytest.fixture
