@@ -6,7 +6,7 @@ TORCH_VERSION := 2.13.0
 BASE := $(VENV)/.installed
 TEST := $(VENV)/.installed-test
 
-.PHONY: train test selfcheck install clean
+.PHONY: train test selfcheck bench install clean
 
 install: $(TEST)
 
@@ -32,6 +32,11 @@ test: $(TEST)
 # with step time, images/s, MFU, peak memory and host syncs per step (README: "Checking a GPU machine").
 selfcheck: $(BASE)
 	$(PY) benchmarks/selfcheck.py $(ARGS)
+
+# The training step of SD3 / SD3.5 fine-tuning at 1024 px on this machine's GPU, against diffusers' model in the same
+# run: a table and benchmarks/train_step_<device>.json (ARGS="--size tiny" checks it on a CPU)
+bench: $(TEST)
+	$(PY) benchmarks/train_step.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

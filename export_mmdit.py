@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from errors import InputError
 from formats import DTYPES
 from models.diffusers_io import (CheckpointFormatError, check_state_dict, export_diffusers_lora,
                                  export_diffusers_transformer)
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         checkpoint = find_checkpoint(args.checkpoint)
         out = export(checkpoint, args.out, args.weights == "ema", DTYPES[args.dtype])
-    except (ValueError, OSError) as e:  # also: an existing output, a file where a folder must be, a full disk
+    except (InputError, OSError) as e:  # also: an existing output, a file where a folder must be, a full disk
         log.error("export failed: %s", e)
         return 2
     log.info("exported %s weights of %s to %s", args.weights, checkpoint, out)

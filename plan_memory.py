@@ -17,9 +17,11 @@ from types import SimpleNamespace
 
 import torch
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from configs.build import build_data, build_model
 from configs.schema import ARCHITECTURE_KEYS, Config
+from errors import ConfigError, InputError
 from models.diffusers_io import read_config
 from models.lora import apply_lora
 from models.quantized import quantize_linears
@@ -41,7 +43,12 @@ SD3_TEXT = {"tokens": 77 + 256, "joint": 4096, "pooled": 2048, "latent_channels"
 def planning_config(path: str, overrides: list[str], model: str | None):
     """The config as training would read it, with what planning cannot know left open (a dataset or checkpoint
     that is not here yet), and the architecture of model.init_from or of a released model."""
-    cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path), OmegaConf.from_dotlist(overrides))
+    if not Path(path).is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path), OmegaConf.from_dotlist(overrides))
+    except OmegaConfBaseException as e:  # an unknown key, a wrong type, invalid YAML
+        raise ConfigError(f"{path}: {e}".split("\n")[0]) from None
     for key in OmegaConf.missing_keys(cfg):
         OmegaConf.update(cfg, key, None)
     name = model or next((m for m in RELEASED if path.split("/")[-1].replace("_", "-").startswith(m + "-")
@@ -53,8 +60,8 @@ def planning_config(path: str, overrides: list[str], model: str | None):
     elif cfg.data.name == "shapes":
         architecture = {}
     else:
-        raise SystemExit(f"{path}: no model.init_from here to read the architecture from; name one with --model "
-                         f"({', '.join(RELEASED)})")
+        raise ConfigError(f"{path}: no model.init_from here to read the architecture from; name one with --model "
+                          f"({', '.join(RELEASED)})")
     for key, value in architecture.items():
         OmegaConf.update(cfg, f"model.{key}", value)
     return cfg, name
@@ -202,8 +209,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.config:
         parser.error("--config is required (or --table)")
-    cfg, name = planning_config(args.config, args.overrides, args.model)
-    dataset, tokenizer = data_like(cfg, args.resolution)
+    try:  # the user's input (the config, its files, the dataset): one line, exit 2
+        cfg, name = planning_config(args.config, args.overrides, args.model)
+        dataset, tokenizer = data_like(cfg, args.resolution)
+    except InputError as e:
+        print(f"plan_memory: {e}", file=sys.stderr)
+        return 2
     print(f"{args.config}: {name or 'the configured architecture'}, {cfg.training.dtype}, {args.gpus} GPU(s) of "
           f"{args.gpu_gib:g} GiB" + (f", {args.resolution} px" if tokenizer is None else ""))
     print_rows(plan_rows(cfg, dataset, tokenizer, args.gpus, args.gpu_gib), args.gpu_gib)

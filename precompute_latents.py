@@ -4,7 +4,7 @@
         [--resolution 1024] [--aspect-buckets] [--random-flip] [--validation-prompts FILE] [--batch-size 8]
         [--shard-size 1000] [--text-embeddings precomputed|none] [--caption-field NAME] [--max-bad-fraction 0.01]
         [--workers 4] [--device auto] [--dtype fp16]
-    torchrun --nproc_per_node N [--nnodes ...] precompute_latents.py ...   (the same command, on N processes)
+    NPROC_PER_NODE=N ./launch.sh precompute_latents.py ...   (the same command on N processes; NNODES=... too)
 
 SD3_DIR is a Stable Diffusion 3 / 3.5 pipeline directory as diffusers lays it out: vae/, text_encoder/ +
 tokenizer/ (CLIP-L), text_encoder_2/ + tokenizer_2/ (CLIP-G) and, optionally, text_encoder_3/ + tokenizer_3/
@@ -26,7 +26,7 @@ alone. Each image is resized to cover its target size and centre-cropped; the ta
 or with --aspect-buckets the bucket of about that area nearest its aspect ratio.
 
 The work is split into units: each input shard (or, for folder and JSONL inputs, each run of --shard-size
-items), spread over the processes of a torchrun launch (each holds one copy of the encoders, on its own GPU).
+items), spread over the processes of a launch (each holds one copy of the encoders, on its own GPU).
 A unit becomes output shards of at most about --shard-size items each, then its report (`reports/NNNNN.json`:
 its samples, what was skipped and why, its shards' sizes and checksums), published last, by rename: the marker
 that the unit is finished. A rerun of the same command, on any number of processes, verifies finished units
@@ -37,6 +37,7 @@ once every unit is finished.
 
 import argparse
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -47,14 +48,18 @@ from data.precompute.encoders import SD3Encoders
 from data.precompute.inputs import (PrecomputeError, Unit, check_items, fingerprint, item_units,
                                     read_image_folder, read_manifest, read_validation_prompts, shard_units,
                                     vae_downsampling)
-from data.precompute.job import check_output_directory, precompute, start_output_directory
+from data.precompute.job import INPUT_NAMES, check_output_directory, precompute, start_output_directory
 from data.precompute.ranks import Ranks
 from data.precompute.units import REPORTS
 from data.webdataset import ShardError, expand_shards
+from errors import InputError
 from formats import DTYPES
+from runtime.distributed import stop_together
+from runtime.preemption import mark_exit
 
 log = logging.getLogger("mmdit")
 PATCH = 2  # the MMDiT's patch side in latents (SD3 / SD3.5)
+MAX_INPUT_NAMES = 100_000  # images of a folder or manifest named in precompute.json (to say what changed on a rerun)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -96,21 +101,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def read_inputs(args: argparse.Namespace) -> tuple[list[Unit], str]:
-    """The units of work and the inputs' fingerprint; folder and JSONL inputs are checked whole first."""
+def read_inputs(args: argparse.Namespace) -> tuple[list[Unit], dict]:
+    """The units of work, and the inputs' fingerprint and names (for the settings: a rerun says what changed);
+    folder and JSONL inputs are checked whole first."""
     if args.shards:
         try:
             units = shard_units(expand_shards(args.shards), args.caption_field)
         except ShardError as e:
             raise PrecomputeError(str(e)) from None
-        return units, fingerprint(units, None)
+        return units, {"inputs": fingerprint(units, None), INPUT_NAMES: [unit.name for unit in units]}
     if args.caption_field:
         raise PrecomputeError("--caption-field applies to --shards inputs (folders and manifests give captions)")
     items = read_image_folder(args.images) if args.images else read_manifest(args.manifest)
     check_items(items)
     source = f"--images {args.images}" if args.images else f"--manifest {args.manifest}"
     units = item_units(items, args.shard_size, source)
-    return units, fingerprint(units, items)
+    names = [str(path) for path, _ in items] if len(items) <= MAX_INPUT_NAMES else None  # precompute.json stays small
+    return units, {"inputs": fingerprint(units, items), INPUT_NAMES: names}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,14 +127,30 @@ def main(argv: list[str] | None = None) -> int:
                         stream=sys.stdout)
     gpu = torch.cuda.is_available() and args.device == "auto"
     device = torch.device(f"cuda:{ranks.local_rank}" if gpu else "cpu" if args.device == "auto" else args.device)
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # a scheduler's stop, taken as Ctrl-C is
     try:
-        return run(args, ranks, device)
+        status = run(args, ranks, device)
+    except InputError as e:  # the user's input: one line, once (every rank stops alike: stop_together)
+        if ranks.rank == 0:
+            log.error("precompute: %s", e)
+        return mark_exit(ranks.rank, "input-error", status=2)
+    except KeyboardInterrupt:
+        if ranks.rank == 0:
+            done = len(list((args.out / REPORTS).glob("*.json")))
+            log.error("precompute: interrupted with %d unit(s) finished; the same command resumes from there", done)
+        return mark_exit(ranks.rank, "interrupted", status=130)
+    except Exception as e:
+        if getattr(e, "reported_by_main", False):  # rank 0 prints this rank's traceback (stop_together)
+            return 1
+        raise
     finally:
+        signal.signal(signal.SIGTERM, previous)
         ranks.close()
+    return mark_exit(ranks.rank, "failed", status=1) if status else 0  # rank 0 has said why
 
 
 def run(args: argparse.Namespace, ranks: Ranks, device: torch.device) -> int:
-    try:  # every rank checks the inputs alike, before anything is written or loaded
+    with stop_together():  # every rank checks the inputs alike and loads the encoders; rank 0 the output directory
         units, inputs = read_inputs(args)
         prompts = read_validation_prompts(args.validation_prompts) if args.validation_prompts else None
         multiple = vae_downsampling(args.model) * PATCH  # every latent side must divide into patches
@@ -136,33 +159,19 @@ def run(args: argparse.Namespace, ranks: Ranks, device: torch.device) -> int:
             raise PrecomputeError(f"--{name.replace('_', '-')} {getattr(args, name)} must be a multiple of {multiple} "
                                   f"(VAE downsampling {multiple // PATCH} x patch {PATCH})")
         compute = DTYPES[args.dtype] if device.type == "cuda" else torch.float32
-        settings = {"model": str(args.model.resolve()), "inputs": inputs, "resolution": args.resolution,
+        settings = {"model": str(args.model.resolve()), **inputs, "resolution": args.resolution,
                     "aspect_buckets": args.aspect_buckets, "bucket_step": args.bucket_step,
                     "random_flip": args.random_flip, "shard_size": args.shard_size, "dtype": args.dtype,
                     "max_sequence_length": args.max_sequence_length, "text_embeddings": args.text_embeddings,
                     "caption_field": args.caption_field,
                     "compute_dtype": str(compute)}  # a resume must not mix latents encoded at two precisions
-        refused = None
         if ranks.rank == 0:
-            try:
-                check_output_directory(args.out, settings)
-                start_output_directory(args.out, settings)
-            except PrecomputeError as e:
-                refused = str(e)
-        refused = ranks.share(refused)[0]
-        if refused:
-            raise PrecomputeError(refused)
+            check_output_directory(args.out, settings)
+            start_output_directory(args.out, settings)
         encoders = SD3Encoders(args.model, device, compute, args.max_sequence_length,
                                args.text_embeddings == "precomputed")
-        work = {**settings, "batch_size": args.batch_size, "workers": args.workers}
-        return precompute(units, encoders, args.out, work, ranks, prompts, args.max_bad_fraction)
-    except PrecomputeError as e:
-        log.error("precompute: %s", e)
-        return 2
-    except KeyboardInterrupt:
-        done = len(list((args.out / REPORTS).glob("*.json")))
-        log.error("precompute: interrupted with %d unit(s) finished; the same command resumes from there", done)
-        return 130
+    work = {**settings, "batch_size": args.batch_size, "workers": args.workers}
+    return precompute(units, encoders, args.out, work, ranks, prompts, args.max_bad_fraction)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from configs.build import build_data, build_model, build_tokenizer
 from configs.schema import load_config
 from data.images import save_png, to_unit
 from data.shapes import ShapesDataset
-from errors import ConfigError
+from errors import ConfigError, InputError
 from models.diffusers_io import load_diffusers_weights
 from models.lora import apply_lora
 from models.mmdit import MMDiT, MMDiTConfig
@@ -59,15 +59,21 @@ def load_trained(checkpoint: Path, use_ema: bool = True) -> tuple[TextToImage, D
 
 
 def load_for_sampling(path: Path, use_ema: bool = True):
-    try:
-        checkpoint = find_checkpoint(path)
-        if load_config(checkpoint / "config.yaml", resolve=False).data.name != "shapes":
-            raise SystemExit(f"{checkpoint} was trained on precomputed latents: export it (export_mmdit.py) and "
-                             f"sample with a diffusers StableDiffusion3Pipeline")
-        model, cfg = load_trained(checkpoint, use_ema)
-    except ValueError as e:  # ConfigError, CheckpointFormatError, an unusable checkpoint
-        raise SystemExit(f"{path}: {e}") from None
+    checkpoint = find_checkpoint(path)
+    if load_config(checkpoint / "config.yaml", resolve=False).data.name != "shapes":
+        raise InputError(f"{checkpoint} was trained on precomputed latents: export it (export_mmdit.py) and "
+                         f"sample with a diffusers StableDiffusion3Pipeline")
+    model, cfg = load_trained(checkpoint, use_ema)
     return model, build_tokenizer(), cfg, checkpoint
+
+
+def read_prompts(path: Path) -> list[str]:
+    if not path.is_file():
+        raise InputError(f"prompts file {path} does not exist")
+    prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise InputError(f"prompts file {path} has no prompts")
+    return prompts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,20 +86,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="image i uses noise keyed by (seed, i)")
     parser.add_argument("--no-ema", action="store_true", help="use the raw trained weights instead of the EMA")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-
-    if not args.prompts.is_file():
-        raise SystemExit(f"prompts file {args.prompts} does not exist")
-    prompts = [line.strip() for line in args.prompts.read_text().splitlines() if line.strip()]
-    if not prompts:
-        raise SystemExit(f"prompts file {args.prompts} has no prompts")
-    model, tokenizer, cfg, checkpoint = load_for_sampling(args.checkpoint, use_ema=not args.no_ema)
-    try:
-        tokenizer(prompts)
-    except ValueError as e:
-        raise SystemExit(f"{args.prompts}: {e}") from None
     if args.steps is not None and args.steps < 1:
-        raise SystemExit(f"--steps must be >= 1, got {args.steps}")
+        parser.error(f"--steps must be >= 1, got {args.steps}")
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    try:  # the user's input (prompts, checkpoint, its config): one line, exit 2
+        prompts = read_prompts(args.prompts)
+        model, tokenizer, cfg, checkpoint = load_for_sampling(args.checkpoint, use_ema=not args.no_ema)
+        try:
+            tokenizer(prompts)
+        except ValueError as e:  # a word outside the dataset's vocabulary
+            raise InputError(f"{args.prompts}: {e}") from None
+    except InputError as e:
+        log.error("sample: %s", e)
+        return 2
     steps = cfg.sampling.steps if args.steps is None else args.steps
     cfg_scale = cfg.sampling.cfg_scale if args.cfg is None else args.cfg
     shape = (ShapesDataset.latent_channels, *ShapesDataset.latent_sizes[0])

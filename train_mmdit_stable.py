@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as e:  # the user's input: one line, once
         if world.is_main:
             log.error("%s: %s", "config error" if isinstance(e, ConfigError) else "input error", e)
-        return mark_exit(world.rank, "config-error", status=2)
+        return mark_exit(world.rank, "input-error", status=2)
     except Exception as e:
         if getattr(e, "reported_by_main", False):  # rank 0 prints this rank's traceback (stop_together)
             return 1
@@ -85,6 +85,7 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
         items, holdout = holdout_split(cfg, dataset)
         check_batches(dataset, items, batch_size)
         model = build_trained_model(cfg, dataset, tokenizer)
+        apply_attention_backend(model, training.attention_backend, device, training.dtype, cfg.model.attention_head_dim)
         validation = build_validation(cfg, dataset, tokenizer, holdout, world, device)
         if world.is_main:
             prepare_run_dir(cfg, world.world_size)
@@ -97,7 +98,6 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
     ema = EMA(unwrap(model), optim.ema_decay)
     scaler = grad_scaler(device, training.dtype)
     configure_cuda_math(device, training.allow_tf32)
-    apply_attention_backend(training.attention_backend, device, training.dtype, cfg.model.attention_head_dim)
     sizer = build_batch_sizer(cfg, training.train_batch_size, device, world.rank, model)
     guard = NonFiniteGuard(training.max_nonfinite_steps, cfg.logging.log_every)
     states = {"model": TrainedWeights(model, adapters_only=cfg.lora.enabled), "ema": ema,

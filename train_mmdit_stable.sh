@@ -1,99 +1,14 @@
 #!/usr/bin/env bash
 # Launcher: ./train_mmdit_stable.sh [--config FILE] [key=value ...]
-# Arguments pass through to train_mmdit_stable.py as config overrides. It runs in the directory you call it
-# from, so relative paths (--config, data.path, model.init_from, logging.output_dir) mean what they mean there.
-#
-# One process when there is at most one GPU and no distributed variable is set; otherwise torchrun:
-#   NPROC_PER_NODE  processes on this node (default: the GPUs in CUDA_VISIBLE_DEVICES, else all; at least 1)
-#   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT   static multi-node rendezvous (default 1, 0, -, 29500)
-#   RDZV_ENDPOINT (host:port), RDZV_ID            elastic c10d rendezvous instead of MASTER_ADDR
-#   MAX_RESTARTS=N  torchrun restarts all workers up to N times after one fails (resuming from the last checkpoint);
-#                   with MASTER_ADDR this uses c10d rendezvous there (torchrun's static one cannot restart workers)
-#   ENABLE_PROFILING=true  turn on the scheduled profiler (PROFILE_STEPS=N: active steps to record)
-# SIGTERM / SIGINT make training checkpoint at the next step and exit 0, as schedulers expect of a job that was
-# pre-empted cleanly; under torchrun the launcher passes them (and SIGHUP) to the workers and then exits 0.
+# Arguments pass through to train_mmdit_stable.py as config overrides, on one process or under torchrun as
+# launch.sh decides (its header lists NPROC_PER_NODE, NNODES, MASTER_ADDR, MAX_RESTARTS, ...; SIGTERM and Ctrl-C
+# checkpoint and exit 0). ENABLE_PROFILING=true turns on the scheduled profiler (PROFILE_STEPS=N: active steps).
 set -euo pipefail
-here="$(cd "$(dirname "$0")" && pwd)"
-if [[ -z "${PYTHON:-}" ]]; then
-  if [[ -x "$here/.venv/bin/python" ]]; then PYTHON="$here/.venv/bin/python"; else PYTHON=python3; fi
-fi
 extra=()
 if [[ "${ENABLE_PROFILING:-false}" == "true" ]]; then
   echo "profiling is on: the profiled steps run slower and traces land in <run dir>/tensorboard" >&2
   extra+=(profiler.enabled=true)
   [[ -n "${PROFILE_STEPS:-}" ]] && extra+=("profiler.active_steps=${PROFILE_STEPS}")
 fi
-
-# The GPUs this job may use: CUDA_VISIBLE_DEVICES when set; else those nvidia-smi lists; else, where the
-# NVIDIA driver's device nodes exist but nvidia-smi does not (some containers), those torch counts.
-if [[ -n "${CUDA_VISIBLE_DEVICES+set}" ]]; then
-  gpus=$(awk -F, '{print NF}' <<< "$CUDA_VISIBLE_DEVICES")
-elif command -v nvidia-smi >/dev/null 2>&1; then
-  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-elif compgen -G "/dev/nvidia[0-9]*" >/dev/null; then
-  gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
-else
-  gpus=0
-fi
-nproc=${NPROC_PER_NODE:-$(( gpus > 0 ? gpus : 1 ))}
-nnodes=${NNODES:-1}
-
-# Usual settings, only where the user has not chosen: less fragmentation on CUDA, NCCL errors that fail
-# the job instead of hanging it, and a fresh rendezvous store for each torchrun restart (workers of a restart
-# sharing the store of the attempt before read its stale addresses and fail to connect: pytorch issue 135712).
-export PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}}
-export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
-export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
-
-if [[ "$nproc" == 1 && "$nnodes" == 1 && -z "${MASTER_ADDR:-}${RDZV_ENDPOINT:-}${MAX_RESTARTS:-}" ]]; then
-  exec "$PYTHON" "$here/train_mmdit_stable.py" "$@" ${extra[@]+"${extra[@]}"}
-fi
-
-launch=(--nnodes "$nnodes" --nproc-per-node "$nproc" --max-restarts "${MAX_RESTARTS:-0}")
-if [[ -z "${RDZV_ENDPOINT:-}" && -n "${MASTER_ADDR:-}" && "${MAX_RESTARTS:-0}" != 0 ]]; then
-  RDZV_ENDPOINT="$MASTER_ADDR:${MASTER_PORT:-29500}"  # restarted workers would hang in the static rendezvous
-fi
-if [[ -n "${RDZV_ENDPOINT:-}" ]]; then
-  launch+=(--rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "${RDZV_ID:-mmdit}")
-elif [[ "$nnodes" == 1 && -z "${MASTER_ADDR:-}" ]]; then
-  launch+=(--standalone)
-else
-  [[ "$nnodes" == 1 ]] || : "${NODE_RANK:?NODE_RANK (0..NNODES-1) is required with NNODES>1}"
-  launch+=(--node-rank "${NODE_RANK:-0}" --master-addr "${MASTER_ADDR:?MASTER_ADDR is required with NNODES>1}"
-           --master-port "${MASTER_PORT:-29500}")
-fi
-
-# Why workers exit, which torchrun cannot tell: it answers a signal by raising an error (exit 1) and killing the
-# workers 30 s later, and prints a long traceback for any worker that exits non-zero. So the signal goes to the
-# workers directly, and each worker leaves its reason in MMDIT_STATUS_DIR: "preempted" (it checkpointed and
-# exits because it was asked to: the launcher exits 0) or "config-error" (rank 0 printed the one line that
-# says what is wrong; the workers exit 0 for torchrun and the launcher exits 2, as one process would).
-export MMDIT_STATUS_DIR
-MMDIT_STATUS_DIR="$(mktemp -d)"
-signalled=0
-torchrun_pid=""
-forward() {
-  signalled=1
-  [[ -z "$torchrun_pid" ]] || pkill -TERM -P "$torchrun_pid" 2>/dev/null || true
-}
-trap forward TERM INT HUP  # before the start: a signal then can never leave torchrun running on its own
-echo "torchrun ${launch[*]}" >&2
-"$PYTHON" -m torch.distributed.run "${launch[@]}" "$here/train_mmdit_stable.py" "$@" ${extra[@]+"${extra[@]}"} &
-torchrun_pid=$!
-status=0
-while true; do  # `wait` returns early when a trapped signal arrives; wait again until torchrun has ended
-  wait "$torchrun_pid" && status=0 || status=$?
-  kill -0 "$torchrun_pid" 2>/dev/null || break
-done
-preempted=$( (grep -lx preempted "$MMDIT_STATUS_DIR"/* 2>/dev/null || true) | wc -l)
-config_errors=$( (grep -lx config-error "$MMDIT_STATUS_DIR"/* 2>/dev/null || true) | wc -l)
-rm -rf "$MMDIT_STATUS_DIR"
-if (( config_errors > 0 )); then
-  exit 2
-fi
-if (( signalled && preempted == nproc )); then
-  echo "pre-empted: all $nproc local worker(s) checkpointed and exited cleanly" >&2
-  exit 0
-fi
-exit "$status"
+here="$(cd "$(dirname "$0")" && pwd)"
+exec "$here/launch.sh" "$here/train_mmdit_stable.py" "$@" ${extra[@]+"${extra[@]}"}

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from formats import DTYPES  # noqa: E402
-from models.attention import math_attention, sdpa_attention, set_attention_kernel  # noqa: E402
+from models.attention import math_attention, sdpa_attention, use_attention  # noqa: E402
 from models.mmdit import MMDiT, MMDiTConfig  # noqa: E402
 from optim.adamw import build_adamw  # noqa: E402
 from perf.activation_checkpointing import apply_activation_checkpointing  # noqa: E402
@@ -111,7 +111,7 @@ def build(variant: str, size: dict, device: torch.device):
         return model, forward, torch.optim.AdamW(model.parameters(), lr=1e-4), "fp32"
     s = settings(variant)
     model = Adapter(MMDiT(MMDiTConfig(**size["model"]))).to(device)
-    set_attention_kernel(sdpa_attention if s["training.attention_backend"] == "sdpa" else math_attention)
+    use_attention(model, sdpa_attention if s["training.attention_backend"] == "sdpa" else math_attention)
     apply_activation_checkpointing(model, s["training.activation_checkpointing"])
     apply_compile(model, s["compile.enabled"], scope=s["compile.scope"])
     optimizer = build_adamw(model, 1e-4, (0.9, 0.999), 1e-8, 0.0, device, s["optimizer.fused"])
@@ -159,10 +159,9 @@ def matmul_flops(device: torch.device, dtype: str, n: int = 2048, repeats: int =
 
 def count_flops(size: dict) -> int:
     """FLOPs of one minimal-loop step (forward + backward), on the meta device, attention included."""
-    set_attention_kernel(math_attention)
     shapes = [t.shape for t in batch(size, torch.device("cpu"))]
     with torch.device("meta"):
-        model = Adapter(MMDiT(MMDiTConfig(**size["model"])))
+        model = use_attention(Adapter(MMDiT(MMDiTConfig(**size["model"]))), math_attention)
         data = [torch.empty(shape) for shape in shapes]
     from torch.utils.flop_counter import FlopCounterMode
     with FlopCounterMode(display=False) as counter:

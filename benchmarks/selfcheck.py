@@ -9,11 +9,16 @@ OOM-aware batch sizer against a real allocation failure (the device memory cappe
 micro-batch cannot fit) and against an injected one, and the profiler's trace. Each row is a process of its
 own (torchrun for the multi-process rows), so one failing row cannot take the others down.
 
-Per row: passed / failed (with the error's first line) / not runnable here (why); over the timed steps (the
-second half of the run, after compilation and warm-up): step time, images/s, MFU (GPUs of known peak), peak
-device memory (peak RSS on a CPU) and host-device synchronisations per step (CUDA's sync debug mode on GPUs;
-runtime/host_syncs.py's counter on the CPU). The table is printed and written to OUT/selfcheck.json and
-OUT/selfcheck.md; each row's log is OUT/<row>/log.txt. The command exits non-zero when a row failed.
+Per row: passed / failed (with the error's first line) / not runnable here (why); step time, images/s, MFU
+(GPUs of known peak), peak device memory (peak RSS on a CPU) and host-device synchronisations per step (CUDA's
+sync debug mode on GPUs; runtime/host_syncs.py's counter on the CPU). On a GPU the speed columns of the
+one-process rows that change how the step computes (precision, attention, compile, checkpointing) come from
+benchmarks/train_step.py's machinery: the real step of SD3-medium at 512 px, micro-batch 4, on batches already on
+the device, with the row's settings (`SPEED`), where step time means something; the toy model the check trains
+(width 768, 256 image tokens, batches rendered on the host) measured the loader and the launches, not the
+kernels. The other rows (and every row on a CPU) report the timed second half of their own run. The table is
+printed and written to OUT/selfcheck.json and OUT/selfcheck.md; each row's log is OUT/<row>/log.txt. The command
+exits non-zero when a row failed.
 """
 
 import argparse
@@ -49,16 +54,21 @@ class Row:
     name: str
     overrides: list[str] = field(default_factory=list)
     processes: str = "one"  # "one", or "all" local GPUs (2 gloo processes on a CPU machine)
-    needs: str = ""  # "cuda", "flash", "2 gpus": what the row cannot run without
+    needs: str = ""  # "cuda", "attention" (its backend), "2 gpus": what the row cannot run without
+    speed: bool = False  # on a GPU, speed columns from the device-batch benchmark of SD3-medium (see SPEED)
 
 
 ROWS = [
-    Row("fp32, sdpa"),
-    Row("bf16, sdpa", ["training.dtype=bf16"]),
-    Row("bf16, flash-attn", ["training.dtype=bf16", "training.attention_backend=flash"], needs="flash"),
-    Row("compile", ["compile.enabled=true"]),
-    Row("activation checkpointing", ["training.activation_checkpointing=1"]),
-    Row("compile + activation checkpointing", ["compile.enabled=true", "training.activation_checkpointing=1"]),
+    Row("fp32, sdpa", ["training.attention_backend=sdpa"], speed=True),
+    Row("bf16, sdpa", ["training.dtype=bf16", "training.attention_backend=sdpa"], speed=True),
+    Row("bf16, cuDNN attention", ["training.dtype=bf16", "training.attention_backend=sdpa_cudnn"], needs="attention",
+        speed=True),
+    Row("bf16, flash-attn", ["training.dtype=bf16", "training.attention_backend=flash_attn_2"], needs="attention",
+        speed=True),
+    Row("compile", ["compile.enabled=true"], speed=True),
+    Row("activation checkpointing", ["training.activation_checkpointing=1"], speed=True),
+    Row("compile + activation checkpointing", ["compile.enabled=true", "training.activation_checkpointing=1"],
+        speed=True),
     Row("DDP", ["parallel.strategy=ddp"], processes="all"),
     Row("FSDP, bf16", ["parallel.strategy=fsdp", "training.dtype=bf16"], processes="all"),
     Row("FSDP, CPU offload", ["parallel.strategy=fsdp", "training.dtype=bf16", "parallel.cpu_offload=true"],
@@ -73,13 +83,13 @@ ROWS = [
 
 def not_runnable(row: Row) -> str | None:
     """Why `row` cannot run on this machine, or None."""
-    from perf.attention import installed_flash_modules, select_flash
+    from perf.attention import why_not
     cuda = torch.cuda.is_available()
-    if row.needs in ("cuda", "flash") and not cuda:
+    if row.needs in ("cuda", "attention") and not cuda:
         return "needs a CUDA GPU"
-    if row.needs == "flash":
-        device = torch.device("cuda")
-        return select_flash(device, "bf16", 64, installed_flash_modules(), torch.cuda.get_device_capability(device))[1]
+    if row.needs == "attention":
+        backend = next(o.split("=")[1] for o in row.overrides if o.startswith("training.attention_backend="))
+        return why_not(backend, torch.device("cuda"), "bf16", 64)
     if row.processes == "all" and cuda and torch.cuda.device_count() < 2:
         return "needs 2 or more GPUs on this node"
     return None
@@ -125,13 +135,38 @@ def run_row(row: Row, overrides: list[str], steps: int, out: Path) -> dict:
         if status:
             raise RuntimeError(errors.first or f"training exited with status {status}")
         check_row(row, out, args)
-        result = {"status": "passed", **window.measured}
+        result = {"status": "passed", **window.measured, **device_batch_speed(row, overrides)}
     except Exception as e:
         result = {"status": "failed", "error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"}
     finally:
         window.close()
     (out / f"result_rank{rank}.json").write_text(json.dumps(result))
     return result
+
+
+# The speed rows' step on a GPU: SD3-medium's architecture at 512 px (1024 image + 333 text tokens), micro-batch 4,
+# eager fp32 with TF32, SDPA, no checkpointing, unless the row says otherwise (its overrides go on top)
+SPEED = {"model": "sd3-medium", "resolution": 512, "steps": 10, "warmup": 3,
+         "overrides": ["training.dtype=fp32", "compile.enabled=false", "training.activation_checkpointing=0",
+                       "training.attention_backend=sdpa"]}
+
+
+def device_batch_speed(row: Row, overrides: list[str]) -> dict:
+    """On a GPU, a speed row's columns from benchmarks/train_step.py (see SPEED); nothing elsewhere."""
+    if not (row.speed and torch.cuda.is_available()):
+        return {}
+    from benchmarks.train_step import Variant, measure
+    settings = [o for o in overrides if o.split("=")[0] in ("training.dtype", "training.attention_backend",
+                                                            "compile.enabled", "training.activation_checkpointing")]
+    gc.collect()  # the check's run is over: its model and optimizer go before the benchmark's come
+    torch.cuda.empty_cache()
+    m = measure(SPEED["model"], Variant(row.name, [*SPEED["overrides"], *settings]), "real", SPEED["steps"],
+                SPEED["warmup"], torch.device("cuda"), SPEED["resolution"])
+    if m["status"] != "passed":  # the plugin passed its check; only the speed columns stay the run's own
+        return {"speed_from": f"its own run (the device-batch benchmark: {m.get('error') or m.get('reason')})"}
+    return {"step_s": m["step_s"], "images_per_s": m["images_per_s"], "mfu": m["mfu"],
+            "peak_memory_gib": m["peak_memory_gib"], "host_syncs_per_step": m["host_syncs_per_step"],
+            "speed_from": f"{SPEED['model']} {SPEED['resolution']} px, micro-batch {m['micro_batch']}, device batches"}
 
 
 class ErrorLines(logging.Handler):
@@ -253,8 +288,8 @@ def last_line(path: Path) -> str:
 
 
 def table(results: dict[str, dict]) -> str:
-    header = "| row | result | step (s) | images/s | MFU | peak memory (GiB) | host syncs/step |"
-    lines = [header, "|" + "---|" * 7]
+    header = "| row | result | step (s) | images/s | MFU | peak memory (GiB) | host syncs/step | speed measured on |"
+    lines = [header, "|" + "---|" * 8]
 
     def number(value, spec: str) -> str:
         return format(value, spec) if isinstance(value, (int, float)) else "-"
@@ -268,7 +303,8 @@ def table(results: dict[str, dict]) -> str:
             outcome = f"not runnable here: {r['reason']}"
         lines.append(f"| {name} | {outcome} | {number(r.get('step_s'), '.4f')} | {number(r.get('images_per_s'), '.1f')} | "
                      f"{number(r.get('mfu'), '.1%')} | {number(r.get('peak_memory_gib'), '.2f')} | "
-                     f"{number(r.get('host_syncs_per_step'), '.1f')} |")
+                     f"{number(r.get('host_syncs_per_step'), '.1f')} | "
+                     f"{r.get('speed_from', 'its own run') if 'step_s' in r else '-'} |")
     return "\n".join(lines)
 
 

@@ -71,7 +71,7 @@ def sd35_large_projection(gpus: tuple[int, ...] = (8, 16, 64), gpu_gib: float = 
     """Training state per GPU under FSDP (fp32 weights, gradients, AdamW moments, EMA: 20 bytes per parameter,
     sharded N ways; bf16 weights of the blocks in flight are gathered); activations per 1024-px sample from
     autograd's saved tensors of one block, counted on the meta device, in bf16."""
-    from models.attention import math_attention, set_attention_kernel
+    from models.attention import math_attention, use_attention
     from models.mmdit import MMDiT, MMDiTConfig
     cfg = MMDiTConfig(sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=38,
                       attention_head_dim=64, num_attention_heads=38, joint_attention_dim=4096,
@@ -85,7 +85,7 @@ def sd35_large_projection(gpus: tuple[int, ...] = (8, 16, 64), gpu_gib: float = 
     saved = {}
     for kernel, name in ((math_attention, "math attention (scores kept: L^2)"), (None, "flash attention")):
         if kernel is not None:
-            set_attention_kernel(kernel)
+            use_attention(model, kernel)
         saved[name] = block_saved_bytes(model, tokens, text, cfg.hidden_size, flash=kernel is None)
     per_sample = saved["flash attention"]
     checkpointed = (tokens + text) * cfg.hidden_size * 2  # each checkpointed block keeps its inputs x, c (bf16)
@@ -129,11 +129,9 @@ def block_saved_bytes(model, tokens: int, text: int, hidden: int, flash: bool) -
     with torch.device("meta"):
         x, c, temb = (torch.empty(1, tokens, hidden, requires_grad=True), torch.empty(1, text, hidden, requires_grad=True),
                       torch.empty(1, hidden, requires_grad=True))
-    if flash:
-        attention.set_attention_kernel(flash_attention)
-    with saved_tensors_hooks(pack, lambda t: t):
+    with attention.attention_kernel(block, flash_attention if flash else block.attn.attention_kernel), \
+            saved_tensors_hooks(pack, lambda t: t):
         block(x, c, temb)
-    attention.set_attention_kernel(attention.sdpa_attention)
     return total[0]
 
 

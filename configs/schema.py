@@ -199,7 +199,11 @@ class TrainingConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
     allow_tf32: bool = True  # CUDA only: fp32 matmuls on tensor cores, much faster, 10-bit mantissa
     deterministic: bool = False  # CUDA: kernels that repeat bit for bit (runs and resumes), at some speed
-    attention_backend: Literal["auto", "flash", "sdpa", "math"] = "auto"  # auto: flash-attn when usable, else SDPA
+    # the attention kernel (perf/attention.py): auto takes the fastest that runs on this GPU generation and logs
+    # why; sdpa lets PyTorch pick; the others force one kernel (an error where it cannot run); math is the slow
+    # fp32 reference
+    attention_backend: Literal["auto", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flash_attn_2",
+                               "flash_attn_3", "flash_attn_4", "math"] = "auto"
     activation_checkpointing: int = 0  # recompute every k-th block in backward: less memory, ~1/3 more compute; 0 off
     # non-finite steps in a row before stopping a diverged run; 0: no guard. The guard skips a step on the device
     # and reads its count on log steps only, so it costs no host synchronisation per step
@@ -404,6 +408,8 @@ RENAMED = {"sampling.every": "validation.every", "logging.save_freq": "checkpoin
            "training.compile_scope": "compile.scope", "training.ddp_bucket_cap_mb": "parallel.ddp_bucket_cap_mb",
            "training.dist_timeout_s": "parallel.timeout_s", "training.enable_profiling": "profiler.enabled",
            "training.profile_steps": "profiler.active_steps"}
+# values that were renamed: a user's config is told the new one; a run directory's saved config takes it
+RENAMED_VALUES = {("training.attention_backend", "flash"): "flash_attn_2"}
 
 
 def load_config(path: str | Path = DEFAULT_CONFIG, overrides: list[str] = (), resolve: bool = True) -> DictConfig:
@@ -425,9 +431,15 @@ def load_config(path: str | Path = DEFAULT_CONFIG, overrides: list[str] = (), re
         raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(loaded).__name__}")
     given = OmegaConf.merge(loaded, OmegaConf.from_dotlist(list(overrides)))
     moved = [f"{old} is now {new}" for old, new in RENAMED.items() if OmegaConf.select(given, old) is not None]
+    if resolve:  # a user's file or command line; a saved run config just takes the new value below
+        moved += [f"{key}={old} is now {key}={new}" for (key, old), new in RENAMED_VALUES.items()
+                  if OmegaConf.select(given, key) == old]
     if moved:
         raise ConfigError(f"{'; '.join(moved)}: rename {'it' if len(moved) == 1 else 'them'} in {path} or the "
                           f"command line")
+    for (key, old), new in RENAMED_VALUES.items():
+        if OmegaConf.select(given, key) == old:
+            OmegaConf.update(given, key, new)
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(Config), given)
     except OmegaConfBaseException as e:

@@ -31,11 +31,13 @@ def save_png(image: torch.Tensor, path: Path) -> None:
 
 
 def save_grid(images: torch.Tensor, captions: list[str], path: Path, columns: int = 4) -> None:
-    """A grid of images, each with its (wrapped) caption underneath; captions also go to a .txt beside it."""
+    """A grid of images, each with its (wrapped) caption underneath; captions also go to a .txt beside it. Fewer
+    images than `columns` make one row of just them."""
+    columns = max(1, min(columns, len(images)))
     height, width = images.shape[-2:]
     cell = width * max(1, CELL // width) if width < CELL else CELL  # integer upscaling keeps pixels square
     cell_height = round(height * cell / width)
-    lines = [textwrap.wrap(text.removeprefix("a "), max(1, cell // CHAR_WIDTH))[:4] or [""] for text in captions]
+    lines = caption_lines(captions, cell)
     label_height = 4 + LINE_HEIGHT * max(len(x) for x in lines)
     rows = (len(images) + columns - 1) // columns
     grid = Image.new("RGB", (columns * (cell + 8), rows * (cell_height + label_height)), "white")
@@ -47,3 +49,8 @@ def save_grid(images: torch.Tensor, captions: list[str], path: Path, columns: in
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     grid.save(path)
     Path(path).with_suffix(".txt").write_text("\n".join(captions) + "\n")
+
+
+def caption_lines(captions: list[str], cell: int) -> list[list[str]]:
+    """Each caption wrapped to a cell's width, whole (up to four lines)."""
+    return [textwrap.wrap(text, max(1, cell // CHAR_WIDTH))[:4] or [""] for text in captions]

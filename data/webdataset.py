@@ -12,6 +12,7 @@ import json
 import re
 import subprocess
 import tarfile
+import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,9 @@ from errors import InputError
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "bmp")  # in order of preference when a sample has several
 UNSUPPORTED_IMAGES = ("gif", "tif", "tiff", "avif", "heic", "heif", "jxl", "svg")
 PIPE = "pipe:"
+MISSING_NAMED = 10  # of the missing shards of a pattern, named in its error
+STDERR_LINES = 5  # of a failed `pipe:` command, in its error
+COMMAND_EXIT_WAIT_S = 5  # for a command whose output broke off, to tell its failure from a bad tar
 
 
 class ShardError(InputError):
@@ -61,19 +65,25 @@ def expand_shards(patterns: list[str]) -> list[str]:
     files must exist; a pattern that names nothing, or a shard named twice, is an error."""
     sources = []
     for pattern in patterns:
-        expanded = expand_braces(pattern)
+        expanded, missing = expand_braces(pattern), []
         for source in expanded:
             if source.startswith(PIPE):
                 sources.append(source)
             elif glob.has_magic(source):
                 matches = sorted(glob.glob(source))
                 if not matches:
-                    raise ShardError(f"--shards {pattern}: {source} matches no file")
+                    missing.append(f"{source} matches no file")
                 sources += matches
             elif not Path(source).is_file():
-                raise ShardError(f"--shards {pattern}: {source} does not exist")
+                missing.append(f"{source} does not exist")
             else:
                 sources.append(source)
+        if missing and len(expanded) == 1:
+            raise ShardError(f"--shards {pattern}: {missing[0]}")
+        if missing:  # every one: a range partly downloaded is then fixed in one go
+            raise ShardError(f"--shards {pattern}: {len(missing)} of {len(expanded)} shards are missing: "
+                             f"{', '.join(missing[:MISSING_NAMED])}" +
+                             (f" and {len(missing) - MISSING_NAMED} more" if len(missing) > MISSING_NAMED else ""))
     repeated = sorted({s for s in sources if sources.count(s) > 1})
     if repeated:
         raise ShardError(f"--shards names these shards more than once: {repeated[:5]}")
@@ -84,23 +94,41 @@ def expand_shards(patterns: list[str]) -> list[str]:
 
 @contextmanager
 def open_shard(source: str):
-    """A readable byte stream of the shard; a `pipe:` command must exit 0 once read, or the shard is not
-    trusted (a failed download can look like a short tar)."""
+    """A readable byte stream of the shard. A `pipe:` command must exit 0 once read, or the shard is not trusted
+    (a failed download can look like a short tar); when it fails, the error is the command's (its status and the
+    end of its stderr), not the tar it did not deliver: a download refused for its credentials is not bad data."""
     if not source.startswith(PIPE):
         with open(source, "rb") as stream:
             yield stream
         return
-    process = subprocess.Popen(source[len(PIPE):], shell=True, stdout=subprocess.PIPE)
-    try:
-        yield process.stdout
-    except BaseException:
-        process.kill()
-        raise
-    finally:
-        process.stdout.close()
+    with tempfile.TemporaryFile() as stderr:  # a file, not a pipe: a chatty command can never block on it
+        process = subprocess.Popen(source[len(PIPE):], shell=True, stdout=subprocess.PIPE, stderr=stderr)
+        try:
+            yield process.stdout
+        except BaseException as e:
+            status = None
+            if isinstance(e, Exception):  # a command that failed has closed its output: it has ended or is about
+                try:  # to; one that is still writing is fine, and the tar it sends is not
+                    status = process.wait(timeout=COMMAND_EXIT_WAIT_S)
+                except subprocess.TimeoutExpired:
+                    pass
+            if status:
+                raise command_failed(source, status, stderr) from None
+            process.kill()  # the reader stopped early or the tar is bad
+            process.wait()
+            raise
+        finally:
+            process.stdout.close()
         status = process.wait()
-    if status:
-        raise ShardError(f"{source}: the command exited with status {status}")
+        if status:
+            raise command_failed(source, status, stderr)
+
+
+def command_failed(source: str, status: int, stderr) -> ShardError:
+    stderr.seek(0)
+    lines = stderr.read().decode("utf-8", "replace").strip().splitlines()[-STDERR_LINES:]
+    said = "; its stderr ended with:\n    " + "\n    ".join(lines) if lines else " (nothing on stderr)"
+    return ShardError(f"{source}: the command failed with exit status {status}{said}")
 
 
 def split_name(name: str) -> tuple[str, str] | None:

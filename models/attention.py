@@ -1,12 +1,16 @@
-"""The one attention call every MMDiT block makes: q, k, v as [batch, heads, tokens, head_dim], no mask.
+"""The attention every MMDiT block computes: q, k, v as [batch, heads, tokens, head_dim], no mask.
 
-Which kernel runs is chosen from outside (`perf/attention.py`); the model only calls `attention`.
+Which kernel computes it is a choice the model carries: each attention module holds its `attention_kernel`
+(SDPA, PyTorch's own choice, by default), set for a whole model from outside by `use_attention`
+(perf/attention.py picks one from the config). No process-wide state: two models in one process can use
+different kernels, and what a model runs is visible on it (`attention_kernels(model)`).
 """
 
 import math
 from contextlib import contextmanager
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 
@@ -20,24 +24,29 @@ def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
     return (scores.softmax(dim=-1) @ v.float()).to(q.dtype)
 
 
-_kernel = sdpa_attention
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "attention_kernel")]
 
 
-def set_attention_kernel(kernel) -> None:
-    global _kernel
-    _kernel = kernel
+def use_attention(model: nn.Module, kernel) -> nn.Module:
+    """Every attention of `model` computed by `kernel(q, k, v)`; returns the model."""
+    for module in attention_modules(model):
+        module.attention_kernel = kernel
+    return model
+
+
+def attention_kernels(model: nn.Module) -> set:
+    """The kernels `model`'s attention modules run (one, unless set module by module)."""
+    return {m.attention_kernel for m in attention_modules(model)}
 
 
 @contextmanager
-def attention_kernel(kernel):
-    """Use `kernel` inside the block (e.g. the math formula while counting FLOPs), then the one before."""
-    before = _kernel
-    set_attention_kernel(kernel)
+def attention_kernel(model: nn.Module, kernel):
+    """`kernel` in `model` inside the block (e.g. the math formula while counting FLOPs), then the ones before."""
+    before = {m: m.attention_kernel for m in attention_modules(model)}
+    use_attention(model, kernel)
     try:
-        yield
+        yield model
     finally:
-        set_attention_kernel(before)
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return _kernel(q, k, v)
+        for module, previous in before.items():
+            module.attention_kernel = previous

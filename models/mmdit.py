@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.attention import attention
+from models.attention import sdpa_attention
 from models.rectified_flow import INIT_STREAM, sample_key
 
 
@@ -222,6 +222,7 @@ class SelfAttention(nn.Module):
     def __init__(self, dim: int, heads: int, qk_norm: bool):
         super().__init__()
         self.heads = heads
+        self.attention_kernel = sdpa_attention  # q, k, v -> out; chosen from outside (models/attention.py)
         self.to_q, self.to_k, self.to_v = (nn.Linear(dim, dim) for _ in range(3))
         self.to_out = nn.ModuleList([nn.Linear(dim, dim)])
         head_dim = dim // heads
@@ -232,7 +233,7 @@ class SelfAttention(nn.Module):
         q = self.norm_q(split_heads(self.to_q(x), self.heads))
         k = self.norm_k(split_heads(self.to_k(x), self.heads))
         v = split_heads(self.to_v(x), self.heads)
-        return self.to_out[0](merge_heads(attention(q, k, v)))
+        return self.to_out[0](merge_heads(self.attention_kernel(q, k, v)))
 
 
 class JointAttention(SelfAttention):
@@ -252,7 +253,7 @@ class JointAttention(SelfAttention):
         k = torch.cat([self.norm_k(split_heads(self.to_k(x), self.heads)),
                        self.norm_added_k(split_heads(self.add_k_proj(c), self.heads))], dim=2)
         v = torch.cat([split_heads(self.to_v(x), self.heads), split_heads(self.add_v_proj(c), self.heads)], dim=2)
-        out = merge_heads(attention(q, k, v))
+        out = merge_heads(self.attention_kernel(q, k, v))
         x_out, c_out = out[:, : x.shape[1]], out[:, x.shape[1] :]
         return self.to_out[0](x_out), (self.to_add_out(c_out) if self.to_add_out is not None else None)
 

@@ -30,6 +30,9 @@ T5_WIDTH = 4096  # T5-XXL's width: the width of the zeros that stand in for T5 w
 
 def check_pipeline(folder: Path, source: str) -> None:
     """The folders the text encoders need (T5's are optional), named before anything loads."""
+    if not Path(folder).is_dir():
+        raise CheckpointFormatError(f"{source}={folder} " + ("is not a directory" if Path(folder).exists() else
+                                    "does not exist") + "; expected an SD3 pipeline directory (diffusers' layout)")
     for encoder, tokenizer in (PARTS["clip_l"], PARTS["clip_g"]):
         for name in (encoder, tokenizer):
             if not (Path(folder) / name).is_dir():

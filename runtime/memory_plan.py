@@ -109,7 +109,7 @@ def count_model(model, example_inputs, activation_bytes: int, frozen_bytes: int)
     handles = [b.register_forward_pre_hook(enter(i)) for i, b in enumerate(blocks)]
     handles += [b.register_forward_hook(lambda *_: current.__setitem__(0, None)) for b in blocks]
     try:
-        with attention.attention_kernel(flash_attention), saved_tensors_hooks(pack, lambda t: t):
+        with attention.attention_kernel(model, flash_attention), saved_tensors_hooks(pack, lambda t: t):
             model(*example_inputs).float().square().mean()
     finally:
         for handle in handles:

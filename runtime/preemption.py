@@ -68,9 +68,10 @@ class PreemptionHandler:
 
 
 def mark_exit(rank: int, reason: str, status: int) -> int:
-    """The exit status of a worker that stops for `reason` ("preempted", "config-error"). Under the launcher
-    (train_mmdit_stable.sh) the reason goes to its status folder and the worker exits 0: torchrun reports a
-    signal as a failure and prints a long traceback for any non-zero exit, so the launcher sets the status."""
+    """The exit status of a worker that stops for `reason`: "preempted" (0), "input-error" (2: rank 0 said what
+    is wrong), "failed" (1: rank 0 said why) or "interrupted" (130). Under the launcher (launch.sh) the reason
+    goes to its status folder and the worker exits 0: torchrun reports a signal as a failure and prints a long
+    traceback for any non-zero exit, so the launcher sets the status."""
     if not os.environ.get(STATUS_DIR):
         return status
     (Path(os.environ[STATUS_DIR]) / f"rank{rank}").write_text(reason)

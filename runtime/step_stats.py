@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import FlopCounterMode
 
-from models.attention import attention_kernel, math_attention
+from models.attention import math_attention, use_attention
 from runtime.distributed import is_distributed
 
 log = logging.getLogger("mmdit")
@@ -134,9 +134,9 @@ def train_flops_per_sample(build, sample_inputs) -> int:
     the model: no memory, no compute. Attention is counted as the math formula's two matmuls whatever kernel
     trains (the counter sees no FLOPs in flash-attn's custom ops, nor in the CPU SDPA kernel)."""
     with torch.device("meta"), torch.random.fork_rng(devices=[]):
-        model = build()
+        model = use_attention(build(), math_attention)
         inputs = sample_inputs()
-    with attention_kernel(math_attention), FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False) as counter:
         model(*inputs).float().sum().backward()
     return counter.get_total_flops()
 

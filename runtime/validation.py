@@ -136,6 +136,10 @@ class Validation:
         """The final validation; its metrics also go to `validation.json`."""
         if self.every == 0 and not (self.images and self.images.score):
             return
+        if self.images is not None and self.world.is_main:  # it can take longer than a short run's training
+            log.info("final validation: sampling %d caption(s) from the EMA weights, %d Euler steps each (cfg %g)%s",
+                     len(self.images.captions), self.images.sampling.steps, self.images.sampling.cfg_scale,
+                     ", then scoring their prompt fidelity" if self.images.score else "")
         metrics = self(model, ema, self.max_steps, run_dir, logger)
         if metrics and self.world.is_main:
             (run_dir / "validation.json").write_text(json.dumps(metrics, indent=1))

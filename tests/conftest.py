@@ -187,14 +187,6 @@ def tiny(tmp_path):
     return make
 
 
-@pytest.fixture(autouse=True)
-def default_attention_kernel():
-    """A run may select another attention kernel for the process; tests start from the default."""
-    from models.attention import sdpa_attention, set_attention_kernel
-    yield
-    set_attention_kernel(sdpa_attention)
-
-
 LATENT_DIMS = {"channels": 4, "tokens": 6, "joint": 24, "pooled": 16}
 
 

@@ -1,24 +1,26 @@
-"""Attention kernels: SDPA and flash-attn agree with the math reference; flash-attn is chosen only where the
-GPU, dtype and head dim allow it, and the training loop agrees across the CPU backends."""
+"""Attention kernels: the choice is the model's (no process-wide state); each backend that runs here agrees with
+the math reference, one that cannot is refused with the reason; `auto` takes the fastest listed for the GPU
+generation that runs and says why; training agrees across the CPU backends."""
 
-import sys
-import types
+import typing
 
 import pytest
 import torch
 
-from models.attention import math_attention, sdpa_attention
-from perf.attention import flash_kernel, installed_flash_modules, select_flash
+from configs.schema import TrainingConfig
+from errors import ConfigError
+from models.attention import attention_kernels, math_attention, sdpa_attention
+from models.mmdit import MMDiT, MMDiTConfig
+from perf import attention as backends
+from perf.attention import BACKENDS, apply_attention_backend, build_kernel, flash_kernel, requirement, why_not
+from perf.precision import DTYPES
 from tests.conftest import losses
 from train_mmdit_stable import main
 
 CUDA = torch.device("cuda")
-
-
-def gpu_flash_module():
-    if not torch.cuda.is_available():
-        return None
-    return select_flash(CUDA, "bf16", 64, installed_flash_modules(), torch.cuda.get_device_capability())[0]
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPE = "bf16" if DEVICE.type == "cuda" else "fp32"  # what the fused kernels compute in on each device
+HEAD_DIM = 64 if DEVICE.type == "cuda" else 16
 
 
 def qkv(dtype=torch.float32, device="cpu", head_dim=16):
@@ -28,43 +30,95 @@ def qkv(dtype=torch.float32, device="cpu", head_dim=16):
 
 def output_and_grads(kernel, tensors):
     out = kernel(*tensors)
-    out.square().sum().backward()
+    out.float().square().sum().backward()
     return out.detach(), [t.grad.clone() for t in tensors]
 
 
-def test_sdpa_matches_the_math_reference():
-    ref_out, ref_grads = output_and_grads(math_attention, qkv())
-    out, grads = output_and_grads(sdpa_attention, qkv())
-    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)  # fp32: summation order only
+def tiny_model() -> MMDiT:
+    return MMDiT(MMDiTConfig(num_layers=2, num_attention_heads=2, attention_head_dim=8, joint_attention_dim=16,
+                             caption_projection_dim=16, pooled_projection_dim=16, pos_embed_max_size=8,
+                             dual_attention_layers=[0]))
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b not in ("auto", "math")])
+def test_each_backend_matches_the_math_reference_or_is_refused(backend):
+    """Where it runs: equal to the fp32 formula within summation order (fp32, 1e-5 on outputs) or bf16 rounding
+    (2e-2). Where it cannot: a ConfigError naming the backend and why, before any training."""
+    reason = why_not(backend, DEVICE, DTYPE, HEAD_DIM)
+    if reason:
+        with pytest.raises(ConfigError, match=f"training.attention_backend={backend} cannot run here: "):
+            apply_attention_backend(tiny_model(), backend, DEVICE, DTYPE, HEAD_DIM)
+        return
+    dtype = DTYPES.get(DTYPE, torch.float32)
+    ref_out, ref_grads = output_and_grads(math_attention, qkv(torch.float32, DEVICE, HEAD_DIM))
+    out, grads = output_and_grads(build_kernel(backend), qkv(dtype, DEVICE, HEAD_DIM))
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.float(), ref_out, **tol)
     for g, r in zip(grads, ref_grads):
-        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(g.float(), r, **{k: 10 * v for k, v in tol.items()})
 
 
-@pytest.mark.skipif(gpu_flash_module() is None, reason="needs a CUDA GPU that flash-attn supports, and flash-attn")
-def test_flash_matches_the_math_reference():
-    ref_out, ref_grads = output_and_grads(math_attention, qkv(torch.bfloat16, "cuda", 64))
-    out, grads = output_and_grads(flash_kernel(gpu_flash_module()), qkv(torch.bfloat16, "cuda", 64))
-    torch.testing.assert_close(out.float(), ref_out.float(), rtol=2e-2, atol=2e-2)  # bf16 inputs
-    for g, r in zip(grads, ref_grads):
-        torch.testing.assert_close(g.float(), r.float(), rtol=5e-2, atol=5e-2)
+def test_the_config_offers_every_backend():
+    assert typing.get_args(TrainingConfig.__annotations__["attention_backend"]) == BACKENDS
 
 
-@pytest.mark.parametrize("device,dtype,head_dim,installed,capability,expected,reason", [
-    (CUDA, "bf16", 64, ["flash_attn"], (8, 0), "flash_attn", None),  # A100: FA2
-    (CUDA, "bf16", 64, ["flash_attn_interface", "flash_attn"], (9, 0), "flash_attn_interface", None),  # H100: FA3
-    (CUDA, "bf16", 64, ["flash_attn_interface", "flash_attn"], (8, 6), "flash_attn", None),  # A10G: FA2, not FA3
-    (CUDA, "bf16", 64, ["flash_attn_interface"], (8, 9), None, "needs flash_attn_interface sm90+"),  # L40S, FA3 only
-    (CUDA, "fp16", 64, ["flash_attn"], (7, 5), None, "this GPU is sm75"),  # T4: neither
-    (CUDA, "bf16", 64, [], (9, 0), None, "not installed"),
-    (torch.device("cpu"), "bf16", 64, ["flash_attn"], None, None, "CUDA device"),
-    (CUDA, "fp32", 64, ["flash_attn"], (9, 0), None, "fp16/bf16"),
-    (CUDA, "fp16", 12, ["flash_attn"], (9, 0), None, "head dims"),
-    (CUDA, "fp16", 320, ["flash_attn"], (9, 0), None, "head dims"),
+def test_the_choice_is_the_models_and_auto_says_why(caplog):
+    first, second = tiny_model(), tiny_model()
+    caplog.set_level("INFO", logger="mmdit")
+    assert apply_attention_backend(first, "math", torch.device("cpu"), "fp32", 8) == "math"
+    assert apply_attention_backend(second, "auto", torch.device("cpu"), "fp32", 8) == "sdpa"
+    assert attention_kernels(first) == {math_attention} and attention_kernels(second) == {sdpa_attention}
+    assert "attention: sdpa (auto on cpu, fp32, head dim 8: the fastest listed for it that runs)" in caplog.text
+
+
+@pytest.mark.parametrize("capability,missing,expected,skipped", [
+    ((9, 0), set(), "flash_attn_3", None),  # H100 with FA3 installed
+    ((9, 0), {"flash_attn_3"}, "sdpa_cudnn", "not flash_attn_3 (missing)"),
+    ((10, 0), {"flash_attn_4"}, "sdpa_cudnn", "not flash_attn_4 (missing)"),  # B200 without flash-attn-4
+    ((8, 6), {"flash_attn_2"}, "sdpa_flash", "not flash_attn_2 (missing)"),  # A10G
+    ((7, 5), set(), "sdpa", None),  # T4: SDPA's own pick
 ])
-def test_flash_is_chosen_only_where_it_runs(device, dtype, head_dim, installed, capability, expected, reason):
-    module, why = select_flash(device, dtype, head_dim, installed, capability)
-    assert module == expected
-    assert (why is None) if reason is None else (reason in why), why
+def test_auto_takes_the_fastest_that_runs_on_each_gpu_generation(monkeypatch, capability, missing, expected, skipped):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(backends, "why_not", lambda backend, *_: "missing" if backend in missing else None)
+    backend, why = backends.choose(CUDA, "bf16", 64)
+    assert backend == expected
+    assert f"auto on sm{capability[0]}{capability[1]}, bf16, head dim 64" in why
+    assert skipped is None or skipped in why, why
+
+
+@pytest.mark.parametrize("backend,device,dtype,head_dim,capability,reason", [
+    ("flash_attn_3", CUDA, "bf16", 64, (8, 0), "runs on sm90 to sm99, this GPU is sm80"),
+    ("flash_attn_2", CUDA, "bf16", 64, (7, 5), "this GPU is sm75"),
+    ("flash_attn_2", CUDA, "fp32", 64, (9, 0), "fp16/bf16 only"),
+    ("flash_attn_2", CUDA, "bf16", 12, (9, 0), "head dims 8..256 in steps of 8, not 12"),
+    ("flash_attn_3", CUDA, "bf16", 80, (9, 0), "not 80"),
+    ("flash_attn_4", torch.device("cpu"), "bf16", 64, None, "needs a CUDA GPU"),
+    ("sdpa_cudnn", torch.device("cpu"), "bf16", 64, None, "needs a CUDA GPU"),
+    ("sdpa_efficient", torch.device("cpu"), "fp32", 64, None, "needs a CUDA GPU"),
+    ("sdpa_flash", torch.device("cpu"), "fp32", 64, None, None),  # PyTorch's CPU flash kernel: probed
+    ("sdpa_cudnn", CUDA, "bf16", 64, (9, 0), None),  # on a GPU, SDPA's own checks decide (the probe)
+])
+def test_what_each_backend_needs(backend, device, dtype, head_dim, capability, reason, monkeypatch):
+    monkeypatch.setattr(backends, "installed", lambda backend: True)
+    found = requirement(backend, device, dtype, head_dim, capability)
+    assert (found is None) if reason is None else (reason in found), found
+
+
+def test_a_refused_sdpa_kernel_is_explained_by_its_own_reasons():
+    """SDPA lists reasons for all its kernels when a forced one cannot run; the refusal quotes the forced one's."""
+    warned = ["Memory efficient kernel not used because:", "Mem efficient reason",
+              "Flash attention kernel not used because:", "Flash attention has been runtime disabled.",
+              "cuDNN attention kernel not used because:", "cuDNN SDPA is not deterministic."]
+    assert backends.refusal(warned, backends.SDPA_REFUSALS["sdpa_cudnn"]) == ["cuDNN SDPA is not deterministic."]
+    assert backends.refusal(warned, backends.SDPA_REFUSALS["sdpa_efficient"]) == ["Mem efficient reason"]
+    assert backends.refusal(["No available kernel"], None) == ["No available kernel"]
+
+
+def test_an_uninstalled_flash_attn_is_named():
+    if backends.installed("flash_attn_2"):
+        pytest.skip("flash-attn is installed here")
+    assert requirement("flash_attn_2", CUDA, "bf16", 64, (9, 0)) == "flash_attn is not installed"
 
 
 def test_the_flash_kernel_gets_one_dtype(monkeypatch):
@@ -73,20 +127,21 @@ def test_the_flash_kernel_gets_one_dtype(monkeypatch):
 
     def flash_attn_func(q, k, v):
         seen.append({q.dtype, k.dtype, v.dtype})
-        return v
+        return v, None  # FA4 returns (out, lse)
 
-    monkeypatch.setitem(sys.modules, "fake_flash", types.SimpleNamespace(flash_attn_func=flash_attn_func))
     monkeypatch.setattr(torch, "is_autocast_enabled", lambda device_type=None: True)
     monkeypatch.setattr(torch, "get_autocast_dtype", lambda device_type: torch.bfloat16)
     q, k, v = qkv()
-    out = flash_kernel("fake_flash")(q, k, v.bfloat16())
+    out = flash_kernel(flash_attn_func)(q, k, v.bfloat16())
     assert seen == [{torch.bfloat16}] and out.shape == q.shape
 
 
-def test_training_with_each_cpu_backend_agrees(tiny, tmp_path, caplog):
-    for backend in ("sdpa", "math", "flash"):
-        assert main(tiny("training.max_steps=3", f"training.attention_backend={backend}", run=backend)) == 0
-    loss = {b: losses(tmp_path / b) for b in ("sdpa", "math", "flash")}
+def test_training_with_each_cpu_backend_agrees_and_refuses_one_that_cannot_run(tiny, tmp_path, caplog):
+    for backend in ("sdpa", "sdpa_flash", "math"):
+        assert main(tiny("training.max_steps=2", f"training.attention_backend={backend}", run=backend)) == 0
+    loss = {b: losses(tmp_path / b) for b in ("sdpa", "sdpa_flash", "math")}
+    assert loss["sdpa_flash"] == loss["sdpa"]  # SDPA's CPU pick is its flash kernel
     assert loss["math"] == pytest.approx(loss["sdpa"], rel=1e-5)
-    assert loss["flash"] == loss["sdpa"]  # flash is unavailable on CPU: it fell back to sdpa, bit for bit
-    assert "flash requested but flash-attn is not installed" in caplog.text
+    assert main(tiny("training.attention_backend=sdpa_cudnn", run="cudnn")) == 2
+    assert "training.attention_backend=sdpa_cudnn cannot run here: it needs a CUDA GPU, not cpu" in caplog.text
+    assert not (tmp_path / "cudnn").exists()  # refused before the run directory was made

@@ -129,6 +129,11 @@ def test_keys_left_to_the_user_and_renamed_keys_are_named(tmp_path):
     with pytest.raises(ConfigError, match=r"logging\.save_freq is now checkpoint\.every; training\.compile_model is "
                                           r"now compile\.enabled: rename them in .*finetune\.yaml"):
         load_config(config)
+    with pytest.raises(ConfigError, match="training.attention_backend=flash is now training.attention_backend="
+                                          "flash_attn_2"):
+        load_config(DEFAULT_CONFIG, ["training.attention_backend=flash"])
+    config.write_text("training:\n  attention_backend: flash\n")  # a run directory's saved config resumes
+    assert load_config(config, resolve=False).training.attention_backend == "flash_attn_2"
 
 
 def test_hsdp_shard_size_must_divide_the_world():

@@ -219,3 +219,41 @@ def test_a_config_error_under_torchrun_is_one_line_and_exit_2(tmp_path):
     assert output.count("config error: training.max_steps must be > 0, got -3") == 1, output
     assert "Traceback" not in output and "ChildFailedError" not in output, output
     assert not tmp_path.joinpath("config.yaml").exists()
+
+
+def broken_load(*args, **kwargs):
+    raise ValueError("injected: a bug in the checkpoint load")
+
+
+def resume_with_a_broken_load(overrides: list[str]) -> dict:
+    """main() on one rank, resuming while the checkpoint load fails as a bug in it (ours or torch's) would."""
+    import torch.distributed.checkpoint as dcp
+
+    from train_mmdit_stable import main
+    dcp.load = broken_load  # in this rank's process only
+    return {"status": main(overrides)}
+
+
+def test_a_bug_in_the_checkpoint_load_keeps_its_type_and_traceback(two_ranks_and_one, tmp_path, monkeypatch,
+                                                                   caplog):
+    """Not "config error: ..." and exit 2: a ValueError that is not the user's input keeps its type and traceback
+    (exit 1). One process raises it; of two ranks, rank 0 raises it (its traceback is printed once) and rank 1,
+    whose own error rank 0 reports, returns 1 without a word."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    from train_mmdit_stable import main
+    tmp, _ = two_ranks_and_one
+    resume = [*TINY, "training.max_steps=4", "training.train_batch_size=1"]
+    shutil.copytree(tmp / "one", tmp_path / "one")
+    with monkeypatch.context() as patch:
+        patch.setattr(dcp, "load", broken_load)
+        with pytest.raises(ValueError, match="injected"):
+            main([*resume, "training.gradient_accumulation_steps=8", f"logging.output_dir={tmp_path / 'one'}"])
+    assert "config error" not in caplog.text and "input error" not in caplog.text
+
+    shutil.copytree(tmp / "two", tmp_path / "two")
+    results = spawn(2, resume_with_a_broken_load, [*resume, "training.gradient_accumulation_steps=4",
+                                                   f"logging.output_dir={tmp_path / 'two'}"], tmp_path=tmp_path)
+    assert results == ["ValueError: injected: a bug in the checkpoint load", {"status": 1}], results

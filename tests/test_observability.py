@@ -14,7 +14,7 @@ from PIL import Image
 from configs.build import build_model, build_tokenizer
 from configs.schema import load_config
 from data.shapes import ShapesDataset
-from models.attention import math_attention, set_attention_kernel
+from models.attention import math_attention, use_attention
 from perf.profiler import build_profiler
 from runtime.step_stats import SigmaBuckets, train_flops_per_sample
 from tests.conftest import metric_rows as rows
@@ -102,16 +102,15 @@ def test_flop_count_on_meta_matches_a_real_count():
     tokenizer = build_tokenizer()
     inputs = lambda: (torch.zeros(1, 3, 32, 32), torch.full((1,), 0.5), {"input_ids": torch.ones(1, 7).long()})
     meta = train_flops_per_sample(lambda: build_model(cfg, ShapesDataset, tokenizer), inputs)
-    set_attention_kernel(math_attention)
     with FlopCounterMode(display=False) as counter:
-        build_model(cfg, ShapesDataset, tokenizer)(*inputs()).sum().backward()
+        use_attention(build_model(cfg, ShapesDataset, tokenizer), math_attention)(*inputs()).sum().backward()
     assert meta == pytest.approx(counter.get_total_flops(), rel=1e-3) and meta > 0
 
 
 def test_flop_count_does_not_depend_on_the_attention_kernel():
     """flash-attn's kernels are custom ops in which the flop counter sees no FLOPs (and an FA2 build may have no
     meta kernel): MFU counts attention with the math formula whatever kernel trains."""
-    from models.attention import attention_kernel, sdpa_attention
+    from models.attention import sdpa_attention
 
     @torch.library.custom_op("mmdit_test::opaque_attention", mutates_args=())
     def opaque_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -127,8 +126,8 @@ def test_flop_count_does_not_depend_on_the_attention_kernel():
     inputs = lambda: (torch.zeros(1, 3, 32, 32), torch.full((1,), 0.5), {"input_ids": torch.ones(1, 7).long()})
     counts = []
     for kernel in (sdpa_attention, math_attention, opaque_attention):
-        with attention_kernel(kernel):
-            counts.append(train_flops_per_sample(lambda: build_model(cfg, ShapesDataset, tokenizer), inputs))
+        built = lambda: use_attention(build_model(cfg, ShapesDataset, tokenizer), kernel)  # noqa: E731
+        counts.append(train_flops_per_sample(built, inputs))
     assert counts[0] == counts[1] == counts[2] > 0
 
 

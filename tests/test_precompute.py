@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -139,13 +140,19 @@ def test_bad_inputs_are_named_before_compute(sd3_dir, tmp_path, caplog):
     (images / "img01.txt").write_text("a dog")
     assert run_precompute(sd3_dir, images, tmp_path / "out") == 0
     assert run_precompute(sd3_dir, images, tmp_path / "out", "--aspect-buckets") == 2  # not the settings it began with
-    assert "was started with other settings" in caplog.text and "aspect_buckets" in caplog.text
+    assert "was started with other settings: aspect_buckets: False -> True" in caplog.text
+    for suffix in (".png", ".txt"):  # one image replaced by another: named, not a fingerprint's hashes
+        (images / f"img00{suffix}").rename(images / f"img05{suffix}")
+    assert run_precompute(sd3_dir, images, tmp_path / "out") == 2
+    assert f"inputs added 1: {images / 'img05.png'}; removed 1: {images / 'img00.png'}" in caplog.text
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     assert run_precompute(sd3_dir, images, tmp_path / "mine") == 2
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
     assert run_precompute(tmp_path, images, tmp_path / "new") == 2
     assert "no vae/ folder" in caplog.text
+    assert run_precompute(tmp_path / "nowhere", images, tmp_path / "new") == 2
+    assert f"--model {tmp_path / 'nowhere'} does not exist" in caplog.text
     assert run_precompute(sd3_dir, images, tmp_path / "odd", "--aspect-buckets", "--bucket-step", "6") == 2
     assert "--bucket-step 6 must be a multiple of 4 (VAE downsampling 2 x patch 2)" in caplog.text
 
@@ -172,13 +179,14 @@ def test_an_interrupted_precompute_says_the_rerun_resumes(sd3_dir, tmp_path, mon
     real = encode_unit
 
     def interrupt_second_unit(number, *args):
-        if number == 1:
-            raise KeyboardInterrupt
+        if number == 1:  # a scheduler's SIGTERM (the launcher passes it on), taken as Ctrl-C is
+            os.kill(os.getpid(), signal.SIGTERM)
         return real(number, *args)
 
     monkeypatch.setattr(data.precompute.job, "encode_unit", interrupt_second_unit)
     assert run_precompute(sd3_dir, images, tmp_path / "out") == 130
     assert "interrupted with 1 unit(s) finished; the same command resumes from there" in caplog.text
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # as it was before
     monkeypatch.undo()
     assert run_precompute(sd3_dir, images, tmp_path / "out") == 0
     assert "resuming: 1 of 2 units already finished" in caplog.text

@@ -81,33 +81,53 @@ def test_sigkill_at_random_moments_never_loses_the_run(tmp_path):
     assert_close(final_weights(run_dir), final_weights(tmp_path / "reference"))
 
 
-def test_sigterm_to_the_launcher_of_two_processes_exits_zero_and_resumes_exactly(tmp_path):
-    """What a scheduler does to a torchrun job: SIGTERM to the launcher. Both workers checkpoint and exit, the
-    launcher exits 0 (not torchrun's SignalException), and the same command then finishes with the weights of
-    an uninterrupted run."""
-    import threading
-    overrides = [*TINY, "training.train_batch_size=4", "training.max_steps=60", "checkpoint.every=1000",
-                 "sampling.steps=1"]
-    env = {**os.environ, "PYTHON": sys.executable, "NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1",
-           "PYTHONUNBUFFERED": "1"}
-    launch = lambda run: [str(ROOT / "train_mmdit_stable.sh"), *overrides, f"logging.output_dir={tmp_path / run}"]  # noqa
-    trains(2, [*overrides, f"logging.output_dir={tmp_path / 'straight'}"], tmp_path)  # the same math, quicker
+LAUNCHED = [*TINY, "training.train_batch_size=4", "training.max_steps=60", "checkpoint.every=1000", "sampling.steps=1"]
+LAUNCHER_ENV = {**os.environ, "PYTHON": sys.executable, "NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1",
+                "PYTHONUNBUFFERED": "1"}
 
-    proc = subprocess.Popen(launch("run"), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+def launch(run_dir: Path) -> list[str]:
+    return [str(ROOT / "train_mmdit_stable.sh"), *LAUNCHED, f"logging.output_dir={run_dir}"]
+
+
+def signal_a_launch(run_dir: Path, send) -> str:
+    """Two workers under the launcher (in a session of its own, as a terminal runs a command); once they train,
+    `send(launcher)`. The launcher must exit 0 after both checkpointed, with no traceback; returns its output."""
+    import threading
+    proc = subprocess.Popen(launch(run_dir), env=LAUNCHER_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
     reader.start()
     deadline = time.monotonic() + 120
     while not any(" loss " in line for line in lines) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
+    send(proc)
     proc.wait(timeout=120)
     reader.join(timeout=10)
     output = "".join(lines)
     assert proc.returncode == 0, output[-3000:]
-    assert "pre-empted: all 2 local worker(s) checkpointed" in output and "SignalException" not in output
-    last = checkpoints(tmp_path / "run")[-1]
+    assert "pre-empted: all 2 local worker(s) checkpointed" in output, output[-3000:]
+    assert "SignalException" not in output and "Traceback" not in output, output[-3000:]
+    last = checkpoints(run_dir)[-1]
     assert verify(last) is None and 0 < read_meta(last)["step"] < 60
-    again = subprocess.run(launch("run"), env=env, capture_output=True, text=True, timeout=300)
+    return output
+
+
+def test_sigterm_to_the_launcher_of_two_processes_exits_zero_and_resumes_exactly(tmp_path):
+    """What a scheduler does to a torchrun job: SIGTERM to the launcher. Both workers checkpoint and exit, the
+    launcher exits 0 (not torchrun's SignalException), and the same command then finishes with the weights of
+    an uninterrupted run."""
+    trains(2, [*LAUNCHED, f"logging.output_dir={tmp_path / 'straight'}"], tmp_path)  # the same math, quicker
+    signal_a_launch(tmp_path / "run", lambda proc: proc.send_signal(signal.SIGTERM))
+    last = checkpoints(tmp_path / "run")[-1]
+    again = subprocess.run(launch(tmp_path / "run"), env=LAUNCHER_ENV, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and f"resumed from {last}" in again.stdout, again.stdout[-3000:] + again.stderr[-3000:]
     assert_close(final_weights(tmp_path / "run"), final_weights(tmp_path / "straight"))
+
+
+def test_ctrl_c_under_the_launcher_of_two_processes_exits_zero_without_a_traceback(tmp_path):
+    """What a terminal does on Ctrl-C: SIGINT to every process of the foreground group (the launcher, torchrun and
+    the workers, unless torchrun is in a group of its own). torchrun answered it with SignalException, exit 1."""
+    output = signal_a_launch(tmp_path / "run", lambda proc: os.killpg(proc.pid, signal.SIGINT))
+    assert "received SIGINT" in output

@@ -104,14 +104,15 @@ def test_run_directory_of_another_model_is_refused_untouched(tiny, tmp_path, cap
     assert before == {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()}
 
 
-def test_sampler_rejects_unknown_words_and_missing_checkpoints(tiny, tmp_path):
+def test_sampler_rejects_unknown_words_and_missing_checkpoints(tiny, tmp_path, caplog):
     assert main(tiny("training.max_steps=1")) == 0
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a purple circle in the center\n")
-    with pytest.raises(SystemExit, match="purple"):
-        sample_mmdit.main(["--checkpoint", str(tmp_path / "run"), "--prompts", str(prompts), "--out", str(tmp_path / "o")])
-    with pytest.raises(SystemExit, match="complete checkpoint"):
-        sample_mmdit.main(["--checkpoint", str(tmp_path), "--prompts", str(prompts), "--out", str(tmp_path / "o")])
+    prompts.write_text("a purple circle in the center\n")  # the user's input: one line, exit 2
+    assert sample_mmdit.main(["--checkpoint", str(tmp_path / "run"), "--prompts", str(prompts), "--out",
+                              str(tmp_path / "o")]) == 2
+    assert "purple" in caplog.text
+    assert sample_mmdit.main(["--checkpoint", str(tmp_path), "--prompts", str(prompts), "--out", str(tmp_path / "o")]) == 2
+    assert "complete checkpoint" in caplog.text
 
 
 def fail_writes_of(step: int, monkeypatch):
@@ -160,13 +161,13 @@ def test_resume_applies_todays_optimizer_settings_and_guards_the_run(tiny, tmp_p
     assert read_checkpoint(last, ())[1]["step"] == 3 and scaler["scaler"]["scale"] > 0
 
 
-def test_sampler_validates_steps(tiny, tmp_path):
-    assert main(tiny("training.max_steps=1")) == 0
+def test_sampler_validates_steps(tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red circle in the center\n")
-    with pytest.raises(SystemExit, match="--steps"):
+    with pytest.raises(SystemExit, match="2"):
         sample_mmdit.main(["--checkpoint", str(tmp_path / "run"), "--prompts", str(prompts), "--out",
                            str(tmp_path / "o"), "--steps", "0"])
+    assert "--steps must be >= 1" in capsys.readouterr().err
 
 
 def test_export_into_a_path_under_a_file_is_a_clear_error(tiny, tmp_path, caplog):
@@ -190,3 +191,19 @@ def test_a_run_directory_of_an_earlier_version_is_refused_untouched(tiny, tmp_pa
     assert "was written by an earlier version of this trainer (format 1" in caplog.text
     assert "Train into a new logging.output_dir" in caplog.text
     assert before == {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+
+
+def test_the_other_entry_points_say_an_input_error_in_one_line(tmp_path, caplog, capsys):
+    """sample, export and plan_memory: the user's input is one line and exit 2 (not a traceback, not exit 1)."""
+    import export_mmdit
+    import plan_memory
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle\n")
+    assert sample_mmdit.main(["--checkpoint", str(tmp_path), "--prompts", str(tmp_path / "none.txt"), "--out",
+                              str(tmp_path / "o")]) == 2
+    assert export_mmdit.main(["--checkpoint", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    assert "is neither a checkpoint directory nor a run directory" in caplog.text
+    assert plan_memory.main(["--config", str(tmp_path / "none.yaml")]) == 2
+    assert plan_memory.main(["--config", "configs/shapes.yaml", "training.max_stepz=3"]) == 2
+    said = capsys.readouterr().err
+    assert "none.yaml does not exist" in said and "max_stepz" in said and "Traceback" not in said

@@ -1,11 +1,15 @@
 """Validation: held-out items never train, the held-out loss is a deterministic curve, flips follow (seed,
 epoch, item), a missing VAE is named before training, and validation off loads and runs nothing."""
 
+import logging
+import re
+
 import pytest
 import torch
 
 import configs.build as build
 import runtime.validation as validation
+from data.images import caption_lines, save_grid
 from data.latents import LatentDataset
 from data.loader import StepBatchSampler, StepDataset, split_holdout
 from tests.conftest import metric_rows, write_latent_shards
@@ -38,10 +42,13 @@ def test_flipped_latents_are_picked_per_seed_epoch_and_item(tmp_path):
     assert len(set(picks.values())) == 2  # both orientations occur
 
 
-def test_held_out_loss_is_a_deterministic_curve(tiny, tmp_path):
+def test_held_out_loss_is_a_deterministic_curve(tiny, tmp_path, caplog):
     run = ["training.max_steps=4", "data.holdout=6", "validation.every=2", "validation.loss_sigmas=3",
            "sampling.steps=1"]
+    caplog.set_level(logging.INFO, logger="mmdit")
     assert main(tiny(*run, run="a")) == 0
+    assert re.search(r"final validation: sampling \d+ caption\(s\) from the EMA weights, 1 Euler steps each "
+                     r"\(cfg [\d.]+\), then scoring their prompt fidelity", caplog.text)  # why the end takes long
     assert main(tiny(*run, run="b")) == 0
     a, b = ([r for r in metric_rows(tmp_path / r) if "val/loss" in r] for r in ("a", "b"))
     assert [r["step"] for r in a] == [2, 4] and [sorted(k for k in r if k.startswith("val/")) for r in a][0] == [
@@ -69,3 +76,10 @@ def test_validation_off_builds_and_runs_nothing(latent_run, tmp_path, monkeypatc
     data = write_latent_shards(tmp_path / "data", validation_prompts=2)
     assert main(latent_run("training.max_steps=2", "data.holdout=2", data=data)) == 0
     assert not (tmp_path / "run" / "samples").exists()
+
+
+def test_a_grid_of_two_prompts_has_two_columns_and_whole_captions(tmp_path):
+    from PIL import Image
+    save_grid(torch.zeros(2, 3, 32, 32), ["a red circle", "a dog on the grass"], tmp_path / "grid.png")
+    assert Image.open(tmp_path / "grid.png").width == 2 * (256 + 8)  # no empty columns
+    assert caption_lines(["a red circle"], 256) == [["a red circle"]]  # not "red circle"

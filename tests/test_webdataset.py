@@ -18,7 +18,7 @@ from PIL import Image
 
 import precompute_latents
 from data.latents import LatentDataset
-from data.webdataset import expand_braces, expand_shards
+from data.webdataset import ShardError, expand_braces, expand_shards, read_samples
 from tests.conftest import LATENT_RUN, ROOT, T5_TOKENS, WORDS, assert_close, final_weights, free_port, trains
 from train_mmdit_stable import main
 
@@ -168,6 +168,41 @@ def test_a_precompute_killed_with_sigkill_reruns_to_the_same_dataset(sd3_dir, ta
     assert_same_dataset(tmp_path / "killed", tmp_path / "clean")
 
 
+def launch(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
+    """NPROC_PER_NODE=nproc ./launch.sh precompute_latents.py ARGS, as the README runs it."""
+    env = {**ONE_THREAD, "PYTHON": sys.executable, "NPROC_PER_NODE": str(nproc), "MASTER_PORT": str(free_port())}
+    return subprocess.run([str(ROOT / "launch.sh"), "precompute_latents.py", *args], env=env, cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+
+
+def test_an_input_error_of_precompute_on_two_ranks_is_one_line_and_exit_2(sd3_dir, tars, tmp_path):
+    """Rank 0 says it once, and no torchrun traceback (ChildFailedError) follows: the status of one process."""
+    proc = launch(2, arguments(sd3_dir, tmp_path / "out", f"{tars}/00000.tar", extra=["--bucket-step", "6"]))
+    output = without_progress_bars(proc.stdout)
+    assert proc.returncode == 2, output
+    assert output.count("precompute: --bucket-step 6 must be a multiple of 4") == 1, output
+    assert "Traceback" not in output and "ChildFailedError" not in output, output
+
+
+def test_a_shard_that_cannot_be_read_ends_a_launch_with_exit_1_and_no_traceback(sd3_dir, tmp_path, monkeypatch,
+                                                                                 caplog):
+    """Under the launcher, precompute leaves "failed" for it (rank 0 has said why) and exits 0 for torchrun; the
+    launcher turns that into exit 1, as one process gives, without torchrun's traceback (shown with stand-in
+    workers: a real two-rank launch is the test above)."""
+    monkeypatch.setenv("MMDIT_STATUS_DIR", str(tmp_path))
+    assert run_in_process(sd3_dir, tmp_path / "out", f"pipe:cat {tmp_path}/missing.tar") == 0
+    assert (tmp_path / "rank0").read_text() == "failed" and "1 input shard(s) could not be read" in caplog.text
+    worker = tmp_path / "worker.py"
+    worker.write_text("import os, pathlib, sys\n"
+                      "rank = os.environ['RANK']\n"
+                      "print(f'rank {rank} said why')\n"
+                      "pathlib.Path(os.environ['MMDIT_STATUS_DIR'], f'rank{rank}').write_text(sys.argv[1])\n")
+    env = {**ONE_THREAD, "PYTHON": sys.executable, "NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port())}
+    proc = subprocess.run([str(ROOT / "launch.sh"), str(worker), "failed"], env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stdout, proc.stdout
+
+
 def test_the_ranks_free_their_process_group_before_the_interpreter_exits(tmp_path):
     """diffusers imports torch.distributed.nn on first use; first imported after the group exists, its functions
     hold the group in default arguments past destroy_process_group, until the interpreter shuts down, where gloo
@@ -203,7 +238,7 @@ def test_too_many_bad_samples_stop_the_job_and_a_higher_limit_accepts_them(sd3_d
     assert len(LatentDataset(out, aspect_buckets=True)) == 9
 
 
-def test_an_unreadable_input_shard_fails_the_job_and_is_redone_once_fixed(sd3_dir, tars, tmp_path, caplog):
+def test_an_unreadable_input_shard_fails_the_job_and_is_redone_once_fixed(sd3_dir, tars, tmp_path, caplog, capsys):
     inputs = tmp_path / "inputs"
     inputs.mkdir()
     for s in range(SHARDS):
@@ -214,12 +249,25 @@ def test_an_unreadable_input_shard_fails_the_job_and_is_redone_once_fixed(sd3_di
     assert run_in_process(sd3_dir, out, f"{inputs}/*.tar") == 1
     said = caplog.text
     assert "1 input shard(s) could not be read" in said and "00002.tar: not a readable tar shard" in said
+    bar = capsys.readouterr().out.split("\r")[-1]
+    assert "3/4" in bar and "1 failed" in bar, bar  # not 4/4, 100 %
     assert sorted(p.name for p in (out / "reports").glob("*.json")) == ["00000.json", "00001.json", "00003.json"]
     finished = {p: p.stat().st_mtime_ns for p in out.glob("shard-*")}
     (inputs / "00002.tar").write_bytes(whole)  # downloaded again
     assert run_in_process(sd3_dir, out, f"{inputs}/*.tar") == 0
     assert {p: p.stat().st_mtime_ns for p in finished} == finished  # only the failed shard was encoded
     assert len(LatentDataset(out, aspect_buckets=True)) == SHARDS * PER_SHARD - len(BAD)
+
+
+@pytest.mark.parametrize("command, said", [("false", "exit status 1 (nothing on stderr)"),
+                                            ("cat {tars}/missing.tar", "missing.tar: No such file or directory"),
+                                            ("cat {tars}/00000.tar; echo denied >&2; exit 3", "exit status 3; its "
+                                             "stderr ended with:\n    denied")])
+def test_a_failed_pipe_command_is_reported_as_the_command_failing(tars, command, said):
+    """Not as a bad tar: an object-store download refused for its credentials must not look like corrupt data."""
+    with pytest.raises(ShardError, match="the command failed") as failure:
+        list(read_samples("pipe:" + command.format(tars=tars)))
+    assert said in str(failure.value) and "tar" not in str(failure.value).split(":")[-1]
 
 
 def test_a_damaged_output_shard_is_named_by_training_and_redone_by_the_rerun(sd3_dir, tars, one_rank, tmp_path,
@@ -264,7 +312,9 @@ def test_brace_ranges_lists_and_globs_expand_in_order(tmp_path):
     assert expand_shards([f"{tmp_path}/*.tar", "pipe:curl -s http://x/{0..1}.tar"]) == [
         f"{tmp_path}/a.tar", f"{tmp_path}/b.tar", "pipe:curl -s http://x/0.tar", "pipe:curl -s http://x/1.tar"]
     for patterns, message in (([f"{tmp_path}/none-*.tar"], "matches no file"), ([f"{tmp_path}/c.tar"], "does not exist"),
-                              ([f"{tmp_path}/a.tar", f"{tmp_path}/a.tar"], "more than once")):
+                              ([f"{tmp_path}/a.tar", f"{tmp_path}/a.tar"], "more than once"),
+                              ([f"{tmp_path}/{{a,b,c,d}}.tar"], f"2 of 4 shards are missing: {tmp_path}/c.tar does "
+                                                                 f"not exist, {tmp_path}/d.tar does not exist$")):
         with pytest.raises(ValueError, match=message):
             expand_shards(patterns)
 

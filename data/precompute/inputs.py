@@ -143,6 +143,9 @@ def read_validation_prompts(path: Path) -> list[str]:
 
 def vae_downsampling(model_dir: Path) -> int:
     """From the pipeline's folders and vae/config.json, before any weight is loaded: 8 for SD3's VAE."""
+    if not model_dir.is_dir():
+        raise PrecomputeError(f"--model {model_dir} " + ("is not a directory" if model_dir.exists() else
+                              "does not exist") + "; expected an SD3 pipeline directory (diffusers' layout)")
     if not (model_dir / "vae").is_dir():
         raise PrecomputeError(f"--model {model_dir}: no vae/ folder; expected an SD3 pipeline directory")
     try:

@@ -17,6 +17,8 @@ from data.webdataset import ShardError
 from formats import DTYPES
 
 log = logging.getLogger("mmdit")
+INPUT_NAMES = "input_names"  # in the settings: the shards or images given, to name what changed on a rerun
+INPUTS_NAMED = 10  # of the inputs added or removed, named in the error
 
 
 def check_output_directory(out: Path, settings: dict) -> None:
@@ -31,14 +33,31 @@ def check_output_directory(out: Path, settings: dict) -> None:
             raise PrecomputeError(f"--out {out} exists and was not written by this tool; choose a new directory")
         return
     old = json.loads((out / SETTINGS).read_text())
-    changed = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
+    changed = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v and k != INPUT_NAMES}
     if changed and any((out / REPORTS).glob("*.json")):
-        raise PrecomputeError(f"--out {out} was started with other settings (before, now): {changed}; "
-                              f"use a new directory or the same settings to resume")
+        raise PrecomputeError(f"--out {out} was started with other settings: "
+                              f"{'; '.join(describe_change(key, old, settings) for key in changed)}. Use a new "
+                              f"directory, or the same settings to resume")
     if changed:  # nothing finished yet (an earlier attempt stopped early): start over
         log.info("--out %s holds no finished unit; starting over with the new settings %s", out, sorted(changed))
         for path in [*out.glob("shard-*.safetensors"), *out.glob(".*.tmp"), out / SETTINGS]:
             path.unlink()
+
+
+def describe_change(key: str, old: dict, new: dict) -> str:
+    """A changed setting as `key: before -> now`; changed inputs as the inputs added and removed, by name."""
+    if key != "inputs":
+        return f"{key}: {old.get(key)} -> {new[key]}"
+    if old.get(INPUT_NAMES) is None or new[INPUT_NAMES] is None:  # too many to keep, or an earlier version's
+        return "the inputs differ"
+    before, now = old[INPUT_NAMES], new[INPUT_NAMES]
+    added = [n for n in now if n not in set(before)]
+    removed = [n for n in before if n not in set(now)]
+    if not added and not removed:
+        return "the same inputs with other contents (a caption, an image's size or modification time)"
+    return "inputs " + "; ".join(f"{what} {len(names)}: {', '.join(names[:INPUTS_NAMED])}" +
+                                 (f" and {len(names) - INPUTS_NAMED} more" if len(names) > INPUTS_NAMED else "")
+                                 for what, names in (("added", added), ("removed", removed)) if names)
 
 
 def start_output_directory(out: Path, settings: dict) -> None:
@@ -78,7 +97,9 @@ def precompute(units: list[Unit], encoders: SD3Encoders, out: Path, settings: di
             encode_unit(number, units[number], encoders, settings, out, progress)
         except ShardError as e:
             failed.append(str(e))
-        progress(units=1)
+            progress(failed=1)  # not a finished unit: the bar must not reach its end
+        else:
+            progress(units=1)
     store = DTYPES[settings["dtype"]]
     if ranks.rank == 0 and encoders.text is not None:
         encode_prompts(encoders, [""], store, out / EMPTY_PROMPT)
@@ -89,7 +110,8 @@ def precompute(units: list[Unit], encoders: SD3Encoders, out: Path, settings: di
         return 0
     if failed:
         log.error("precompute: %d input shard(s) could not be read; the others are finished. Fix or replace them "
-                  "(or rerun: a download may have failed) and rerun the same command: %s", len(failed), failed[:5])
+                  "(or rerun: a download may have failed) and rerun the same command:\n  %s%s", len(failed),
+                  "\n  ".join(failed[:5]), f"\n  ... and {len(failed) - 5} more" if len(failed) > 5 else "")
         return 1
     reports = [json.loads(report_path(out, n).read_text()) for n in range(len(units))]
     if not summarize(reports, out, max_bad_fraction):

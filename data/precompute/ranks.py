@@ -20,6 +20,8 @@ log = logging.getLogger("mmdit")
 # Ranks meet twice: at the start, and when every unit is verified; verifying a large dataset's checksums can
 # take a while on the slowest rank.
 MEETING_TIMEOUT = timedelta(hours=6)
+# a rank's progress file: images and units finished, units that failed (their errors once it has finished)
+NOT_STARTED = {"images": 0, "units": 0, "failed_units": 0, "failed": [], "finished": False, "seconds": 0.0}
 
 
 class Ranks:
@@ -51,16 +53,17 @@ class Progress:
     def __init__(self, out: Path, ranks: Ranks, units: int, done: int):
         self.path = out / PROGRESS / f"rank-{ranks.rank:05d}.json"
         self.ranks, self.start, self.written = ranks, time.monotonic(), 0.0
-        self.state = {"images": 0, "units": 0, "failed": [], "finished": False, "seconds": 0.0}
+        self.state = dict(NOT_STARTED, failed=[])
         self.bar = None
         if ranks.rank == 0:
             from tqdm import tqdm
             self.bar = tqdm(total=units, initial=done, unit="unit", desc="precompute", file=sys.stdout)
 
-    def __call__(self, images: int = 0, units: int = 0) -> None:
+    def __call__(self, images: int = 0, units: int = 0, failed: int = 0) -> None:
         self.state["images"] += images
         self.state["units"] += units
-        if time.monotonic() - self.written > 2 or units:
+        self.state["failed_units"] += failed
+        if time.monotonic() - self.written > 2 or units or failed:
             self.write()
 
     def write(self) -> None:
@@ -77,11 +80,13 @@ class Progress:
             try:
                 states.append(json.loads(path.read_text()))
             except (OSError, ValueError):  # not started yet
-                states.append({"images": 0, "units": 0, "failed": [], "finished": False, "seconds": 0.0})
+                states.append(NOT_STARTED)
         rates = [s["images"] / s["seconds"] if s["seconds"] else 0.0 for s in states]
         self.bar.n = self.bar.initial + sum(s["units"] for s in states)
+        failed = sum(s["failed_units"] for s in states)
         self.bar.set_postfix_str(f"{sum(rates):.1f} img/s" + (
-            f" ({' '.join(f'{r:.1f}' for r in rates)} per rank)" if self.ranks.size > 1 else ""), refresh=True)
+            f" ({' '.join(f'{r:.1f}' for r in rates)} per rank)" if self.ranks.size > 1 else "") +
+            (f", {failed} failed" if failed else ""), refresh=True)
         return states
 
     def finish(self, failed: list[str]) -> list[str]:
