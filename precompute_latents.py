@@ -55,9 +55,10 @@ from data.precompute.inputs import (PrecomputeError, Unit, check_items, fingerpr
                                     vae_downsampling)
 from data.precompute.job import INPUT_NAMES, check_output_directory, precompute, start_output_directory
 from data.precompute.ranks import Ranks
-from data.precompute.units import DTYPES, REPORTS
+from data.precompute.units import REPORTS
 from data.webdataset import ShardError, expand_shards
 from errors import InputError
+from formats import DTYPES
 from runtime.distributed import stop_together
 from runtime.preemption import mark_exit
 

@@ -12,11 +12,12 @@ import torch
 from omegaconf import DictConfig
 
 from data.images import to_unit
-from data.latents import DataFormatError, LatentDataset, load_vae, vae_folder
+from data.latents import LatentDataset, vae_folder
 from data.loader import Collate, split_holdout
 from data.mixture import MixedDataset
 from data.shapes import MAX_CAPTION_WORDS, VOCABULARY, ShapesDataset
 from errors import ConfigError, InputError
+from formats import DTYPES
 from models.diffusers_io import CheckpointFormatError, WeightReader, read_config
 from models.lora import apply_lora
 from models.mmdit import MMDiT, MMDiTConfig
@@ -24,7 +25,7 @@ from models.quantized import QuantizedLinear, dequantize, quantize, quantize_lin
 from models.rectified_flow import training_sigmas
 from models.sd3_text import SD3TextEncoders, SD3Tokenizers, check_pipeline
 from models.text_encoder import TextToImage, TinyTextEncoder, WordTokenizer
-from perf.precision import DTYPES
+from models.vae import load_vae
 from runtime.distributed import World
 from runtime.validation import HeldOutLoss, PromptImages, Validation
 
@@ -141,9 +142,10 @@ def build_trained_model(cfg: DictConfig, dataset, tokenizer: WordTokenizer | SD3
         model = apply_lora(build_model(cfg, dataset, tokenizer), cfg.lora)
     if cfg.lora.enabled and cfg.lora.base_quantization != "none":
         quantize_linears(model.transformer, cfg.lora.base_quantization)
-    compute = DTYPES.get(cfg.training.dtype)
+    compute = DTYPES[cfg.training.dtype]
     for p in model.parameters():
-        if compute is not None and not p.requires_grad and p.dtype == torch.float32:  # not the scales of codes
+        frozen_fp32 = not p.requires_grad and p.dtype == torch.float32  # not the scales of quantized codes
+        if frozen_fp32 and compute != torch.float32:
             p.data = torch.empty_like(p, dtype=compute)
     if isinstance(model.text_encoder, SD3TextEncoders):
         try:
@@ -278,20 +280,19 @@ def prompt_images(cfg: DictConfig, dataset, captions, text, uncond, decode, scor
 
 def latent_decoder(cfg: DictConfig, dataset, world: World, device: torch.device):
     """Latents -> images through the dataset's VAE, one at a time (a 1024-px decode holds gigabytes of
-    activations), on rank 0 only (the others never decode)."""
+    activations), on rank 0 only (the others never decode), undoing the scale and shift the dataset
+    recorded."""
+    recorded = {k: v for k, v in dataset.index.get("vae", {}).items()
+                if k in ("scaling_factor", "shift_factor")}
     try:
         folder = vae_folder(dataset, cfg.validation.vae_from)
-        vae = load_vae(folder, device, DTYPES.get(cfg.training.dtype, torch.float32)) if world.is_main else None
-    except DataFormatError as e:
+        vae = load_vae(folder, device, DTYPES[cfg.training.dtype], **recorded) if world.is_main else None
+    except InputError as e:
         raise ConfigError(str(e)) from None
-    recorded = dataset.index.get("vae", {})
-    scaling = recorded.get("scaling_factor", getattr(vae.config, "scaling_factor", 1.0) if vae else 1.0)
-    shift = recorded.get("shift_factor", getattr(vae.config, "shift_factor", 0.0) if vae else 0.0) or 0.0
+    log.info("latents decoded by the VAE in %s", folder)
 
-    @torch.no_grad()
     def decode(latents: torch.Tensor) -> torch.Tensor:
-        x = latents[None].to(device, vae.dtype) / scaling + shift
-        return to_unit(vae.decode(x).sample[0].float()).cpu()
+        return to_unit(vae.decode(latents[None])[0].float()).cpu()
     return decode
 
 

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from configs.schema import load_config
 from errors import ConfigError
+from formats import check_format
 
 log = logging.getLogger("mmdit")
 RUN_FORMAT = 2  # run.json's "format"; directories of format 1 (before run.json) are refused
@@ -46,11 +47,9 @@ def prepare_run_dir(cfg: DictConfig, world_size: int) -> Path:
 
 def check_same_run(run_dir: Path, cfg: DictConfig, world_size: int) -> None:
     info = json.loads((run_dir / RUN_INFO).read_text()) if (run_dir / RUN_INFO).is_file() else {}
-    if info.get("format") != RUN_FORMAT:
-        raise ConfigError(f"{run_dir} was written by an earlier version of this trainer (run format "
-                          f"{info.get('format', 1)}; this version resumes format {RUN_FORMAT}); nothing was changed. "
-                          f"Train into a new logging.output_dir, or finish this run with the version that started "
-                          f"it")
+    check_format(info, RUN_FORMAT, f"the run directory {run_dir}", "this trainer",
+                 "nothing was changed. Train into a new logging.output_dir, or finish this run with the "
+                 "version that started it", ConfigError)
     try:
         old = load_config(run_dir / "config.yaml", resolve=False)
     except ConfigError as e:

@@ -3,7 +3,7 @@ an index that opens in constant memory.
 
 A dataset directory (written by precompute_latents.py) holds
 - shards, each a safetensors file with
-      latents               [N, C, h, w]  VAE latents, already shifted and scaled for the MMDiT
+      latents               [N, C, h, w]  VAE latents, shifted and scaled for the MMDiT (models/vae.py)
       latents_flipped       [N, C, h, w]  optional (--random-flip): the latents of the image mirrored left-right
       prompt_embeds         [N, L, J]     text-token embeddings (SD3: CLIP-L ++ CLIP-G, padded, then T5)
       pooled_prompt_embeds  [N, P]        pooled text embeddings
@@ -25,7 +25,6 @@ Opening a dataset checks every shard's byte size against dataset.json, so a dama
 before a run directory is touched; each shard's header is checked when a loader first reads it.
 """
 
-import hashlib
 import json
 import logging
 from functools import cached_property
@@ -37,6 +36,7 @@ import torch
 from safetensors import safe_open
 
 from errors import InputError
+from formats import check_format, sha256
 
 FORMAT = 2  # dataset.json's "format"
 INDEX = "dataset.json"
@@ -50,11 +50,6 @@ log = logging.getLogger("mmdit")
 
 class DataFormatError(InputError):
     pass
-
-
-def sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def shard_record(directory: Path, file: str, count: int, latent_size) -> dict:
@@ -113,9 +108,8 @@ def read_index(directory: Path) -> dict:
         record["shards"]
     except (ValueError, KeyError, TypeError) as e:
         raise DataFormatError(f"{directory / INDEX} is not a dataset index ({type(e).__name__}: {e})") from None
-    if record.get("format") != FORMAT:
-        raise DataFormatError(f"{directory} was written by an earlier version of precompute_latents.py (format "
-                              f"{record.get('format', 1)}; this version reads {FORMAT}): rerun it into a new --out")
+    check_format(record, FORMAT, f"the dataset {directory}", "precompute_latents.py",
+                 "rerun it into a new --out", DataFormatError)
     return record
 
 
@@ -290,16 +284,3 @@ def vae_folder(dataset: "LatentDataset", override: str | None) -> Path:
                               f"validation.vae_from to the SD3 pipeline (or its vae/ folder) that encoded the data")
     return folder
 
-
-def load_vae(folder: Path, device: torch.device, dtype: torch.dtype):
-    """A diffusers AutoencoderKL, in eval mode on `device`."""
-    try:
-        from diffusers import AutoencoderKL
-    except ImportError:
-        raise DataFormatError("decoding latents needs diffusers: pip install -e '.[finetune]'") from None
-    try:
-        vae = AutoencoderKL.from_pretrained(folder, torch_dtype=dtype)
-    except (OSError, ValueError) as e:
-        raise DataFormatError(f"the VAE in {folder} does not load: {e}") from None
-    log.info("latents decoded by the VAE in %s", folder)
-    return vae.to(device).eval()

@@ -21,9 +21,6 @@ class SampleNoise:
     sigma_uniform: torch.Tensor  # [B] U(0,1) draws for uniform sigma sampling
     dropout_uniform: torch.Tensor  # [B] U(0,1) draws for caption dropout
 
-    def to(self, device: torch.device) -> "SampleNoise":
-        return SampleNoise(*(t.to(device, non_blocking=True) for t in vars(self).values()))
-
 
 # Streams other than training steps use negative "step" keys, so no two uses share a generator.
 DATA_STREAM, ORDER_STREAM, SAMPLING_STREAM, FLIP_STREAM, HOLDOUT_STREAM, VALIDATION_STREAM, INIT_STREAM = range(-1, -8, -1)

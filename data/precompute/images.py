@@ -78,11 +78,6 @@ def latent_weights(masks: torch.Tensor, latent_size: tuple[int, int]) -> torch.T
     return torch.nn.functional.adaptive_avg_pool2d(masks.float() / 255, latent_size)
 
 
-def load_image(path: Path, size: tuple[int, int]) -> torch.Tensor:
-    """[3, H, W] in [-1, 1], as precompute feeds it to the VAE."""
-    return to_unit_range(resize_crop(open_image(path), size))
-
-
 def to_unit_range(pixels: torch.Tensor) -> torch.Tensor:
     return pixels.float() / 127.5 - 1
 

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import torch
 
-from data.latents import publish_json, sha256, shard_record
+from data.latents import publish_json, shard_record
 from data.precompute.encoders import SD3Encoders
 from data.precompute.images import aspect_buckets, latent_weights, ordered_map, prepare
 from data.precompute.inputs import Unit
+from formats import DTYPES, sha256
 from models.diffusers_io import save_safetensors
 
 log = logging.getLogger("mmdit")
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 REPORTS, PROGRESS = "reports", ".progress"
 
 
