@@ -7,7 +7,6 @@ import json
 import logging
 import tarfile
 
-import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
