@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from errors import InputError
+from formats import DTYPES
 from models.diffusers_io import (CheckpointFormatError, check_state_dict, export_diffusers_lora,
                                  export_diffusers_transformer)
 from models.lora import TEXT_ENCODER_PARTS
@@ -25,7 +26,6 @@ from models.mmdit import MMDiT, MMDiTConfig
 from perf.checkpoint import find_checkpoint, read_checkpoint
 
 log = logging.getLogger("mmdit")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PREFIX = "transformer."  # the MMDiT's place in the trained TextToImage module
 
 

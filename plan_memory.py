@@ -28,7 +28,7 @@ from models.lora import apply_lora
 from models.quantized import quantize_linears
 from runtime.memory_plan import GIB, cheapest_checkpointing, count_model, plan
 
-# The released transformers' sizes (../shared/reference/sd3-mmdit-facts.md); text from CLIP-L + CLIP-G + T5
+# The released transformers' sizes (docs/sd3-architecture.md); text from CLIP-L + CLIP-G + T5
 RELEASED = {
     "sd3-medium": {"num_layers": 24, "num_attention_heads": 24, "attention_head_dim": 64, "patch_size": 2,
                    "sample_size": 128, "pos_embed_max_size": 192, "qk_norm": None, "dual_attention_layers": []},

@@ -19,6 +19,11 @@ Inputs:
   A bad sample (corrupt image, no caption, unsupported format) is skipped, counted and named in its shard's
   report; past --max-bad-fraction of all samples the job fails, because then the input is wrong, not noisy.
 
+Loss masks (white = train): `NAME.mask.png` beside an image of a folder or manifest, `KEY.mask.png` in a shard,
+else a PNG's or WebP's alpha channel unless it is opaque everywhere; cropped with the image and averaged over
+each latent element's pixels into `loss_mask` weights stored with the latents (data.use_masks). An image whose
+mask is black over its whole crop is skipped as bad ("empty mask").
+
 The latents are the VAE posterior mean, shifted and scaled as the pipeline expects; the text embeddings are what
 `StableDiffusion3Pipeline.encode_prompt` gives (models/sd3_text.py), or, with --text-embeddings none, not
 stored: training encodes the captions itself (data.text_encoding=on_the_fly), and a sample costs its latents
@@ -50,9 +55,10 @@ from data.precompute.inputs import (PrecomputeError, Unit, check_items, fingerpr
                                     vae_downsampling)
 from data.precompute.job import INPUT_NAMES, check_output_directory, precompute, start_output_directory
 from data.precompute.ranks import Ranks
-from data.precompute.units import DTYPES, REPORTS
+from data.precompute.units import REPORTS
 from data.webdataset import ShardError, expand_shards
 from errors import InputError
+from formats import DTYPES
 from runtime.distributed import stop_together
 from runtime.preemption import mark_exit
 

@@ -127,7 +127,7 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
     batches = step_batches(dataset, build_collate(cfg, dataset, tokenizer), items, batch_size, training.seed,
                            world.rank, world.world_size, start_step, training.max_steps, device, data.num_workers,
                            data.pin_memory, data.prefetch_factor)
-    timer, sigma_losses = StepTimer(device), SigmaBuckets(device)
+    timer, sigma_losses = StepTimer(device), SigmaBuckets(device, datasets=getattr(dataset, "names", ()))
     profiler = build_profiler(cfg.profiler, run_dir / "tensorboard", world.rank, device)
     with RunLogger(run_dir, cfg, world.is_main, start_step) as logger, PreemptionHandler(cfg.parallel.timeout_s) \
             as preemption, profiler:
@@ -183,9 +183,11 @@ def forward_backward(model, batch: dict, cfg: DictConfig, scaler, sigma_losses: 
                      reduce: bool = True) -> torch.Tensor:
     """Loss and gradients of this rank's share of one optimizer step, in micro-batches.
 
-    Each sample's loss is divided by the rank's sample count, so gradients are a plain mean over the
-    rank's samples whatever the micro-batch split. The last micro-step reduces the gradients over ranks as
-    the strategy does (perf/parallel.py), unless `reduce` is off (the batch sizer then reduces them itself)."""
+    Each sample's loss (its masked mean where the data has loss masks: models/rectified_flow.py) is multiplied
+    by its dataset's loss weight (1 unless a mixture sets one) and divided by the rank's sample count, so
+    gradients are a weighted mean over the rank's samples whatever the micro-batch split. The last micro-step
+    reduces the gradients over ranks as the strategy does (perf/parallel.py), unless `reduce` is off (the batch
+    sizer then reduces them itself)."""
     # ops that draw from the global RNG (LoRA dropout) then replay the same after a resume or an OOM retry
     torch.manual_seed(sample_key(cfg.training.seed, batch["step"], f"global-rng/{batch['first_position']}"))
     samples = len(batch["latents"])
@@ -196,11 +198,11 @@ def forward_backward(model, batch: dict, cfg: DictConfig, scaler, sigma_losses: 
         with sync_gradients(model, last_micro_step=reduce and i == len(parts) - 1):
             with autocast(x0.device, cfg.training.dtype):
                 v_pred = model(interpolate(x0, noise, sigma), sigma, part["text"])
-            losses = per_sample_loss(v_pred, x0, noise)
-            loss = losses.sum() / samples
+            losses = per_sample_loss(v_pred, x0, noise, part.get("loss_mask"))
+            loss = (losses * part.get("loss_weight", 1.0)).sum() / samples
             scaler.scale(loss * cfg.loss.loss_scale).backward()
         total += loss.detach()
-        sigma_losses.add(sigma, losses)
+        sigma_losses.add(sigma, losses, part.get("source"))
     return total
 
 

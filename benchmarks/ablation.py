@@ -37,12 +37,13 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from formats import DTYPES  # noqa: E402
 from models.attention import math_attention, sdpa_attention, use_attention  # noqa: E402
 from models.mmdit import MMDiT, MMDiTConfig  # noqa: E402
 from optim.adamw import build_adamw  # noqa: E402
 from perf.activation_checkpointing import apply_activation_checkpointing  # noqa: E402
 from perf.compile import apply_compile  # noqa: E402
-from perf.precision import DTYPES, autocast  # noqa: E402
+from perf.precision import autocast  # noqa: E402
 
 SIZES = {
     # the default shapes model of configs/shapes.yaml, at its batch size
@@ -145,7 +146,7 @@ def sync(device: torch.device) -> None:
 
 def matmul_flops(device: torch.device, dtype: str, n: int = 2048, repeats: int = 10) -> float:
     """Large-matmul FLOP/s of this machine in the given precision."""
-    a, b = (torch.randn(n, n, device=device, dtype=DTYPES.get(dtype, torch.float32)) for _ in range(2))
+    a, b = (torch.randn(n, n, device=device, dtype=DTYPES[dtype]) for _ in range(2))
     for _ in range(3):
         a @ b
     sync(device)

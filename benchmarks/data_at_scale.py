@@ -5,8 +5,8 @@ SD3-medium 1024 px step needs on an H100.
 
 - bytes: datasets of SD3's shapes (16 latent channels, the VAE's /8, prompt_embeds [333, 4096], pooled [2048],
   fp16 as precompute stores them) written by precompute's own writer (`UnitWriter`, `write_index`) from a stand-in
-  encoder, with and without text embeddings, at 512 and 1024 px; bytes per sample = the files on disk
-  (shards, index, dataset.json) / samples.
+  encoder, with and without text embeddings, and without text embeddings but with a loss mask per image, at 512
+  and 1024 px; bytes per sample = the files on disk (shards, index, dataset.json) / samples.
 - open: a synthetic dataset of --shards shards x --per-shard items (tiny tensors, captions of about 60 bytes),
   opened in a fresh process by this checkout and by the checkout at --before (an earlier version, which reads
   every shard's header and keeps Python lists); wall time and the resident memory it adds.
@@ -62,7 +62,8 @@ class StandInEncoders:
         return {k: v.to(store) for k, v in rows.items()}
 
 
-def write_sd3_dataset(out: Path, resolution: int, text: bool, samples: int, shard_size: int = 64) -> Path:
+def write_sd3_dataset(out: Path, resolution: int, text: bool, samples: int, shard_size: int = 64,
+                      masks: bool = False) -> Path:
     """A dataset as precompute writes it, through its writer, with stand-in encodings."""
     from data.latents import EMPTY_PROMPT, write_index
     from data.precompute.units import UnitWriter
@@ -71,8 +72,9 @@ def write_sd3_dataset(out: Path, resolution: int, text: bool, samples: int, shar
     settings = {"batch_size": 8, "shard_size": shard_size, "random_flip": False, "dtype": "fp16"}
     writer = UnitWriter(0, StandInEncoders(text), settings, out, lambda images: None)
     pixels = torch.zeros(3, resolution, resolution, dtype=torch.uint8)
+    mask = torch.full((1, resolution, resolution), 255, dtype=torch.uint8) if masks else None
     for caption in captions(samples, resolution):
-        writer.add((resolution, resolution), pixels, caption)
+        writer.add((resolution, resolution), pixels, caption, mask)
     writer.finish()
     if text:
         save_safetensors({"prompt_embeds": torch.zeros(1, SD3["tokens"], SD3["joint"], dtype=torch.float16),
@@ -81,7 +83,7 @@ def write_sd3_dataset(out: Path, resolution: int, text: bool, samples: int, shar
     write_index(out, writer.shards, writer.captions,
                 {"channels": SD3["channels"], "text_embeddings": text, "text_tokens": SD3["tokens"],
                  "text_dims": [SD3["joint"], SD3["pooled"]], "max_sequence_length": SD3["t5_tokens"],
-                 "flipped": False, "model": None})
+                 "flipped": False, "model": None, "masks": masks})
     return out
 
 
@@ -92,14 +94,16 @@ def disk_bytes(directory: Path) -> int:
 def bytes_per_sample(work: Path, samples: int) -> list[dict]:
     rows = []
     for resolution in (512, 1024):
-        for text in (True, False):
-            data = write_sd3_dataset(work / f"bytes-{resolution}-{text}", resolution, text, samples)
+        for text, masks in ((True, False), (False, False), (False, True)):
+            data = write_sd3_dataset(work / f"bytes-{resolution}-{text}-{masks}", resolution, text, samples,
+                                     masks=masks)
             total = disk_bytes(data)
             rows.append({"resolution": resolution, "text_embeddings": "precomputed" if text else "none (on_the_fly)",
-                         "samples": samples, "bytes_per_sample": total / samples,
+                         "masks": masks, "samples": samples, "bytes_per_sample": total / samples,
                          "index_bytes_per_sample": disk_bytes(data / "index") / samples})
-            print(f"{resolution:>5} px  {rows[-1]['text_embeddings']:<18} {total / samples / 1e6:8.3f} MB/sample "
-                  f"(index {rows[-1]['index_bytes_per_sample']:.0f} B)", flush=True)
+            print(f"{resolution:>5} px  {rows[-1]['text_embeddings']:<18}{' + masks' if masks else ''} "
+                  f"{total / samples / 1e6:8.3f} MB/sample (index {rows[-1]['index_bytes_per_sample']:.0f} B)",
+                  flush=True)
     return rows
 
 

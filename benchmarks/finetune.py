@@ -44,20 +44,25 @@ def build(layers: int, heads: int, lora_rank: int) -> TextToImage:
 
 
 class Mode:
-    def __init__(self, name: str, layers: int, heads: int, lora_rank: int):
-        self.name = name
-        self.model = build(layers, heads, lora_rank)
-        self.trained = [p for p in self.model.parameters() if p.requires_grad]
+    """A model's training step (forward + backward + AdamW + EMA), timed, and the training state it keeps
+    (benchmarks/lora_variants.py's modes are these with their own text input)."""
+
+    def __init__(self, name: str, model: TextToImage):
+        self.name, self.model = name, model
+        self.trained = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.trained, lr=1e-5, fused=True)
-        self.ema = EMA(self.model, 0.999)
+        self.ema = EMA(model, 0.999)
         self.times = []
 
-    def step(self, batch: tuple, step: int) -> float:
+    def loss(self, batch: tuple) -> torch.Tensor:
         x, context, pooled, sigma, noise = batch
+        x_t = x * (1 - sigma[:, None, None, None]) + noise * sigma[:, None, None, None]
+        v = self.model(x_t, sigma, {"prompt_embeds": context, "pooled_prompt_embeds": pooled})
+        return per_sample_loss(v, x, noise).mean()
+
+    def step(self, batch: tuple, step: int) -> float:
         start = time.perf_counter()
-        v = self.model(x * (1 - sigma[:, None, None, None]) + noise * sigma[:, None, None, None], sigma,
-                       {"prompt_embeds": context, "pooled_prompt_embeds": pooled})
-        per_sample_loss(v, x, noise).mean().backward()
+        self.loss(batch).backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=False)
         self.ema.update(step)
@@ -87,7 +92,8 @@ def main() -> None:
     batch = (torch.randn(args.batch, 16, args.latent, args.latent, generator=gen),
              torch.randn(args.batch, TEXT_TOKENS, JOINT, generator=gen), torch.randn(args.batch, POOLED, generator=gen),
              torch.rand(args.batch, generator=gen), torch.randn(args.batch, 16, args.latent, args.latent, generator=gen))
-    modes = [Mode("full", args.layers, args.heads, 0), Mode(f"lora r{args.rank}", args.layers, args.heads, args.rank)]
+    modes = [Mode("full", build(args.layers, args.heads, 0)),
+             Mode(f"lora r{args.rank}", build(args.layers, args.heads, args.rank))]
     for mode in modes:
         mode.step(batch, 0)  # warm-up: allocator, optimizer state
     for _ in range(args.rounds):

@@ -18,19 +18,18 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.finetune import Mode as FinetuneMode  # noqa: E402
 from models.lora import DIFFUSERS_SD3_TARGETS, apply_lora  # noqa: E402
 from models.mmdit import MMDiT, MMDiTConfig  # noqa: E402
 from models.rectified_flow import per_sample_loss  # noqa: E402
 from models.sd3_text import SD3TextEncoders  # noqa: E402
 from models.text_encoder import TextToImage  # noqa: E402
-from optim.ema import EMA  # noqa: E402
 
 CLIP_TOKENS, VOCAB = 77, 1000
 MODES = {"lora": {}, "dora": {"use_dora": True}, "rslora": {"use_rslora": True},
@@ -68,27 +67,14 @@ def build(args, folder: Path, mode: dict) -> TextToImage:
     return apply_lora(model, lora)
 
 
-class Mode:
-    def __init__(self, name: str, model: TextToImage):
-        self.name, self.model = name, model
-        self.trained = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.trained, lr=1e-5, fused=True)
-        self.ema = EMA(model, 0.999)
-        self.times = []
+class Mode(FinetuneMode):
+    """A step of benchmarks/finetune.py's, its text given as CLIP token ids (encoded in the step)."""
 
     def loss(self, batch: tuple) -> torch.Tensor:
         x, ids_l, ids_g, sigma, noise = batch
         x_t = x * (1 - sigma[:, None, None, None]) + noise * sigma[:, None, None, None]
         v = self.model(x_t, sigma, {"clip_l_ids": ids_l, "clip_g_ids": ids_g})
         return per_sample_loss(v, x, noise).mean()
-
-    def step(self, batch: tuple, step: int) -> float:
-        start = time.perf_counter()
-        self.loss(batch).backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=False)
-        self.ema.update(step)
-        return time.perf_counter() - start
 
     def activation_bytes(self, batch: tuple) -> int:
         frozen = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
@@ -104,13 +90,6 @@ class Mode:
         loss.backward()
         self.optimizer.zero_grad(set_to_none=False)
         return sum(seen.values())
-
-    def state_bytes(self) -> dict[str, int]:
-        moments = sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
-                      for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
-        grads = sum(p.numel() * p.element_size() for p in self.trained)
-        ema = sum(t.numel() * t.element_size() for t in self.ema.state_dict().values())
-        return {"gradients": grads, "adam_moments": moments, "ema": ema}
 
 
 def main() -> None:

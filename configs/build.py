@@ -7,14 +7,17 @@ import logging
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import torch
 from omegaconf import DictConfig
 
 from data.images import to_unit
-from data.latents import DataFormatError, LatentDataset, load_vae, vae_folder
+from data.latents import LatentDataset, vae_folder
 from data.loader import Collate, split_holdout
+from data.mixture import MixedDataset
 from data.shapes import MAX_CAPTION_WORDS, VOCABULARY, ShapesDataset
-from errors import ConfigError
+from errors import ConfigError, InputError
+from formats import DTYPES
 from models.diffusers_io import CheckpointFormatError, WeightReader, read_config
 from models.lora import apply_lora
 from models.mmdit import MMDiT, MMDiTConfig
@@ -22,7 +25,7 @@ from models.quantized import QuantizedLinear, dequantize, quantize, quantize_lin
 from models.rectified_flow import training_sigmas
 from models.sd3_text import SD3TextEncoders, SD3Tokenizers, check_pipeline
 from models.text_encoder import TextToImage, TinyTextEncoder, WordTokenizer
-from perf.precision import DTYPES
+from models.vae import load_vae
 from runtime.distributed import World
 from runtime.validation import HeldOutLoss, PromptImages, Validation
 
@@ -57,15 +60,36 @@ def build_data(cfg: DictConfig) -> tuple[torch.utils.data.Dataset, WordTokenizer
     precomputed embeddings."""
     if cfg.data.name == "shapes":
         return ShapesDataset(cfg.data.num_items, cfg.training.seed), build_tokenizer()
-    if not cfg.data.path:
+    if not cfg.data.path and not cfg.data.datasets:
         raise ConfigError("data.name=latents needs data.path, a directory written by "
-                          "python precompute_latents.py")
+                          "python precompute_latents.py (or data.datasets, several of them)")
     on_the_fly = cfg.data.text_encoding == "on_the_fly"
+    paths = [entry.path for entry in cfg.data.datasets] or [cfg.data.path]
     try:
-        dataset = LatentDataset(cfg.data.path, cfg.data.aspect_buckets, text_embeddings=not on_the_fly)
-    except DataFormatError as e:
+        datasets = [open_latents(cfg, path, not on_the_fly) for path in paths]
+        dataset = (MixedDataset(datasets, dataset_names(paths), [e.weight for e in cfg.data.datasets])
+                   if cfg.data.datasets else datasets[0])
+    except InputError as e:
         raise ConfigError(str(e)) from None
+    if len(dataset.latent_sizes) > 1 and not cfg.data.aspect_buckets:  # a batch is of one size
+        raise ConfigError(f"data.datasets hold latents of {len(dataset.latent_sizes)} sizes {dataset.latent_sizes}; "
+                          f"set data.aspect_buckets=true to train on several sizes")
     return dataset, sd3_tokenizers(cfg, dataset) if on_the_fly else None
+
+
+def open_latents(cfg: DictConfig, path: str, text_embeddings: bool) -> LatentDataset:
+    """A latent dataset, with loss masks as data.use_masks says (auto: where it has them)."""
+    masks = {"auto": None, "true": True, "false": False}[cfg.data.use_masks]
+    dataset = LatentDataset(path, cfg.data.aspect_buckets, text_embeddings, masks)
+    if masks is None and dataset.masks:
+        log.info("%s has loss masks: the loss is weighted by them (data.use_masks=false to ignore them)", path)
+    return dataset
+
+
+def dataset_names(paths: list[str]) -> list[str]:
+    """The datasets' names in metrics: their folder names, numbered where two are the same."""
+    names = [Path(p).name for p in paths]
+    return [f"{n}.{i}" if names.count(n) > 1 else n for i, n in enumerate(names)]
 
 
 def sd3_tokenizers(cfg: DictConfig, dataset: LatentDataset) -> SD3Tokenizers:
@@ -81,12 +105,18 @@ def sd3_tokenizers(cfg: DictConfig, dataset: LatentDataset) -> SD3Tokenizers:
     return SD3Tokenizers(Path(folder), dataset.index["max_sequence_length"])
 
 
-def holdout_split(cfg: DictConfig, dataset) -> tuple[list[int], list[int]]:
-    """(training items, held-out items) of `data.holdout`."""
-    try:
-        return split_holdout(len(dataset), cfg.data.holdout, cfg.training.seed)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+def holdout_split(cfg: DictConfig, dataset) -> tuple[np.ndarray, list[int]]:
+    """(training items, held-out items) of `data.holdout`: in a mixture, data.holdout items of each dataset."""
+    parts = list(zip(dataset.datasets, dataset.offsets)) if isinstance(dataset, MixedDataset) else [(dataset, 0)]
+    items, held = [], []
+    for number, (part, offset) in enumerate(parts):
+        try:
+            kept, out = split_holdout(len(part), cfg.data.holdout, cfg.training.seed, number)
+        except ValueError as e:
+            raise ConfigError(f"{e}{f' ({part.directory})' if len(parts) > 1 else ''}") from None
+        items.append(kept + offset)
+        held += [int(i + offset) for i in out]
+    return (items[0] if len(items) == 1 else np.concatenate(items)), held
 
 
 def build_model(cfg: DictConfig, dataset, tokenizer: WordTokenizer | SD3Tokenizers | None = None) -> TextToImage:
@@ -112,9 +142,10 @@ def build_trained_model(cfg: DictConfig, dataset, tokenizer: WordTokenizer | SD3
         model = apply_lora(build_model(cfg, dataset, tokenizer), cfg.lora)
     if cfg.lora.enabled and cfg.lora.base_quantization != "none":
         quantize_linears(model.transformer, cfg.lora.base_quantization)
-    compute = DTYPES.get(cfg.training.dtype)
+    compute = DTYPES[cfg.training.dtype]
     for p in model.parameters():
-        if compute is not None and not p.requires_grad and p.dtype == torch.float32:  # not the scales of codes
+        frozen_fp32 = not p.requires_grad and p.dtype == torch.float32  # not the scales of quantized codes
+        if frozen_fp32 and compute != torch.float32:
             p.data = torch.empty_like(p, dtype=compute)
     if isinstance(model.text_encoder, SD3TextEncoders):
         try:
@@ -199,7 +230,11 @@ def build_collate(cfg: DictConfig, dataset, tokenizer: WordTokenizer | None) -> 
     flow = cfg.flow
     sigmas = partial(training_sigmas, sampling=flow.sigma_sampling, logit_mean=flow.logit_mean,
                      logit_std=flow.logit_std, shift=flow.shift, mode_scale=flow.mode_scale)
-    return Collate(cfg.training.seed, sigmas, cfg.data.caption_dropout, tokenizer, getattr(dataset, "empty_prompt", None))
+    entries = cfg.data.datasets or [None]
+    dropout = [cfg.data.caption_dropout if e is None or e.caption_dropout is None else e.caption_dropout
+               for e in entries]
+    return Collate(cfg.training.seed, sigmas, dropout, tokenizer, getattr(dataset, "empty_prompt", None),
+                   [1.0 if e is None else e.loss_weight for e in entries])
 
 
 def build_validation(cfg: DictConfig, dataset, tokenizer: WordTokenizer | SD3Tokenizers | None, holdout: list[int],
@@ -225,12 +260,16 @@ def build_validation(cfg: DictConfig, dataset, tokenizer: WordTokenizer | SD3Tok
                                None, list(range(len(captions))))
     elif on:
         log.warning("%s holds no validation prompts (precompute_latents.py --validation-prompts FILE): no "
-                    "validation images", cfg.data.path)
-    loss = None
+                    "validation images", cfg.data.path or "no dataset of data.datasets")
+    losses = []
     if on and holdout:
-        loss = HeldOutLoss(dataset, holdout, partial(item_text, tokenizer), v.loss_sigmas, cfg.training.seed,
-                           cfg.training.dtype)
-    return Validation(v.every, cfg.training.max_steps, images, loss, world, device)
+        groups = [("val/", holdout)]
+        if isinstance(dataset, MixedDataset):
+            groups = [(f"val/{name}/", [i for i in holdout if dataset.sources(i) == d])
+                      for d, name in enumerate(dataset.names)]
+        losses = [HeldOutLoss(dataset, items, partial(item_text, tokenizer), v.loss_sigmas, cfg.training.seed,
+                              cfg.training.dtype, prefix) for prefix, items in groups]
+    return Validation(v.every, cfg.training.max_steps, images, losses, world, device)
 
 
 def prompt_images(cfg: DictConfig, dataset, captions, text, uncond, decode, score, shown) -> PromptImages:
@@ -241,20 +280,19 @@ def prompt_images(cfg: DictConfig, dataset, captions, text, uncond, decode, scor
 
 def latent_decoder(cfg: DictConfig, dataset, world: World, device: torch.device):
     """Latents -> images through the dataset's VAE, one at a time (a 1024-px decode holds gigabytes of
-    activations), on rank 0 only (the others never decode)."""
+    activations), on rank 0 only (the others never decode), undoing the scale and shift the dataset
+    recorded."""
+    recorded = {k: v for k, v in dataset.index.get("vae", {}).items()
+                if k in ("scaling_factor", "shift_factor")}
     try:
         folder = vae_folder(dataset, cfg.validation.vae_from)
-        vae = load_vae(folder, device, DTYPES.get(cfg.training.dtype, torch.float32)) if world.is_main else None
-    except DataFormatError as e:
+        vae = load_vae(folder, device, DTYPES[cfg.training.dtype], **recorded) if world.is_main else None
+    except InputError as e:
         raise ConfigError(str(e)) from None
-    recorded = dataset.index.get("vae", {})
-    scaling = recorded.get("scaling_factor", getattr(vae.config, "scaling_factor", 1.0) if vae else 1.0)
-    shift = recorded.get("shift_factor", getattr(vae.config, "shift_factor", 0.0) if vae else 0.0) or 0.0
+    log.info("latents decoded by the VAE in %s", folder)
 
-    @torch.no_grad()
     def decode(latents: torch.Tensor) -> torch.Tensor:
-        x = latents[None].to(device, vae.dtype) / scaling + shift
-        return to_unit(vae.decode(x).sample[0].float()).cpu()
+        return to_unit(vae.decode(latents[None])[0].float()).cpu()
     return decode
 
 

@@ -11,17 +11,18 @@ import json
 import logging
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from configs.schema import load_config
 from errors import ConfigError
+from formats import check_format
 
 log = logging.getLogger("mmdit")
 RUN_FORMAT = 2  # run.json's "format"; directories of format 1 (before run.json) are refused
 RUN_INFO = "run.json"
 # What an existing run directory's checkpoints and data position mean; a resume must not change them.
-RUN_IDENTITY_KEYS = ("model", "text_encoder", "lora", "data.name", "data.path", "data.aspect_buckets",
-                     "data.text_encoding", "data.num_items", "data.holdout", "training.seed")
+RUN_IDENTITY_KEYS = ("model", "text_encoder", "lora", "data.name", "data.path", "data.datasets", "data.use_masks",
+                     "data.aspect_buckets", "data.text_encoding", "data.num_items", "data.holdout", "training.seed")
 
 
 def global_batch(cfg: DictConfig, world_size: int = 1) -> int:
@@ -46,11 +47,9 @@ def prepare_run_dir(cfg: DictConfig, world_size: int) -> Path:
 
 def check_same_run(run_dir: Path, cfg: DictConfig, world_size: int) -> None:
     info = json.loads((run_dir / RUN_INFO).read_text()) if (run_dir / RUN_INFO).is_file() else {}
-    if info.get("format") != RUN_FORMAT:
-        raise ConfigError(f"{run_dir} was written by an earlier version of this trainer (run format "
-                          f"{info.get('format', 1)}; this version resumes format {RUN_FORMAT}); nothing was changed. "
-                          f"Train into a new logging.output_dir, or finish this run with the version that started "
-                          f"it")
+    check_format(info, RUN_FORMAT, f"the run directory {run_dir}", "this trainer",
+                 "nothing was changed. Train into a new logging.output_dir, or finish this run with the "
+                 "version that started it", ConfigError)
     try:
         old = load_config(run_dir / "config.yaml", resolve=False)
     except ConfigError as e:
@@ -72,6 +71,8 @@ def identity_part(cfg: DictConfig, key: str):
     """The part of the config under `key` that a resume must keep. Where full training's weights started does
     not count (checkpoints hold all weights); under LoRA it does (they hold only the adapters)."""
     value = OmegaConf.select(cfg, key)
+    if isinstance(value, ListConfig):
+        value = OmegaConf.to_container(value)
     if isinstance(value, DictConfig):
         value = OmegaConf.to_container(value)
         if not OmegaConf.select(cfg, "lora.enabled"):

@@ -89,6 +89,14 @@ class TextEncoderConfig:
 
 
 @dataclass
+class DatasetEntry:  # one dataset of data.datasets
+    path: Optional[str] = None  # a directory precompute_latents.py wrote
+    weight: float = 1.0  # its share of the samples drawn (weights are normalised over the entries)
+    caption_dropout: Optional[float] = None  # its own caption dropout; None: data.caption_dropout
+    loss_weight: float = 1.0  # multiplies its samples' losses (prior preservation's lambda): pull against fit
+
+
+@dataclass
 class DataConfig:
     name: Literal["shapes", "latents"] = "shapes"  # built-in captioned shapes, or precomputed latent shards
     path: Optional[str] = None  # latents: the directory precompute_latents.py wrote
@@ -103,11 +111,27 @@ class DataConfig:
     num_workers: int = -1  # loader processes; -1: 0 on CPU (both cores compute), 4 on CUDA (hide loading)
     pin_memory: bool = True  # CUDA only: page-locked batches so host-to-device copies overlap compute
     prefetch_factor: int = 2  # batches each worker prepares ahead (workers > 0): memory against stalls
+    # latents: several datasets mixed by weight (instead of data.path), e.g. a subject and its class images;
+    # each step's batch still depends on (seed, step, global batch) only
+    datasets: List[DatasetEntry] = field(default_factory=list)
+    # latents: weigh the loss by the images' masks (alpha or NAME.mask.png; white = train); auto: where the
+    # dataset has masks. A masked item costs its [1, h, w] weights on disk and in the batch
+    use_masks: str = "auto"
 
     def __post_init__(self):
         positive(self, "num_items", "prefetch_factor")
         non_negative(self, "holdout")
         fraction(self, "caption_dropout")
+        if self.use_masks not in ("auto", "true", "false"):
+            raise FieldError("use_masks", self.use_masks, "auto, true or false")
+        for i, entry in enumerate(self.datasets):
+            if not entry.path:
+                raise FieldError(f"datasets[{i}].path", entry.path, "a directory written by precompute_latents.py")
+            if not entry.weight > 0 or not entry.loss_weight >= 0:
+                raise FieldError(f"datasets[{i}].weight and loss_weight", (entry.weight, entry.loss_weight),
+                                 "> 0 and >= 0")
+            if entry.caption_dropout is not None and not 0 <= entry.caption_dropout < 1:
+                raise FieldError(f"datasets[{i}].caption_dropout", entry.caption_dropout, "in [0, 1), or null")
         if self.num_workers < -1:
             raise FieldError("num_workers", self.num_workers, ">= 0, or -1 for the device default")
 
@@ -399,6 +423,13 @@ def check_combinations(cfg: DictConfig) -> None:
     if lora.base_quantization != "none" and not lora.enabled:
         raise ConfigError(f"lora.base_quantization={lora.base_quantization} quantizes the frozen base of a LoRA run; "
                           f"set lora.enabled=true (a full fine-tune trains every weight in full precision)")
+    if cfg.data.datasets and (cfg.data.path or cfg.data.name != "latents"):
+        raise ConfigError("data.datasets lists the latent datasets of a run; data.path names the only one: give one "
+                          "of the two (and data.name=latents)" if cfg.data.path else
+                          "data.datasets lists latent datasets: set data.name=latents")
+    if cfg.data.use_masks == "true" and cfg.data.name != "latents":
+        raise ConfigError("data.use_masks=true weighs the loss by the masks of a latent dataset; the shapes data has "
+                          "none")
     if lora.text_encoders and not lora.enabled:
         raise ConfigError(f"lora.text_encoders={list(lora.text_encoders)} trains adapters of a LoRA run; set "
                           f"lora.enabled=true")
@@ -452,6 +483,8 @@ def load_config(path: str | Path = DEFAULT_CONFIG, overrides: list[str] = (), re
     if not isinstance(loaded, DictConfig):
         raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(loaded).__name__}")
     given = OmegaConf.merge(loaded, OmegaConf.from_dotlist(list(overrides)))
+    if OmegaConf.select(given, "data.datasets") and OmegaConf.is_missing(given.data, "path"):
+        given.data.path = None  # the shipped configs ask for data.path, which data.datasets replaces
     moved = [f"{old} is now {new}" for old, new in RENAMED.items() if OmegaConf.select(given, old) is not None]
     if resolve:  # a user's file or command line; a saved run config just takes the new value below
         moved += [f"{key}={old} is now {key}={new}" for (key, old), new in RENAMED_VALUES.items()
@@ -480,8 +513,10 @@ def load_config(path: str | Path = DEFAULT_CONFIG, overrides: list[str] = (), re
     if missing:
         raise ConfigError(f"{path} leaves {missing} to you (marked ???): set them on the command line, "
                           f"e.g. {missing[0]}=...")
+    cfg.data.use_masks = str(cfg.data.use_masks).lower()  # YAML reads true/false as booleans
     if resolve:
-        for key in PATH_KEYS:
+        keys = [*PATH_KEYS, *(f"data.datasets[{i}].path" for i in range(len(cfg.data.datasets)))]
+        for key in keys:
             if OmegaConf.select(cfg, key):
                 OmegaConf.update(cfg, key, str(Path(OmegaConf.select(cfg, key)).expanduser().absolute()))
         if cfg.model.init_from:

@@ -3,15 +3,17 @@ an index that opens in constant memory.
 
 A dataset directory (written by precompute_latents.py) holds
 - shards, each a safetensors file with
-      latents               [N, C, h, w]  VAE latents, already shifted and scaled for the MMDiT
+      latents               [N, C, h, w]  VAE latents, shifted and scaled for the MMDiT (models/vae.py)
       latents_flipped       [N, C, h, w]  optional (--random-flip): the latents of the image mirrored left-right
       prompt_embeds         [N, L, J]     text-token embeddings (SD3: CLIP-L ++ CLIP-G, padded, then T5)
       pooled_prompt_embeds  [N, P]        pooled text embeddings
+      loss_mask             [N, 1, h, w]  optional: per-latent-element loss weights in [0, 1] from the image's
+                                          mask (white = 1); shards without it belong to items without a mask
   (the two text fields are absent from datasets of `--text-embeddings none`, whose captions training encodes:
   data.text_encoding=on_the_fly), and the captions as a JSON list under the header key "captions";
 - `dataset.json`: the format, the shards in order with their item count, latent size, bytes and sha256 (what a
   published shard must still be), the fields' sizes, whether text embeddings are stored, the VAE and pipeline
-  that encoded it (and its T5 sequence length);
+  that encoded it (and its T5 sequence length), and whether any item has a loss mask (`masks`);
 - `index/`: the per-item table as arrays, memory-mapped when the dataset opens (no shard is read for it, and
   loader workers share the pages): each item's shard, row and latent-size bucket, and where its caption lies
   in `index/captions.bin`;
@@ -23,7 +25,6 @@ Opening a dataset checks every shard's byte size against dataset.json, so a dama
 before a run directory is touched; each shard's header is checked when a loader first reads it.
 """
 
-import hashlib
 import json
 import logging
 from functools import cached_property
@@ -35,6 +36,7 @@ import torch
 from safetensors import safe_open
 
 from errors import InputError
+from formats import check_format, sha256
 
 FORMAT = 2  # dataset.json's "format"
 INDEX = "dataset.json"
@@ -48,11 +50,6 @@ log = logging.getLogger("mmdit")
 
 class DataFormatError(InputError):
     pass
-
-
-def sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def shard_record(directory: Path, file: str, count: int, latent_size) -> dict:
@@ -111,9 +108,8 @@ def read_index(directory: Path) -> dict:
         record["shards"]
     except (ValueError, KeyError, TypeError) as e:
         raise DataFormatError(f"{directory / INDEX} is not a dataset index ({type(e).__name__}: {e})") from None
-    if record.get("format") != FORMAT:
-        raise DataFormatError(f"{directory} was written by an earlier version of precompute_latents.py (format "
-                              f"{record.get('format', 1)}; this version reads {FORMAT}): rerun it into a new --out")
+    check_format(record, FORMAT, f"the dataset {directory}", "precompute_latents.py",
+                 "rerun it into a new --out", DataFormatError)
     return record
 
 
@@ -133,9 +129,11 @@ def check_shards(directory: Path, shards: list[dict]) -> None:
 
 class LatentDataset(torch.utils.data.Dataset):
     """Items: `latents` (float32), `caption`, and `prompt_embeds` / `pooled_prompt_embeds` (float32) with
-    `text_embeddings` (the dataset must store them; without, training encodes the captions)."""
+    `text_embeddings` (the dataset must store them; without, training encodes the captions), and `loss_mask`
+    ([1, h, w] float32; all ones for an item without a mask) with `masks` (None: if the dataset has masks)."""
 
-    def __init__(self, directory: str | Path, aspect_buckets: bool = False, text_embeddings: bool = True):
+    def __init__(self, directory: str | Path, aspect_buckets: bool = False, text_embeddings: bool = True,
+                 masks: bool | None = False):
         self.directory = Path(directory)
         self.index = read_index(self.directory)
         check_shards(self.directory, self.index["shards"])
@@ -148,6 +146,11 @@ class LatentDataset(torch.utils.data.Dataset):
             raise DataFormatError(f"data.path={self.directory} stores captions without text embeddings "
                                   f"(precompute_latents.py --text-embeddings none): set data.text_encoding=on_the_fly")
         self.text_encoded = text_embeddings  # else the captions are encoded in the training step
+        self.has_masks = bool(self.index.get("masks"))
+        if masks and not self.has_masks:
+            raise DataFormatError(f"data.use_masks=true but {self.directory} has no loss masks (its images had no "
+                                  f"alpha channel and no NAME.mask.png beside them); set data.use_masks=auto or false")
+        self.masks = self.has_masks if masks is None else masks
         self.text_tokens, self.text_dims = self.index.get("text_tokens"), tuple(self.index.get("text_dims") or ())
         self.fields = ["latents", *(["latents_flipped"] if self.index["flipped"] else []),
                        *(TEXT_FIELDS if self.text_encoded else [])]
@@ -235,8 +238,9 @@ class LatentDataset(torch.utils.data.Dataset):
             (n, (h, w)), c = (record["count"], record["latent_size"]), self.latent_channels
             expected = {"latents": [n, c, h, w], "latents_flipped": [n, c, h, w],
                         "prompt_embeds": [n, self.text_tokens, *self.text_dims[:1]],
-                        "pooled_prompt_embeds": [n, *self.text_dims[1:]]}
-            expected = {field: expected[field] for field in self.fields}
+                        "pooled_prompt_embeds": [n, *self.text_dims[1:]], "loss_mask": [n, 1, h, w]}
+            fields = [*self.fields, *(["loss_mask"] if self.masks and record.get("masks") else [])]
+            expected = {field: expected[field] for field in fields}
             found = {field: (f.get_slice(field).get_shape() if field in f.keys() else "missing") for field in expected}
             wrong_type = [field for field in expected if field in f.keys()
                           and f.get_slice(field).get_dtype() not in ("F16", "BF16", "F32")]
@@ -254,6 +258,10 @@ class LatentDataset(torch.utils.data.Dataset):
         shard, row = int(self.shard_of[index]), int(self.row_of[index])
         f = self.handle(shard)
         item = {name: f.get_slice(name)[row : row + 1][0].float() for name in self.fields}
+        if self.masks:
+            masked = self.index["shards"][shard].get("masks")
+            item["loss_mask"] = (f.get_slice("loss_mask")[row : row + 1][0].float() if masked
+                                 else torch.ones_like(item["latents"][:1]))
         return {**item, "caption": self.caption(index)}
 
 
@@ -276,16 +284,3 @@ def vae_folder(dataset: "LatentDataset", override: str | None) -> Path:
                               f"validation.vae_from to the SD3 pipeline (or its vae/ folder) that encoded the data")
     return folder
 
-
-def load_vae(folder: Path, device: torch.device, dtype: torch.dtype):
-    """A diffusers AutoencoderKL, in eval mode on `device`."""
-    try:
-        from diffusers import AutoencoderKL
-    except ImportError:
-        raise DataFormatError("decoding latents needs diffusers: pip install -e '.[finetune]'") from None
-    try:
-        vae = AutoencoderKL.from_pretrained(folder, torch_dtype=dtype)
-    except (OSError, ValueError) as e:
-        raise DataFormatError(f"the VAE in {folder} does not load: {e}") from None
-    log.info("latents decoded by the VAE in %s", folder)
-    return vae.to(device).eval()

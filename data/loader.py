@@ -8,7 +8,9 @@ batch comes from one bucket: each epoch shuffles every bucket, cuts it into whol
 batches, all keyed by (seed, epoch) as well.
 
 The training items are the dataset less a held-out set (`split_holdout`), itself a permutation keyed by the
-seed. Datasets that store mirrored latents (`latents_flipped`) give one of the two per (seed, epoch, item).
+seed. Datasets that store mirrored latents (`latents_flipped`) give one of the two per (seed, epoch, item), and
+the item's loss mask with it. Several datasets (`data.datasets`, data/mixture.py) each keep their own epochs;
+which dataset each position of the stream takes is dealt by their weights, a function of the position alone.
 """
 
 import logging
@@ -17,21 +19,23 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from data.mixture import Mixture
 from errors import ConfigError
 from models.rectified_flow import FLIP_STREAM, HOLDOUT_STREAM, ORDER_STREAM, draw_sample_noise, sample_key
 
 log = logging.getLogger("mmdit")
 
 
-def split_holdout(num_items: int, holdout: int, seed: int) -> tuple[np.ndarray, list[int]]:
+def split_holdout(num_items: int, holdout: int, seed: int, dataset: int = 0) -> tuple[np.ndarray, list[int]]:
     """(training items, held-out items): the held-out ones are the first `holdout` of a permutation keyed by
-    the seed, so they are the same for every run of that seed and never trained on. The training items are an
-    array (8 bytes an item, where a Python list would take 36)."""
+    the seed (and the dataset's number in a mixture), so they are the same for every run of that seed and never
+    trained on. The training items are an array (8 bytes an item, where a Python list would take 36)."""
     if holdout >= num_items:
         raise ConfigError(f"data.holdout={holdout} leaves nothing to train on: the dataset has {num_items} items")
     if not holdout:
         return np.arange(num_items), []
-    order = torch.randperm(num_items, generator=torch.Generator().manual_seed(sample_key(seed, HOLDOUT_STREAM, 0)))
+    key = sample_key(seed, HOLDOUT_STREAM, dataset)
+    order = torch.randperm(num_items, generator=torch.Generator().manual_seed(key))
     held = sorted(order[:holdout].tolist())
     kept = np.ones(num_items, dtype=bool)
     kept[held] = False
@@ -45,11 +49,24 @@ def training_buckets(dataset, items) -> dict[tuple[int, int], np.ndarray] | None
     return dataset.items_by_size(np.asarray(items))
 
 
+def training_order(dataset, items) -> dict:
+    """StepBatchSampler's `items` and `buckets` for the training items of a dataset, and for a mixture of
+    datasets (data/mixture.py) its lists of them, and the `weights`. A mixture over several latent sizes is
+    bucketed in every dataset (each global batch is one dataset's and one size's)."""
+    if not hasattr(dataset, "parts"):
+        return {"items": items, "buckets": training_buckets(dataset, items)}
+    parts, bucketed = dataset.parts(items), len(dataset.latent_sizes) > 1
+    buckets = [{size: b for size, b in dataset.items_by_size(part).items() if len(b)} if bucketed else None
+               for part in parts]
+    return {"items": parts, "buckets": buckets, "weights": dataset.weights}
+
+
 def check_batches(dataset, items, global_batch: int) -> None:
-    """Before a run starts: with several latent sizes, some size must fill a global batch."""
-    buckets = training_buckets(dataset, items)
-    if buckets:
-        batches_per_epoch(tuple((size, len(b)) for size, b in buckets.items()), global_batch)
+    """Before a run starts: with several latent sizes, some size must fill a global batch (in every dataset)."""
+    order = training_order(dataset, items)
+    for buckets in order["buckets"] if "weights" in order else [order["buckets"]]:
+        if buckets:
+            batches_per_epoch(tuple((size, len(b)) for size, b in buckets.items()), global_batch)
 
 
 @lru_cache
@@ -70,48 +87,74 @@ def batches_per_epoch(bucket_sizes: tuple[tuple[tuple[int, int], int], ...], glo
     return count
 
 
-class StepBatchSampler:
-    """Yields, for each step from `start_step` to `end_step`, this rank's (step, position, index, epoch)."""
+class ItemOrder:
+    """One dataset's training items in an endless stream of epochs, each a permutation keyed by (seed, epoch)
+    (and the dataset's `key`, empty for the first); with `buckets`, a stream of whole global batches, each from
+    one bucket."""
 
-    def __init__(self, items, global_batch: int, seed: int, rank: int, world_size: int,
-                 start_step: int, end_step: int, buckets: dict | None = None):
-        if global_batch % world_size:
-            raise ConfigError(f"global batch {global_batch} is not divisible by world size {world_size}")
-        self.items, self.global_batch, self.seed = torch.as_tensor(np.asarray(items)), global_batch, seed
+    def __init__(self, items, global_batch: int, seed: int, key: str, buckets: dict | None):
+        self.items, self.global_batch, self.seed, self.key = torch.as_tensor(np.asarray(items)), global_batch, seed, key
         self.buckets = list(buckets.values()) if buckets else None
         self.per_epoch = (batches_per_epoch(tuple((s, len(b)) for s, b in buckets.items()), global_batch)
                           if buckets else None)
-        self.rank_batch = global_batch // world_size
-        self.first_position = rank * self.rank_batch
-        self.start_step, self.end_step = start_step, end_step
+        # each dataset's last two epochs (a step can straddle two), cached per dataset: a mixture alternates
+        self.permutation, self.bucket_batches = lru_cache(2)(self.permutation), lru_cache(2)(self.bucket_batches)
 
-    @lru_cache(maxsize=2)
+    def generator(self, name) -> torch.Generator:
+        return torch.Generator().manual_seed(sample_key(self.seed, ORDER_STREAM, f"{self.key}{name}"))
+
     def permutation(self, epoch: int) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(sample_key(self.seed, ORDER_STREAM, epoch))
-        return self.items[torch.randperm(len(self.items), generator=gen)]
+        return self.items[torch.randperm(len(self.items), generator=self.generator(epoch))]
 
-    @lru_cache(maxsize=2)
     def bucket_batches(self, epoch: int) -> list[torch.Tensor]:
         """The epoch's global batches, each from one bucket; a bucket's remainder waits for another shuffle."""
         batches = []
         for b, items in enumerate(self.buckets):
-            gen = torch.Generator().manual_seed(sample_key(self.seed, ORDER_STREAM, f"{epoch}/bucket{b}"))
-            shuffled = torch.as_tensor(np.asarray(items))[torch.randperm(len(items), generator=gen)]
+            order = torch.randperm(len(items), generator=self.generator(f"{epoch}/bucket{b}"))
+            shuffled = torch.as_tensor(np.asarray(items))[order]
             whole = len(items) // self.global_batch * self.global_batch
             if whole:  # split() of an empty tensor would still give one (empty) batch
                 batches += list(shuffled[:whole].split(self.global_batch))
-        gen = torch.Generator().manual_seed(sample_key(self.seed, ORDER_STREAM, f"{epoch}/batches"))
-        return [batches[i] for i in torch.randperm(len(batches), generator=gen)]
+        return [batches[i] for i in torch.randperm(len(batches), generator=self.generator(f"{epoch}/batches"))]
+
+    def item(self, j: int) -> tuple[int, int]:
+        """The stream's j-th item, and its epoch."""
+        epoch = j // len(self.items)
+        return int(self.permutation(epoch)[j % len(self.items)]), epoch
+
+    def batch(self, j: int) -> tuple[torch.Tensor, int]:
+        """The stream's j-th global batch (with buckets), and its epoch."""
+        return self.bucket_batches(j // self.per_epoch)[j % self.per_epoch], j // self.per_epoch
+
+
+class StepBatchSampler:
+    """Yields, for each step from `start_step` to `end_step`, this rank's (step, position, index, epoch).
+
+    One dataset: `items` and `buckets` (or None). Several (data/mixture.py): a list of item arrays, a list of
+    bucket dicts (or None) and the datasets' `weights`; with buckets each global batch comes from one dataset."""
+
+    def __init__(self, items, global_batch: int, seed: int, rank: int, world_size: int,
+                 start_step: int, end_step: int, buckets=None, weights: list[float] | None = None):
+        if global_batch % world_size:
+            raise ConfigError(f"global batch {global_batch} is not divisible by world size {world_size}")
+        parts, part_buckets = (items, buckets) if weights else ([items], [buckets])
+        self.global_batch, self.mixture = global_batch, Mixture(weights or [1.0])
+        self.bucketed = bool(part_buckets[0])
+        self.orders = [ItemOrder(part, global_batch, seed, f"dataset{d}/" if d else "", b)
+                       for d, (part, b) in enumerate(zip(parts, part_buckets))]
+        self.rank_batch = global_batch // world_size
+        self.first_position = rank * self.rank_batch
+        self.start_step, self.end_step = start_step, end_step
 
     def global_batch_of(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The dataset indices of step `step`'s global batch, and the epoch each one is drawn in."""
-        if self.buckets:
-            epoch = step // self.per_epoch
-            indices = self.bucket_batches(epoch)[step % self.per_epoch]
+        if self.bucketed:
+            [(source, j)] = self.mixture.deal(step, step + 1)
+            indices, epoch = self.orders[source].batch(j)
             return indices, torch.full_like(indices, epoch)
-        flat = step * self.global_batch + torch.arange(self.global_batch)
-        epochs = flat // len(self.items)
-        return torch.stack([self.permutation(int(e))[int(f) % len(self.items)] for f, e in zip(flat, epochs)]), epochs
+        drawn = [self.orders[source].item(j) for source, j in
+                 self.mixture.deal(step * self.global_batch, (step + 1) * self.global_batch)]
+        return torch.tensor([i for i, _ in drawn]), torch.tensor([e for _, e in drawn])
 
     def __len__(self) -> int:
         return self.end_step - self.start_step
@@ -139,6 +182,8 @@ class StepDataset(torch.utils.data.Dataset):
         flipped = item.pop("latents_flipped", None)
         if flipped is not None and sample_key(self.seed, FLIP_STREAM, f"{epoch}/{index}") % 2:
             item["latents"] = flipped
+            if "loss_mask" in item:  # the mask of the mirrored image is the mask mirrored
+                item["loss_mask"] = item["loss_mask"].flip(-1)
         return {**item, "step": step, "position": position}
 
 
@@ -149,19 +194,31 @@ class Collate:
     training step only copies the batch to the device.
 
     A dropped caption becomes the empty caption: the tokens of "" for a text encoder in the model, the encoding
-    of "" for precomputed embeddings (zeros when the dataset has none)."""
+    of "" for precomputed embeddings (zeros when the dataset has none).
 
-    def __init__(self, seed: int, sigmas, caption_dropout: float, tokenizer=None, empty_prompt: dict | None = None):
-        self.seed, self.sigmas, self.caption_dropout = seed, sigmas, caption_dropout
+    Items of a mixture carry their dataset (`source`), which picks their caption dropout and loss weight from
+    the per-dataset lists; `loss_weight` (1 for a single dataset) and `loss_mask` (where items have one) go
+    into the batch."""
+
+    def __init__(self, seed: int, sigmas, caption_dropout: float | list[float], tokenizer=None,
+                 empty_prompt: dict | None = None, loss_weights: list[float] = (1.0,)):
+        self.seed, self.sigmas = seed, sigmas
+        self.caption_dropout = torch.tensor(caption_dropout, dtype=torch.float32).reshape(-1)
+        self.loss_weights = torch.tensor(loss_weights, dtype=torch.float32)
         self.tokenizer, self.empty_prompt = tokenizer, empty_prompt
 
     def __call__(self, items: list[dict]) -> dict:
         step, positions = items[0]["step"], torch.tensor([item["position"] for item in items])
+        sources = torch.tensor([item.get("source", 0) for item in items])
         latents = torch.stack([item["latents"] for item in items])
         draws = draw_sample_noise(self.seed, step, positions, tuple(latents.shape[1:]))
-        dropped = draws.dropout_uniform < self.caption_dropout
-        return {"step": step, "first_position": int(positions[0]), "latents": latents, "noise": draws.noise,
-                "sigma": self.sigmas(draws), "text": self.text(items, dropped)}
+        dropped = draws.dropout_uniform < self.caption_dropout[sources]
+        batch = {"step": step, "first_position": int(positions[0]), "latents": latents, "noise": draws.noise,
+                 "sigma": self.sigmas(draws), "text": self.text(items, dropped), "source": sources,
+                 "loss_weight": self.loss_weights[sources]}
+        if "loss_mask" in items[0]:
+            batch["loss_mask"] = torch.stack([item["loss_mask"] for item in items])
+        return batch
 
     def text(self, items: list[dict], dropped: torch.Tensor) -> dict:
         if self.tokenizer is not None:  # token ids, for a text encoder in the model
@@ -199,8 +256,8 @@ def step_batches(dataset, collate: Collate, items, global_batch: int, seed: int,
                  pin_memory: bool = True, prefetch_factor: int = 2) -> torch.utils.data.DataLoader:
     """One loader for the whole run (iterated once, so workers live as long as the run). Workers change
     where items are made, never which: the batches are the same for any worker count."""
-    buckets = training_buckets(dataset, items)
-    sampler = StepBatchSampler(items, global_batch, seed, rank, world_size, start_step, end_step, buckets)
+    sampler = StepBatchSampler(global_batch=global_batch, seed=seed, rank=rank, world_size=world_size,
+                               start_step=start_step, end_step=end_step, **training_order(dataset, items))
     if num_workers < 0:
         num_workers = 4 if device.type == "cuda" else 0
     if num_workers:

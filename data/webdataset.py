@@ -1,5 +1,6 @@
 """Samples from webdataset tar shards, as img2dataset writes them: `KEY.jpg` (or .png/.webp), `KEY.txt` (the
-caption), `KEY.json` (metadata), files of one sample next to each other in the tar.
+caption), `KEY.json` (metadata), optionally `KEY.mask.png` (a loss mask), files of one sample next to each other
+in the tar.
 
 Read with the standard library's `tarfile` in streaming mode: one pass over a local file or over the output of
 a `pipe:` command (`pipe:aws s3 cp s3://bucket/00000.tar -`, as webdataset spells object-store URLs), each
@@ -23,6 +24,7 @@ from errors import InputError
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "bmp")  # in order of preference when a sample has several
 UNSUPPORTED_IMAGES = ("gif", "tif", "tiff", "avif", "heic", "heif", "jxl", "svg")
 PIPE = "pipe:"
+MASK_SUFFIX = "mask.png"  # `KEY.mask.png`: the sample's loss mask (white = train), read instead of an alpha channel
 MISSING_NAMED = 10  # of the missing shards of a pattern, named in its error
 STDERR_LINES = 5  # of a failed `pipe:` command, in its error
 COMMAND_EXIT_WAIT_S = 5  # for a command whose output broke off, to tell its failure from a bad tar
@@ -38,6 +40,7 @@ class Sample:
     image: bytes | Path | None  # None when the sample has no usable image (`problem` says why)
     caption: str | None
     problem: str | None = None  # why it cannot be used, known before decoding
+    mask: bytes | Path | None = None  # a mask image beside it (`NAME.mask.png`, `KEY.mask.png`): white = train
 
 
 def expand_braces(pattern: str) -> list[str]:
@@ -196,7 +199,7 @@ def make_sample(source: str, key: str, files: dict[str, bytes], caption_field: s
         unsupported = [s for s in files if s in UNSUPPORTED_IMAGES]
         problem = (f"unsupported format: .{unsupported[0]} (read: {', '.join(IMAGE_SUFFIXES)})" if unsupported else
                    f"no image: only {', '.join('.' + s for s in sorted(files))}")
-    return Sample(name, image, caption, problem)
+    return Sample(name, image, caption, problem, files.get(MASK_SUFFIX))
 
 
 def caption_of(files: dict[str, bytes], field: str | None) -> tuple[str | None, str | None]:

@@ -128,7 +128,10 @@ def check_state_dict(expected: dict[str, torch.Tensor], found: dict[str, torch.T
 
 
 def load_diffusers_transformer(directory: Path, dtype: torch.dtype = torch.float32) -> MMDiT:
-    """An MMDiT with the directory's config and weights (cast to `dtype`)."""
+    """An MMDiT with the directory's config and weights (cast to `dtype`). Public API, for users rather
+    than the trainer (which builds on the meta device and fills its shards with `WeightReader`): a released
+    or exported transformer folder (`export_diffusers_transformer` writes one) as this repository's MMDiT,
+    to inspect it or call it from one's own code (the README says so)."""
     model = MMDiT(read_config(directory))
     load_diffusers_weights(model, directory, dtype)
     return model

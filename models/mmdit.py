@@ -1,8 +1,8 @@
 """MMDiT: the multimodal diffusion transformer of Stable Diffusion 3 / 3.5, in one file.
 
 Submodule and parameter names follow diffusers' `SD3Transformer2DModel`, so a released state dict maps onto
-this module key for key (see ../shared/reference/sd3-mmdit-facts.md). Image tokens come first in the joint
-sequence, text tokens second, as in the reference attention processor.
+this module key for key (docs/sd3-architecture.md lists them, layer by layer, with the released sizes). Image
+tokens come first in the joint sequence, text tokens second, as in the reference attention processor.
 """
 
 import math

@@ -21,9 +21,6 @@ class SampleNoise:
     sigma_uniform: torch.Tensor  # [B] U(0,1) draws for uniform sigma sampling
     dropout_uniform: torch.Tensor  # [B] U(0,1) draws for caption dropout
 
-    def to(self, device: torch.device) -> "SampleNoise":
-        return SampleNoise(*(t.to(device, non_blocking=True) for t in vars(self).values()))
-
 
 # Streams other than training steps use negative "step" keys, so no two uses share a generator.
 DATA_STREAM, ORDER_STREAM, SAMPLING_STREAM, FLIP_STREAM, HOLDOUT_STREAM, VALIDATION_STREAM, INIT_STREAM = range(-1, -8, -1)
@@ -73,9 +70,19 @@ def interpolate(x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> t
     return (1 - s) * x0 + s * noise
 
 
-def per_sample_loss(v_pred: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """Mean squared error to the velocity target, one value per sample, in fp32."""
-    return F.mse_loss(v_pred.float(), (noise - x0).float(), reduction="none").flatten(1).mean(1)
+def per_sample_loss(v_pred: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor,
+                    loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean squared error to the velocity target, one value per sample, in fp32.
+
+    With a `loss_mask` ([B, 1, h, w] weights in [0, 1] at latent resolution, shared by the C channels) it is the
+    mean over weighted latent elements: sum(w * (v - v*)^2) / (C * sum(w)) per sample. An all-ones mask gives
+    the plain mean bit for bit (the same sum, divided by the same count); precompute skips samples whose mask
+    is empty, so the division never meets zero."""
+    squared = F.mse_loss(v_pred.float(), (noise - x0).float(), reduction="none")
+    if loss_mask is None:
+        return squared.flatten(1).mean(1)
+    weights = loss_mask.float()
+    return (squared * weights).flatten(1).sum(1) / (weights.flatten(1).sum(1) * squared.shape[1])
 
 
 @torch.no_grad()

@@ -145,7 +145,9 @@ class Agreement:
         return buffer
 
 
-class AgreeingAllGather(DefaultAllGather):
+class AgreeingAllocation:
+    """Mixed into FSDP's default collectives (before them): their buffers allocated through the agreement."""
+
     def __init__(self, agreement: Agreement):
         self.agreement = agreement
 
@@ -153,12 +155,12 @@ class AgreeingAllGather(DefaultAllGather):
         return self.agreement.allocate(super().allocate, size, dtype=dtype, device=device)
 
 
-class AgreeingReduceScatter(DefaultReduceScatter):
-    def __init__(self, agreement: Agreement):
-        self.agreement = agreement
+class AgreeingAllGather(AgreeingAllocation, DefaultAllGather):
+    pass
 
-    def allocate(self, size, *, dtype, device) -> torch.Tensor:
-        return self.agreement.allocate(super().allocate, size, dtype=dtype, device=device)
+
+class AgreeingReduceScatter(AgreeingAllocation, DefaultReduceScatter):
+    pass
 
 
 class BatchSizer:

@@ -21,7 +21,6 @@ resume from (`resume()`), and which old checkpoints to delete.
   to start, naming each one and what is wrong, and changes nothing on disk.
 """
 
-import hashlib
 import json
 import logging
 import os
@@ -41,6 +40,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from errors import ConfigError, InputError
+from formats import check_format, sha256
 from perf.parallel import unwrap
 from runtime.distributed import gather_objects, host_group, is_distributed
 
@@ -55,11 +55,6 @@ FORMAT = 2  # state.json's "format": what this version writes and reads
 
 def checkpoint_root(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
-
-
-def sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def fsync_path(path: Path) -> None:
@@ -141,9 +136,7 @@ def find_checkpoint(path: Path) -> Path:
 
 def read_meta(path: Path) -> dict:
     meta = json.loads((Path(path) / STATE).read_text())
-    if meta.get("format") != FORMAT:
-        raise InputError(f"{path} was written by an earlier version of this trainer (checkpoint format "
-                         f"{meta.get('format', 1)}, this version reads {FORMAT}); use the version that wrote it")
+    check_format(meta, FORMAT, f"the checkpoint {path}", "this trainer", "use the version that wrote it")
     return meta
 
 

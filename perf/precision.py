@@ -7,7 +7,7 @@ from contextlib import nullcontext
 
 import torch
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+from formats import DTYPES
 
 
 def autocast(device: torch.device, dtype: str):

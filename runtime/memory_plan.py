@@ -24,22 +24,19 @@ micro-batch 1. The rest follows stated rules:
   fragmentation.
 """
 
-import weakref
 from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
+from formats import DTYPES
 from models import attention
 from models.quantized import QuantizedLinear
 
 GIB = 2**30
 CUDA_CONTEXT = 0.6 * GIB
 FRAGMENTATION = 0.10
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass
@@ -191,7 +188,7 @@ def plan(count: ModelCount, *, strategy: str, ranks: int, micro_batch: int, dtyp
     """Bytes per rank for training with these settings (`ranks`: the shard group under FSDP/HSDP)."""
     p = Plan()
     split = ranks if strategy in ("fsdp", "hsdp") else 1
-    compute = DTYPE_BYTES[dtype]
+    compute = DTYPES[dtype].itemsize
     p.weights = (4 * count.trained + count.frozen_bytes) / split + count.buffer_bytes
     p.gradients = 4 * count.trained / split
     p.optimizer = 8 * count.trained / split
@@ -235,39 +232,6 @@ def held_in_backward(count: ModelCount, checkpointing: str, checkpointed: set[in
             kept.append(saved - count.mlp_saved[i] + count.mlp_inputs[i])
             running.append(kept[-1] + count.largest_mlp)
     return max([sum(kept)] + [sum(kept[:i]) + running[i] for i in range(len(kept))])
-
-
-class PeakMemory(TorchDispatchMode):
-    """Measures what the plan estimates, on any device: the peak of the bytes held by live tensors (their
-    storages, each counted once) from `tensors` alive at the start plus every tensor an op makes while the mode
-    is on, each until it is freed."""
-
-    def __init__(self, tensors=()):
-        super().__init__()
-        self.live: dict[int, int] = {}
-        self.current = self.peak = 0
-        for tensor in tensors:
-            self.hold(tensor)
-
-    def hold(self, tensor) -> None:
-        if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
-            return
-        storage = tensor.untyped_storage()
-        if storage._cdata in self.live:
-            return
-        self.live[storage._cdata] = storage.nbytes()
-        self.current += storage.nbytes()
-        self.peak = max(self.peak, self.current)
-        weakref.finalize(storage, self.release, storage._cdata)
-
-    def release(self, key: int) -> None:
-        self.current -= self.live.pop(key, 0)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for tensor in tree_flatten(out)[0]:
-            self.hold(tensor)
-        return out
 
 
 # activation checkpointing settings (mode, every k-th block), from the least recompute to the least memory

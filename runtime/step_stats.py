@@ -44,15 +44,19 @@ def known_peak_tflops(name: str, dtype: str, allow_tf32: bool) -> float | None:
 
 
 class SigmaBuckets:
-    """Mean loss per noise-level bucket of σ in [0, 1]: which noise levels the model struggles with."""
+    """Mean loss per noise-level bucket of σ in [0, 1]: which noise levels the model struggles with; and, for a
+    mixture of datasets (`datasets`: their names), per dataset (the loss before its loss weight)."""
 
-    def __init__(self, device: torch.device, count: int = 4):
-        self.count = count
-        self.sums = torch.zeros(count, device=device)
-        self.samples = torch.zeros(count, device=device)
+    def __init__(self, device: torch.device, count: int = 4, datasets: tuple[str, ...] = ()):
+        self.count, self.datasets = count, tuple(datasets)
+        self.sums = torch.zeros(count + len(self.datasets), device=device)
+        self.samples = torch.zeros(count + len(self.datasets), device=device)
 
-    def add(self, sigma: torch.Tensor, per_sample_loss: torch.Tensor) -> None:
+    def add(self, sigma: torch.Tensor, per_sample_loss: torch.Tensor, sources: torch.Tensor | None = None) -> None:
         bucket = (sigma.detach() * self.count).long().clamp(0, self.count - 1)
+        if self.datasets and sources is not None:
+            bucket = torch.cat([bucket, self.count + sources.to(bucket.device)])
+            per_sample_loss = per_sample_loss.repeat(2)
         self.sums.index_add_(0, bucket, per_sample_loss.detach().float())
         self.samples.index_add_(0, bucket, torch.ones_like(self.samples[bucket]))
 
@@ -71,8 +75,9 @@ class SigmaBuckets:
         self.sums.zero_()
         self.samples.zero_()
         sums, samples = totals.tolist()
-        return {f"loss_by_sigma/{i / self.count:.2f}-{(i + 1) / self.count:.2f}": s / n
-                for i, (s, n) in enumerate(zip(sums, samples)) if n}
+        names = [f"loss_by_sigma/{i / self.count:.2f}-{(i + 1) / self.count:.2f}" for i in range(self.count)]
+        names += [f"loss_by_dataset/{name}" for name in self.datasets]
+        return {name: s / n for name, s, n in zip(names, sums, samples) if n}
 
 
 class StepTimer:

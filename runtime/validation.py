@@ -7,7 +7,8 @@ at fixed noise levels, every `validation.every` steps and at the end of a run.
   `samples/step_XXXXXXXX.png`, TensorBoard's Images tab and wandb.
 - Held-out loss (`HeldOutLoss`, `data.holdout` items): the flow-matching loss at `validation.loss_sigmas` evenly
   spaced noise levels with noise keyed by (seed, item, level), so the curve is deterministic and comparable
-  across runs: `val/loss` and `val/loss_by_sigma/<sigma>`.
+  across runs: `val/loss` and `val/loss_by_sigma/<sigma>` (per dataset of a mixture: `val/<dataset>/loss`...),
+  weighted by the items' loss masks where they have them.
 
 Every rank takes an equal share of the prompts and items (padded, so that under FSDP all ranks run the same
 forwards and so the same collectives); results are gathered to rank 0. The EMA weights are swapped into the
@@ -94,8 +95,9 @@ class HeldOutLoss:
     """The loss on the held-out items at fixed noise levels with fixed noise. `text(item, rows)` is the model's
     text input for an item, repeated `rows` times."""
 
-    def __init__(self, dataset, items: list[int], text, loss_sigmas: int, seed: int, dtype: str):
+    def __init__(self, dataset, items: list[int], text, loss_sigmas: int, seed: int, dtype: str, prefix: str = "val/"):
         self.dataset, self.items, self.text, self.seed, self.dtype = dataset, items, text, seed, dtype
+        self.prefix = prefix
         self.sigmas = torch.tensor([(k + 0.5) / loss_sigmas for k in range(loss_sigmas)])
 
     @torch.no_grad()
@@ -111,21 +113,23 @@ class HeldOutLoss:
                 v = model(interpolate(x0, noise, self.sigmas).to(device), self.sigmas.to(device),
                           {k: t.to(device) for k, t in self.text(item, len(x0)).items()})
             if i < real:
-                sums += per_sample_loss(v, x0.to(device), noise.to(device))
+                mask = item.get("loss_mask")
+                sums += per_sample_loss(v, x0.to(device), noise.to(device),
+                                        None if mask is None else mask[None].expand(len(x0), *mask.shape).to(device))
         if is_distributed():
             dist.all_reduce(sums)
         means = sums.cpu() / len(self.items)
-        out = {f"val/loss_by_sigma/{s:.3f}": float(m) for s, m in zip(self.sigmas.tolist(), means)}
-        return {"val/loss": float(means.mean()), **out}
+        out = {f"{self.prefix}loss_by_sigma/{s:.3f}": float(m) for s, m in zip(self.sigmas.tolist(), means)}
+        return {f"{self.prefix}loss": float(means.mean()), **out}
 
 
 class Validation:
     """`every` > 0: at every `every`-th step and at the end. Images that are scored (the shapes data) are
     also made at the end of a run with validation off: the run's final score is what `make train` reports."""
 
-    def __init__(self, every: int, max_steps: int, images: PromptImages | None, loss: HeldOutLoss | None,
+    def __init__(self, every: int, max_steps: int, images: PromptImages | None, losses: list[HeldOutLoss],
                  world: World, device: torch.device):
-        self.every, self.max_steps, self.images, self.loss = every, max_steps, images, loss
+        self.every, self.max_steps, self.images, self.losses = every, max_steps, images, losses
         self.world, self.device = world, device
 
     def due(self, done: int) -> bool:
@@ -148,8 +152,8 @@ class Validation:
         """Run it (every rank); rank 0 writes the grid and logs the metrics, which it returns."""
         metrics = {}
         with evaluating(model, ema) as plain:
-            if self.loss is not None:
-                metrics |= self.loss(plain, self.world, self.device)
+            for loss in self.losses:  # one per dataset of a mixture
+                metrics |= loss(plain, self.world, self.device)
             if self.images is not None:
                 images, captions, scores = self.images(plain, self.world, self.device)
                 metrics |= scores

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint.state_dict_saver as dcp_saver
 
-from errors import ConfigError
+from errors import ConfigError, InputError
 from perf.checkpoint import (Checkpointer, CheckpointWriteError, checkpoints, prune_checkpoints,
                              read_checkpoint, read_meta, remove_leftovers, verify)
 from tests.conftest import assert_close
@@ -177,7 +177,7 @@ def test_a_checkpoint_of_an_earlier_format_is_named(tmp_path):
     write(tmp_path, 1)
     path = checkpoints(tmp_path)[0]
     (path / "state.json").write_text(json.dumps({"step": 1}))
-    with pytest.raises(ValueError, match="earlier version of this trainer"):
+    with pytest.raises(InputError, match=r"earlier version of this trainer \(format 1; this version reads"):
         read_meta(path)
 
 

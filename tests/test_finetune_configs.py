@@ -18,7 +18,7 @@ from train_mmdit_stable import main
 
 diffusers = pytest.importorskip("diffusers")
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-# ../shared/reference/sd3-mmdit-facts.md: released sizes, and SD3's latents and text conditioning
+# docs/sd3-architecture.md: released sizes, and SD3's latents and text conditioning
 RELEASED = {"sd3_medium": dict(num_layers=24, num_attention_heads=24, pos_embed_max_size=192, qk_norm=None,
                                dual_attention_layers=[]),
             "sd35_medium": dict(num_layers=24, num_attention_heads=24, pos_embed_max_size=384, qk_norm="rms_norm",

@@ -29,6 +29,15 @@ def test_items_are_the_written_rows(tmp_path):
     assert set(captions_only[7]) == {"latents", "caption"}
 
 
+def test_a_dataset_of_an_earlier_format_is_named(tmp_path):
+    directory = write_latent_shards(tmp_path / "d")
+    record = json.loads((directory / "dataset.json").read_text())
+    (directory / "dataset.json").write_text(json.dumps({**record, "format": 1}))
+    with pytest.raises(DataFormatError, match=r"earlier version of precompute_latents.py \(format 1; this "
+                                              r"version reads 2\): rerun it into a new --out"):
+        LatentDataset(directory)
+
+
 def test_a_damaged_shard_is_named_when_the_dataset_opens(tmp_path):
     """Sizes are checked against dataset.json when the dataset opens (no shard is read); every damaged shard
     is named, with what to do."""

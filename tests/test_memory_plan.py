@@ -2,8 +2,12 @@
 of live tensor bytes through one step on this CPU, for a full fine-tune under each kind of activation
 checkpointing and a LoRA on an nf4 base with it, within 15 %; and the setting the plan picks for a memory size."""
 
+import weakref
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import plan_memory
 import train_mmdit_stable
@@ -14,7 +18,7 @@ from optim.adamw import build_adamw
 from optim.ema import EMA
 from perf.parallel import apply_parallelism
 from runtime.distributed import World
-from runtime.memory_plan import CHECKPOINTING, PeakMemory, cheapest_checkpointing, plan
+from runtime.memory_plan import CHECKPOINTING, cheapest_checkpointing, plan
 from runtime.nonfinite import NonFiniteGuard
 from runtime.step_stats import SigmaBuckets
 from tests.conftest import LORA, export_random_base
@@ -22,6 +26,39 @@ from tests.conftest import LORA, export_random_base
 CPU = torch.device("cpu")
 SIZE = ["model.num_layers=4", "model.num_attention_heads=4", "model.attention_head_dim=32",
         "training.train_batch_size=16"]
+
+
+class PeakMemory(TorchDispatchMode):
+    """Measures what the plan estimates, on any device: the peak of the bytes held by live tensors (their
+    storages, each counted once) from `tensors` alive at the start plus every tensor an op makes while the mode
+    is on, each until it is freed."""
+
+    def __init__(self, tensors=()):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.current = self.peak = 0
+        for tensor in tensors:
+            self.hold(tensor)
+
+    def hold(self, tensor) -> None:
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+            return
+        storage = tensor.untyped_storage()
+        if storage._cdata in self.live:
+            return
+        self.live[storage._cdata] = storage.nbytes()
+        self.current += storage.nbytes()
+        self.peak = max(self.peak, self.current)
+        weakref.finalize(storage, self.release, storage._cdata)
+
+    def release(self, key: int) -> None:
+        self.current -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_flatten(out)[0]:
+            self.hold(tensor)
+        return out
 
 
 def measured_peak(overrides: list[str]) -> float:

@@ -4,6 +4,7 @@ the whole fine-tuning path: image folder -> precompute -> full and LoRA fine-tun
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,16 +18,25 @@ import data.precompute.job
 import export_mmdit
 import precompute_latents
 from data.latents import LatentDataset
-from data.precompute.images import load_image
+from data.precompute.images import open_image, resize_crop, to_unit_range
 from data.precompute.inputs import EXIF_ORIENTATION, image_size
 from data.precompute.units import encode_unit
+from errors import InputError
 from models.diffusers_io import LORA_WEIGHTS
+from models.vae import VAE, load_vae
 from tests.conftest import CLIP_TOKENS, T5_TOKENS, export_random_base, image_folder, metric_rows
 from train_mmdit_stable import main
 
 diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_image(path: Path, size: tuple[int, int]) -> torch.Tensor:
+    """[3, H, W] in [-1, 1], as precompute feeds it to the VAE."""
+    return to_unit_range(resize_crop(open_image(path), size))
+
+
 def run_precompute(sd3_dir, images, out, *extra):
     return precompute_latents.main(["--model", str(sd3_dir), "--images", str(images), "--out", str(out), "--resolution", "16",
                             "--bucket-step", "8", "--batch-size", "3", "--shard-size", "4", "--dtype", "fp32",
@@ -66,6 +76,23 @@ def test_shards_hold_what_the_sd3_pipeline_computes(sd3_dir, tmp_path):
         torch.testing.assert_close(ds[i]["latents"], latents[i], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ds.empty_prompt["prompt_embeds"], empty, rtol=0, atol=1e-6)
     torch.testing.assert_close(ds.empty_prompt["pooled_prompt_embeds"], empty_pooled, rtol=0, atol=1e-6)
+
+
+def test_the_vae_encodes_and_decodes_as_the_sd3_pipeline_does(sd3_dir, tmp_path):
+    """Latents are the posterior mean shifted and scaled by the VAE config's factors; decoding undoes the
+    factors given (a dataset's recorded ones), as StableDiffusion3Pipeline undoes its config's before
+    vae.decode."""
+    autoencoder = diffusers.AutoencoderKL.from_pretrained(sd3_dir / "vae")
+    vae = load_vae(sd3_dir / "vae", torch.device("cpu"), torch.float32)
+    pixels = torch.rand(2, 3, 8, 8, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    with torch.no_grad():
+        latents = vae.encode(pixels)
+        assert torch.equal(latents, (autoencoder.encode(pixels).latent_dist.mean - 0.0609) * 1.5305)
+        recorded = VAE(autoencoder, scaling_factor=2.0, shift_factor=0.5)
+        assert torch.equal(recorded.decode(latents), autoencoder.decode(latents / 2.0 + 0.5).sample)
+    assert (vae.scaling_factor, vae.shift_factor) == (1.5305, 0.0609)  # the config's, when none are given
+    with pytest.raises(InputError, match=f"the VAE in {re.escape(str(tmp_path))} does not load"):
+        load_vae(tmp_path, torch.device("cpu"), torch.float32)
 
 
 def test_aspect_buckets_and_resume(sd3_dir, tmp_path):

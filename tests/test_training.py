@@ -188,7 +188,7 @@ def test_a_run_directory_of_an_earlier_version_is_refused_untouched(tiny, tmp_pa
     (run_dir / "run.json").rename(run_dir / "world.json")
     before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
     assert main(tiny("training.max_steps=2")) == 2
-    assert "was written by an earlier version of this trainer (run format 1" in caplog.text
+    assert "was written by an earlier version of this trainer (format 1" in caplog.text
     assert "Train into a new logging.output_dir" in caplog.text
     assert before == {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
 

@@ -9,6 +9,7 @@ import torch
 from data.precompute.images import to_unit_range
 from models.diffusers_io import save_safetensors
 from models.sd3_text import SD3TextEncoders, SD3Tokenizers
+from models.vae import load_vae
 
 log = logging.getLogger("mmdit")
 
@@ -19,10 +20,8 @@ class SD3Encoders:
 
     def __init__(self, model_dir: Path, device: torch.device, dtype: torch.dtype, max_sequence_length: int,
                  text_embeddings: bool):
-        from diffusers import AutoencoderKL
-
-        self.device, self.dtype = device, dtype
-        self.vae = AutoencoderKL.from_pretrained(model_dir / "vae", torch_dtype=dtype).to(device).eval()
+        self.device = device
+        self.vae = load_vae(model_dir / "vae", device, dtype)
         self.tokenizers = SD3Tokenizers(model_dir, max_sequence_length)
         with torch.device("meta"):
             self.text = SD3TextEncoders(model_dir, max_sequence_length)
@@ -39,17 +38,11 @@ class SD3Encoders:
         self.truncated += self.tokenizers.truncated(captions)
         return self.text(**{k: v.to(self.device) for k, v in self.tokenizers(captions).items()})
 
-    @torch.no_grad()
-    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
-        config = self.vae.config
-        mean = self.vae.encode(to_unit_range(pixels).to(self.device, self.dtype)).latent_dist.mean
-        return (mean - (config.shift_factor or 0.0)) * config.scaling_factor
-
     def encode(self, pixels: torch.Tensor, captions: list[str], flip: bool, store: torch.dtype) -> dict:
         """A batch's stored fields, in the storage dtype, on the host."""
-        rows = {"latents": self.encode_images(pixels)}
+        rows = {"latents": self.vae.encode(to_unit_range(pixels))}
         if flip:
-            rows["latents_flipped"] = self.encode_images(pixels.flip(-1))
+            rows["latents_flipped"] = self.vae.encode(to_unit_range(pixels.flip(-1)))
         if self.text is not None:
             rows["prompt_embeds"], rows["pooled_prompt_embeds"] = self.encode_text(captions)
         return {name: values.to(store).cpu() for name, values in rows.items()}

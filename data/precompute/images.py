@@ -34,19 +34,34 @@ def target_size(image_size: tuple[int, int], buckets: list[tuple[int, int]]) -> 
     return min(buckets, key=lambda hw: abs(math.log(hw[1] / hw[0]) - ratio))
 
 
-def open_image(source: Path | bytes) -> Image.Image:
-    """Decoded RGB, as displayed (phone photos are stored sideways with an EXIF rotation)."""
+def open_image(source: Path | bytes, mode: str = "RGB", what: str = "image") -> Image.Image:
+    """Decoded in `mode` (RGB, RGBA, L), as displayed (phone photos are stored sideways with an EXIF rotation)."""
     try:
         with Image.open(source if isinstance(source, Path) else io.BytesIO(source)) as image:
-            return ImageOps.exif_transpose(image).convert("RGB")
+            return ImageOps.exif_transpose(image).convert(mode)
     except Image.UnidentifiedImageError:  # its message names the stream object: not reproducible
-        raise BadSample("corrupt image: not an image PIL recognises") from None
+        raise BadSample(f"corrupt {what}: not an image PIL recognises") from None
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-        raise BadSample(f"corrupt image: {e}") from None
+        raise BadSample(f"corrupt {what}: {e}") from None
+
+
+def open_with_mask(sample: Sample) -> tuple[Image.Image, Image.Image | None]:
+    """The RGB image and its loss mask (L, white = train): the mask file beside it if there is one, else the
+    image's alpha channel unless that is opaque everywhere (then no mask: the sample trains everywhere)."""
+    with_alpha = open_image(sample.image, "RGBA")
+    if sample.mask is not None:
+        mask = open_image(sample.mask, "L", "mask")
+        if mask.size != with_alpha.size:
+            raise BadSample(f"mask size {mask.width}x{mask.height} differs from the image's "
+                            f"{with_alpha.width}x{with_alpha.height}")
+    else:
+        alpha = with_alpha.getchannel("A")
+        mask = alpha if alpha.getextrema()[0] < 255 else None
+    return with_alpha.convert("RGB"), mask
 
 
 def resize_crop(image: Image.Image, size: tuple[int, int]) -> torch.Tensor:
-    """[3, H, W] uint8: resized to cover (height, width), then centre-cropped."""
+    """[bands, H, W] uint8 (3 for RGB, 1 for a mask): resized to cover (height, width), then centre-cropped."""
     height, width = size
     scale = max(width / image.width, height / image.height)
     resized = image.resize((max(width, round(image.width * scale)), max(height, round(image.height * scale))),
@@ -54,29 +69,35 @@ def resize_crop(image: Image.Image, size: tuple[int, int]) -> torch.Tensor:
     left, top = (resized.width - width) // 2, (resized.height - height) // 2
     pixels = torch.frombuffer(bytearray(resized.crop((left, top, left + width, top + height)).tobytes()),
                               dtype=torch.uint8)
-    return pixels.view(height, width, 3).permute(2, 0, 1)
+    return pixels.view(height, width, len(image.getbands())).permute(2, 0, 1)
 
 
-def load_image(path: Path, size: tuple[int, int]) -> torch.Tensor:
-    """[3, H, W] in [-1, 1], as precompute feeds it to the VAE."""
-    return to_unit_range(resize_crop(open_image(path), size))
+def latent_weights(masks: torch.Tensor, latent_size: tuple[int, int]) -> torch.Tensor:
+    """[B, 1, H, W] uint8 masks -> [B, 1, h, w] loss weights in [0, 1]: each latent element weighs the mean of
+    the pixels it encodes (the VAE's downsampling square), so a half-covered element counts half."""
+    return torch.nn.functional.adaptive_avg_pool2d(masks.float() / 255, latent_size)
 
 
 def to_unit_range(pixels: torch.Tensor) -> torch.Tensor:
     return pixels.float() / 127.5 - 1
 
 
-def prepare(sample: Sample, buckets: list[tuple[int, int]]) -> tuple[Sample, tuple[int, int] | None, torch.Tensor | None]:
-    """A sample with its target size and pixels, or with the `problem` that makes it unusable (runs in the
-    decoding threads)."""
+def prepare(sample: Sample, buckets: list[tuple[int, int]]) -> tuple[Sample, tuple[int, int] | None,
+                                                                     torch.Tensor | None, torch.Tensor | None]:
+    """A sample with its target size, pixels and mask pixels (None without a mask), cropped alike, or with the
+    `problem` that makes it unusable (runs in the decoding threads). A mask that is black wherever the crop
+    keeps would train nothing: the sample is bad ("empty mask")."""
     if sample.problem:
-        return sample, None, None
+        return sample, None, None, None
     try:
-        image = open_image(sample.image)
+        image, mask = open_with_mask(sample)
     except BadSample as e:
-        return dataclasses.replace(sample, problem=str(e)), None, None
+        return dataclasses.replace(sample, problem=str(e)), None, None, None
     size = target_size(image.size, buckets)
-    return sample, size, resize_crop(image, size)
+    mask = resize_crop(mask, size) if mask is not None else None
+    if mask is not None and not mask.any():
+        return dataclasses.replace(sample, problem="empty mask: black everywhere in the crop"), None, None, None
+    return sample, size, resize_crop(image, size), mask
 
 
 def ordered_map(fn, items: Iterator, workers: int) -> Iterator:

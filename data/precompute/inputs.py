@@ -11,7 +11,7 @@ from typing import Callable, Iterator
 from PIL import Image
 
 from data.webdataset import IMAGE_SUFFIXES as SHARD_IMAGE_SUFFIXES
-from data.webdataset import Sample, read_samples
+from data.webdataset import MASK_SUFFIX, Sample, read_samples
 from errors import InputError
 from models.diffusers_io import CheckpointFormatError
 from models.sd3_text import check_pipeline
@@ -19,6 +19,7 @@ from models.sd3_text import check_pipeline
 log = logging.getLogger("mmdit")
 IMAGE_SUFFIXES = {f".{suffix}" for suffix in SHARD_IMAGE_SUFFIXES}  # of folder inputs: what shards may hold
 EXIF_ORIENTATION = 0x0112
+MASK_NAME = f".{MASK_SUFFIX}"  # `NAME.mask.png` beside an image of a folder or manifest
 
 
 class PrecomputeError(InputError):
@@ -45,7 +46,8 @@ def read_text(path: Path, what: str) -> str:
 def read_image_folder(directory: Path) -> list[tuple[Path, str]]:
     if not directory.is_dir():
         raise PrecomputeError(f"--images {directory} is not a directory")
-    images = sorted(p for p in directory.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+    images = sorted(p for p in directory.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES
+                    and not p.name.lower().endswith(MASK_NAME))
     if not images:
         raise PrecomputeError(f"--images {directory}: no image files ({sorted(IMAGE_SUFFIXES)})")
     uncaptioned = [str(p) for p in images if not p.with_suffix(".txt").is_file()]
@@ -109,9 +111,15 @@ def check_items(items: list[tuple[Path, str]]) -> None:
 def item_units(items: list[tuple[Path, str]], size: int, source: str) -> list[Unit]:
     """Folder and JSONL inputs in units of `size` items."""
     def samples(chunk):
-        return lambda: (Sample(str(path), path, caption) for path, caption in chunk)
+        return lambda: (Sample(str(path), path, caption, mask=mask_beside(path)) for path, caption in chunk)
     return [Unit(f"{source} items {start}-{min(start + size, len(items)) - 1}", samples(items[start : start + size]))
             for start in range(0, len(items), size)]
+
+
+def mask_beside(image: Path) -> Path | None:
+    """`NAME.mask.png` beside `NAME.ext`: the image's loss mask (white = train), if there is one."""
+    mask = image.with_name(image.stem + MASK_NAME)
+    return mask if mask.is_file() else None
 
 
 def shard_units(sources: list[str], caption_field: str | None) -> list[Unit]:
@@ -126,6 +134,9 @@ def fingerprint(units: list[Unit], items: list[tuple[Path, str]] | None) -> str:
         for path, caption in items:
             stat = path.stat()
             digest.update(f"{path}\0{caption}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+            mask = mask_beside(path)
+            if mask is not None:  # an added or replaced mask counts too
+                digest.update(f"{mask}\0{mask.stat().st_size}\0{mask.stat().st_mtime_ns}\0".encode())
     else:
         for unit in units:
             digest.update(f"{unit.name}\0".encode())

@@ -12,8 +12,9 @@ from data.latents import VALIDATION_PROMPTS, publish_json, write_index
 from data.precompute.encoders import SD3Encoders, encode_prompts
 from data.precompute.inputs import PrecomputeError, Unit
 from data.precompute.ranks import Progress, Ranks
-from data.precompute.units import DTYPES, PROGRESS, REPORTS, encode_unit, report_path, verified
+from data.precompute.units import PROGRESS, REPORTS, encode_unit, report_path, verified
 from data.webdataset import ShardError
+from formats import DTYPES
 
 log = logging.getLogger("mmdit")
 INPUT_NAMES = "input_names"  # in the settings: the shards or images given, to name what changed on a rerun
@@ -145,7 +146,7 @@ def summarize(reports: list[dict], out: Path, max_bad_fraction: float) -> bool:
 def write_dataset(reports: list[dict], encoders: SD3Encoders, out: Path, settings: dict,
                   validation_prompts: list[str] | None) -> None:
     shards = [s for r in reports for s in r["shards"]]
-    vae = encoders.vae.config
+    vae = encoders.vae
     info = {"channels": vae.latent_channels, "text_embeddings": encoders.text is not None,
             "text_tokens": encoders.tokenizers.tokens, "text_dims": list(encoders.text_dims),
             "max_sequence_length": settings["max_sequence_length"], "flipped": settings["random_flip"],
@@ -153,6 +154,7 @@ def write_dataset(reports: list[dict], encoders: SD3Encoders, out: Path, setting
             "vae": {"scaling_factor": vae.scaling_factor, "shift_factor": vae.shift_factor or 0.0,
                     "folder": str(Path(settings["model"]) / "vae")},
             "validation_prompts": validation_prompts if encoders.text is None else None,
+            "masks": any(s.get("masks") for s in shards),  # a loss mask per item (items of other shards: all 1)
             "skipped": sum(len(r["skipped"]) for r in reports)}
     write_index(out, shards, (captions for r in reports for captions in r["captions"]), info)
     if encoders.truncated:

@@ -7,19 +7,20 @@ from pathlib import Path
 
 import torch
 
-from data.latents import publish_json, sha256, shard_record
+from data.latents import publish_json, shard_record
 from data.precompute.encoders import SD3Encoders
-from data.precompute.images import aspect_buckets, ordered_map, prepare
+from data.precompute.images import aspect_buckets, latent_weights, ordered_map, prepare
 from data.precompute.inputs import Unit
+from formats import DTYPES, sha256
 from models.diffusers_io import save_safetensors
 
 log = logging.getLogger("mmdit")
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 REPORTS, PROGRESS = "reports", ".progress"
 
 
 class UnitWriter:
-    """One unit's output: samples wait per target size for a batch, encoded rows wait for a shard."""
+    """One unit's output: samples wait per target size for a batch, encoded rows wait for a shard. A shard
+    stores `loss_mask` when any of its samples has a mask; its samples without one weigh 1 everywhere."""
 
     def __init__(self, number: int, encoders: SD3Encoders, settings: dict, out: Path, progress):
         self.number, self.encoders, self.out, self.progress = number, encoders, out, progress
@@ -30,16 +31,19 @@ class UnitWriter:
         self.parts = Counter()
         self.shards, self.captions = [], []
 
-    def add(self, size: tuple[int, int], pixels: torch.Tensor, caption: str) -> None:
-        self.waiting.setdefault(size, []).append((pixels, caption))
+    def add(self, size: tuple[int, int], pixels: torch.Tensor, caption: str, mask: torch.Tensor | None) -> None:
+        self.waiting.setdefault(size, []).append((pixels, caption, mask))
         if len(self.waiting[size]) == self.batch_size:
             self.encode(size)
 
     def encode(self, size: tuple[int, int]) -> None:
         batch = self.waiting.pop(size)
-        captions = [caption for _, caption in batch]
+        captions = [caption for _, caption, _ in batch]
         rows, done = self.encoded.setdefault(size, ([], []))
-        rows.append(self.encoders.encode(torch.stack([p for p, _ in batch]), captions, self.flip, self.store))
+        rows.append(self.encoders.encode(torch.stack([p for p, _, _ in batch]), captions, self.flip, self.store))
+        if any(mask is not None for _, _, mask in batch):
+            masks = torch.stack([torch.full_like(p[:1], 255) if m is None else m for p, _, m in batch])
+            rows[-1]["loss_mask"] = latent_weights(masks, rows[-1]["latents"].shape[-2:]).to(self.store)
         done += captions
         self.progress(len(batch))
         if len(done) >= self.shard_size:
@@ -47,12 +51,15 @@ class UnitWriter:
 
     def write(self, size: tuple[int, int]) -> None:
         rows, captions = self.encoded.pop(size)
+        if any("loss_mask" in r for r in rows):
+            for r in rows:
+                r.setdefault("loss_mask", torch.ones_like(r["latents"][:, :1]))
         tensors = {name: torch.cat([r[name] for r in rows]) for name in rows[0]}
         h, w = tensors["latents"].shape[-2:]
         name = f"shard-{self.number:05d}-{h}x{w}-{self.parts[size]:03d}.safetensors"
         self.parts[size] += 1
         save_safetensors(tensors, self.out / name, {"captions": json.dumps(captions)})
-        self.shards.append(shard_record(self.out, name, len(captions), (h, w)))
+        self.shards.append({**shard_record(self.out, name, len(captions), (h, w)), "masks": "loss_mask" in tensors})
         self.captions.append(captions)
 
     def finish(self) -> None:
@@ -67,12 +74,12 @@ def encode_unit(number: int, unit: Unit, encoders: SD3Encoders, settings: dict, 
     buckets = (aspect_buckets(settings["resolution"], settings["bucket_step"]) if settings["aspect_buckets"]
                else [(settings["resolution"], settings["resolution"])])
     writer, skipped, samples = UnitWriter(number, encoders, settings, out, progress), [], 0
-    for sample, size, pixels in ordered_map(lambda s: prepare(s, buckets), unit.samples(), settings["workers"]):
+    for sample, size, pixels, mask in ordered_map(lambda s: prepare(s, buckets), unit.samples(), settings["workers"]):
         samples += 1
         if sample.problem:
             skipped.append({"key": sample.key, "why": sample.problem})
         else:
-            writer.add(size, pixels, sample.caption)
+            writer.add(size, pixels, sample.caption, mask)
     writer.finish()
     report = {"input": unit.name, "samples": samples, "encoded": samples - len(skipped), "skipped": skipped,
               "shards": writer.shards, "captions": writer.captions}
