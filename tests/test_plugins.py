@@ -59,18 +59,18 @@ def test_deterministic_kernels_train_like_the_default_and_are_switched_per_run(t
     assert_close(final_weights(tmp_path / "deterministic"), final_weights(tmp_path / "default"))
 
 
-def test_a_failed_compilation_falls_back_to_eager(tiny, tmp_path, monkeypatch):
-    calls, real_compile = [], torch.nn.Module.compile
+def test_a_failed_compilation_falls_back_to_eager(tiny, tmp_path, monkeypatch, caplog):
+    calls = []
 
-    def broken_backend(graph, example_inputs):
+    def broken_backend(graph, example_inputs, **kwargs):
         calls.append(graph)
         raise RuntimeError("injected compiler failure")
 
-    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: real_compile(
-        self, **{**kwargs, "backend": broken_backend}))
+    monkeypatch.setattr("perf.compile.torch_backend", lambda name, mode: broken_backend)
     assert main(tiny("training.max_steps=3", run="eager")) == 0
     assert main(tiny("training.max_steps=3", "compile.enabled=true", run="broken")) == 0
     assert calls, "the compiler was asked and failed"
+    assert "backend failed on a graph (RuntimeError: injected compiler failure); it runs eagerly" in caplog.text
     assert losses(tmp_path / "broken") == losses(tmp_path / "eager")  # then ran eagerly, bit for bit
     assert_close(final_weights(tmp_path / "broken"), final_weights(tmp_path / "eager"))
 

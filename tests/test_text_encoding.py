@@ -73,7 +73,10 @@ def test_a_run_killed_with_sigkill_resumes_bit_for_bit(run, tmp_path):
 
 def test_missing_text_encoders_are_named_before_the_run_directory(run, sd3_data, tmp_path, caplog):
     assert main(run("data.text_encoding=on_the_fly", f"data.text_encoders_from={tmp_path / 'nowhere'}")) == 2
-    assert "data.text_encoders_from=" in caplog.text and "no text_encoder/ folder" in caplog.text
+    assert "data.text_encoders_from=" in caplog.text and "nowhere does not exist" in caplog.text
+    (tmp_path / "empty").mkdir()
+    assert main(run("data.text_encoding=on_the_fly", f"data.text_encoders_from={tmp_path / 'empty'}")) == 2
+    assert "no text_encoder/ folder" in caplog.text
     assert not (tmp_path / "run").exists()
     assert main(run("data.text_encoders_from=/x")) == 2
     assert "names the text encoders of data.text_encoding=on_the_fly" in caplog.text
