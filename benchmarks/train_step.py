@@ -27,7 +27,7 @@ timed with CUDA events between steps, read after the last (perf_counter on a CPU
 - graph breaks that torch.compile reported while building the row (dynamo's counters).
 
 Variants of SD3-medium (the issue's target): fp32+TF32, bf16 eager, bf16 compiled (the config as written),
-each activation-checkpointing choice, each attention backend, float8 (when the `float8` config section exists),
+each activation-checkpointing choice, each attention backend, float8,
 and in the same run the anchor: diffusers' SD3Transformer2DModel at the same shape, precision, activation
 checkpointing and fused AdamW, eager and compiled per block (diffusers 0.42 lists no `_repeated_blocks` for it),
 with the same loss, clipping and EMA. A row that cannot run here (a CUDA-only kernel, a missing package) is
@@ -59,7 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the project folders import by their names
 
 from configs.build import build_model, build_trained_model  # noqa: E402
-from configs.schema import Config, check_sections  # noqa: E402
+from configs.schema import check_sections  # noqa: E402
 from errors import ConfigError  # noqa: E402
 from models.lora import apply_lora  # noqa: E402
 from models.rectified_flow import interpolate, per_sample_loss  # noqa: E402
@@ -88,7 +88,6 @@ RESOLUTION = 1024
 TINY = {"architecture": {"num_layers": 2, "num_attention_heads": 2, "attention_head_dim": 16, "sample_size": 16,
                          "pos_embed_max_size": 8},
         "text": {"tokens": 8, "joint": 32, "pooled": 16}, "resolution": 128}
-FLOAT8 = "float8" in Config.__dataclass_fields__  # the float8 plugin's config section, once it exists
 
 
 @dataclass
@@ -96,15 +95,13 @@ class Variant:
     name: str
     overrides: list[str] = field(default_factory=list)
     anchor: bool = False  # diffusers' SD3Transformer2DModel instead of this project's model
-    missing: str = ""  # why the row cannot exist in this tree (a plugin not there yet)
 
 
 def variants(model: str) -> list[Variant]:
     """The config as written for every model; the sweep and the diffusers anchor for SD3-medium; float8 for
     SD3-medium and SD3.5-large (its target: 1.2x bf16 there)."""
     rows = [Variant("as configured")]
-    float8 = Variant("float8", ["float8.enabled=true"],
-                     missing="" if FLOAT8 else "no float8 plugin in this tree yet (config key float8.enabled)")
+    float8 = Variant("float8", ["float8.enabled=true"])
     if model == "sd3-medium":
         rows[0].name = "bf16 compiled (as configured)"
         rows += [Variant("fp32+TF32 eager", ["training.dtype=fp32", "compile.enabled=false"]),
@@ -320,8 +317,6 @@ def measure(model_name: str, variant: Variant, size: str, steps: int, warmup: in
 
 
 def not_runnable_here(variant: Variant, device: torch.device) -> str | None:
-    if variant.missing:
-        return variant.missing
     if variant.anchor:
         try:
             import diffusers  # noqa: F401
