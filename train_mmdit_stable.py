@@ -109,7 +109,7 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
     checkpointer = Checkpointer(run_dir, cfg.checkpoint, states, checkpoint_meta(cfg, model, world),
                                 {"config.yaml": OmegaConf.to_yaml(cfg)}, device, cfg.parallel.timeout_s)
     optimizer.register_step_pre_hook(checkpointer.wait_for_staging)  # weights change only once staged
-    with stop_together():
+    with stop_together(), checkpointer.closed_on_error():  # a failed start leaves no thread of it running
         start_step = checkpointer.resume()
         if start_step > training.max_steps:
             raise ConfigError(f"training.max_steps={training.max_steps} is below the step of "

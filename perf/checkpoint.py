@@ -28,6 +28,7 @@ import shutil
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -543,6 +544,15 @@ class Checkpointer:
     def metrics(self) -> dict[str, float]:
         return {"checkpoint/stall_s": self.last_stall_s, "checkpoint/staging_wait_s": self.last_staging_wait_s,
                 "checkpoint/staging_gib": self.staging_bytes / 2**30}
+
+    @contextmanager
+    def closed_on_error(self):
+        """Close this checkpointer if the block fails: its staging and writer threads end with the run."""
+        try:
+            yield
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
         """Wait for the save in flight (its outcome is reported) and release the staging buffers."""
