@@ -1,5 +1,6 @@
 """Shared test helpers: tiny runs, comparisons that can fail, and ranks in real processes."""
 
+import itertools
 import json
 import multiprocessing
 import os
@@ -12,7 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-torch.set_num_threads(2)
+# One thread per process, here and (through OMP_NUM_THREADS) in every process a test starts: the suite's
+# tensors are tiny, `make test` runs two workers on two cores, and a second thread per process only contends.
+# Runs compared bit for bit then also sum in the same order wherever they ran.
+os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 180  # a hung collective fails the test instead of the suite
 
@@ -64,10 +69,25 @@ def flatten(tree, prefix: str = "") -> dict[str, torch.Tensor]:
 
 # ----------------------------------------------------------------------------------------------- ranks
 
+PORTS_PER_WORKER = 1500
+_next_port = itertools.count()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port that no other test process will be handed: each pytest-xdist worker (`make test` runs two)
+    walks a range of its own below the kernel's ephemeral ports (32768 and up), where neither bind(0) nor gloo's
+    own connections land, so two workers' rendezvous never meet."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    first = 20000 + worker * PORTS_PER_WORKER
+    for _ in range(PORTS_PER_WORKER):
+        port = first + next(_next_port) % PORTS_PER_WORKER
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use, or in TIME_WAIT from an earlier run
+                continue
+            return port
+    raise RuntimeError(f"no free port in {first}..{first + PORTS_PER_WORKER - 1}")
 
 
 def gloo_threads() -> list[str]:
@@ -86,7 +106,6 @@ def rank_main(rank: int, world_size: int, port: int, func, args: tuple, out: Pat
     """One rank with torchrun's environment; writes its result (or error) to `out`."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
     try:
         result = func(*args)
     except Exception as e:  # reported to the test, which fails with it
@@ -139,7 +158,7 @@ def trains(world_size: int, overrides: list[str], tmp_path: Path) -> None:
 def sigkill_after(overrides: list[str], line_marker: str) -> None:
     """A one-process run in a child, SIGKILLed as soon as it prints a line containing `line_marker` (e.g. a
     checkpoint's "complete"): somewhere in the steps that follow."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "train_mmdit_stable.py", *overrides], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout:

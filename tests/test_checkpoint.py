@@ -219,18 +219,21 @@ def test_the_staging_thread_leaves_the_training_threads_openmp_team_alone(tmp_pa
     """The stager's copy thread runs torch on one thread (a second OpenMP team alive beside the training
     thread's made libgomp stop spinning: the default run trained 35 % slower after its first save); the
     training thread, and threads started later, keep their count."""
-    threads = torch.get_num_threads()
-    assert threads > 1, "needs a machine with more than one core to show anything"
-    ckpt = checkpointer(tmp_path, {"model": torch.nn.Linear(64, 64)}, async_save=True)
-    ckpt.save(1)
-    ckpt.wait()
-    assert ckpt.stager._staging_executor.submit(torch.get_num_threads).result() == 1
-    later = []
-    thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
-    thread.start()
-    thread.join()
-    assert torch.get_num_threads() == threads and later == [threads]
-    ckpt.close()
+    suite_threads, threads = torch.get_num_threads(), 2  # the suite runs on one (tests/conftest.py)
+    torch.set_num_threads(threads)
+    try:
+        ckpt = checkpointer(tmp_path, {"model": torch.nn.Linear(64, 64)}, async_save=True)
+        ckpt.save(1)
+        ckpt.wait()
+        assert ckpt.stager._staging_executor.submit(torch.get_num_threads).result() == 1
+        later = []
+        thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        assert torch.get_num_threads() == threads and later == [threads]
+        ckpt.close()
+    finally:
+        torch.set_num_threads(suite_threads)
 
 
 def test_a_save_waits_for_the_one_in_flight(tmp_path, monkeypatch, caplog):

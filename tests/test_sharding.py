@@ -247,8 +247,7 @@ def test_workers_killed_at_random_restart_and_finish_with_the_uninterrupted_weig
     import threading
     overrides = [*TINY, "parallel.strategy=fsdp", "training.train_batch_size=4", "training.max_steps=40",
                  "checkpoint.every=4", "sampling.steps=1"]
-    env = {**os.environ, "PYTHON": sys.executable, "NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1",
-           "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHON": sys.executable, "NPROC_PER_NODE": "2", "PYTHONUNBUFFERED": "1"}
     assert [r["status"] for r in spawn(2, train, [*overrides, f"logging.output_dir={tmp_path / 'straight'}"],
                                        tmp_path=tmp_path)] == [0, 0]
 

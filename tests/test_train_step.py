@@ -6,7 +6,6 @@ tiny"`: minutes on a loaded 2-core machine, too long for the suite.)"""
 import json
 
 import pytest
-import torch
 
 from benchmarks import train_step
 
@@ -18,16 +17,11 @@ def test_the_tiny_benchmark_measures_rows_and_names_what_it_cannot_run(tmp_path)
     # tiny"`; compile itself is tested in tests/test_plugins.py)
     variants = ["bf16 eager", "fp32+TF32 eager", "bf16 compiled, attention sdpa_cudnn", "float8", "diffusers eager"]
     common = ["--size", "tiny", "--steps", "2", "--warmup", "1"]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: on a shared 2-core machine a second thread only contends (10x slower)
-    try:
-        assert train_step.main([*common, "--models", "sd3-medium", "--variants", *variants,
-                                "--out", str(tmp_path / "a.json")]) == 0
-        # the LoRA run on an int8 base
-        assert train_step.main([*common, "--models", "sd3.5-large-lora-24gb", "--overrides", "compile.enabled=false",
-                                "--out", str(tmp_path / "b.json")]) == 0
-    finally:
-        torch.set_num_threads(threads)
+    assert train_step.main([*common, "--models", "sd3-medium", "--variants", *variants,
+                            "--out", str(tmp_path / "a.json")]) == 0
+    # the LoRA run on an int8 base
+    assert train_step.main([*common, "--models", "sd3.5-large-lora-24gb", "--overrides", "compile.enabled=false",
+                            "--out", str(tmp_path / "b.json")]) == 0
     rows = {(r["model"], r["variant"]): r for name in ("a", "b")
             for r in json.loads((tmp_path / f"{name}.json").read_text())["rows"]}
     measured = [("sd3-medium", "bf16 eager"), ("sd3-medium", "fp32+TF32 eager"),

@@ -28,7 +28,7 @@ BAD = {"00001.tar:000010001": "corrupt image", "00002.tar:000020000": "no captio
        "00003.tar:000030002": "unsupported format"}  # report keys: the shard and the sample's key
 # every process computes with one thread: the VAE's convolutions sum in another order with another thread count;
 # a process that crashes prints its Python stacks
-ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
+UNBUFFERED = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
 
 
 def add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -74,17 +74,12 @@ def arguments(sd3_dir, out, *inputs, extra=()) -> list[str]:
 
 
 def run_in_process(sd3_dir, out, *inputs, extra=()) -> int:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return precompute_latents.main(arguments(sd3_dir, out, *inputs, extra=extra))
-    finally:
-        torch.set_num_threads(threads)
+    return precompute_latents.main(arguments(sd3_dir, out, *inputs, extra=extra))
 
 
 def torchrun(nproc: int, args: list[str], **kwargs) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                             f"--master_port={free_port()}", str(ROOT / "precompute_latents.py"), *args], cwd=ROOT, env=ONE_THREAD,
+                             f"--master_port={free_port()}", str(ROOT / "precompute_latents.py"), *args], cwd=ROOT, env=UNBUFFERED,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
 
 
@@ -151,7 +146,7 @@ def test_a_precompute_killed_with_sigkill_reruns_to_the_same_dataset(sd3_dir, ta
     assert run_in_process(sd3_dir, tmp_path / "clean", *shards) == 0
     stall.touch()
     args = arguments(sd3_dir, tmp_path / "killed", *shards)
-    proc = subprocess.Popen([sys.executable, str(ROOT / "precompute_latents.py"), *args], cwd=ROOT, env=ONE_THREAD,
+    proc = subprocess.Popen([sys.executable, str(ROOT / "precompute_latents.py"), *args], cwd=ROOT, env=UNBUFFERED,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     reports, deadline = tmp_path / "killed" / "reports", time.monotonic() + 120
     while len(list(reports.glob("*.json"))) < SHARDS - 1 and time.monotonic() < deadline:
@@ -170,7 +165,7 @@ def test_a_precompute_killed_with_sigkill_reruns_to_the_same_dataset(sd3_dir, ta
 
 def launch(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
     """NPROC_PER_NODE=nproc ./launch.sh precompute_latents.py ARGS, as the README runs it."""
-    env = {**ONE_THREAD, "PYTHON": sys.executable, "NPROC_PER_NODE": str(nproc), "MASTER_PORT": str(free_port())}
+    env = {**UNBUFFERED, "PYTHON": sys.executable, "NPROC_PER_NODE": str(nproc), "MASTER_PORT": str(free_port())}
     return subprocess.run([str(ROOT / "launch.sh"), "precompute_latents.py", *args], env=env, cwd=ROOT,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
 
@@ -197,7 +192,7 @@ def test_a_shard_that_cannot_be_read_ends_a_launch_with_exit_1_and_no_traceback(
                       "rank = os.environ['RANK']\n"
                       "print(f'rank {rank} said why')\n"
                       "pathlib.Path(os.environ['MMDIT_STATUS_DIR'], f'rank{rank}').write_text(sys.argv[1])\n")
-    env = {**ONE_THREAD, "PYTHON": sys.executable, "NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port())}
+    env = {**UNBUFFERED, "PYTHON": sys.executable, "NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port())}
     proc = subprocess.run([str(ROOT / "launch.sh"), str(worker), "failed"], env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=120)
     assert proc.returncode == 1 and "Traceback" not in proc.stdout, proc.stdout
@@ -218,7 +213,7 @@ def test_the_ranks_free_their_process_group_before_the_interpreter_exits(tmp_pat
                       "open(f'{sys.argv[1]}/rank{ranks.rank}.json', 'w').write(json.dumps(gloo_threads()))\n")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                            f"--master_port={free_port()}", str(script), str(tmp_path)], cwd=ROOT,
-                          env={**ONE_THREAD, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                          env={**UNBUFFERED, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=300)
     assert proc.returncode == 0, without_progress_bars(proc.stdout)
     assert [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)] == [[], []]
