@@ -8,7 +8,6 @@ import sys
 import time
 from pathlib import Path
 
-
 from perf.checkpoint import checkpoints, read_checkpoint, read_meta, verify
 from tests.conftest import TINY, assert_close, final_weights, trains
 from train_mmdit_stable import main
