@@ -238,12 +238,14 @@ def checkpoint_meta(cfg: DictConfig, model, world: World) -> dict:
 
 
 def throughput(cfg: DictConfig, dataset, tokenizer, batch_size: int, world: World, device: torch.device) -> Throughput:
-    """Samples, tokens and FLOPs per second; FLOPs counted once on a meta-device copy of the model."""
+    """Samples, tokens and FLOPs per second; FLOPs counted once on a meta-device copy of the model, by the rank
+    that reports them (the count takes seconds of CPU for a large model)."""
     shape = (dataset.latent_channels, *dataset.latent_sizes[-1])  # the largest size
     tokens = (shape[1] // cfg.model.patch_size) * (shape[2] // cfg.model.patch_size) + text_tokens(dataset, tokenizer)
     flops = train_flops_per_sample(
         lambda: apply_lora(build_model(cfg, dataset, tokenizer), cfg.lora),
-        lambda: (torch.zeros(1, *shape), torch.full((1,), 0.5), example_text(dataset, tokenizer)))
+        lambda: (torch.zeros(1, *shape), torch.full((1,), 0.5), example_text(dataset, tokenizer))) \
+        if world.is_main else None
     peak = peak_flops(device, cfg.training.dtype, cfg.training.allow_tf32, cfg.logging.peak_tflops)
     return Throughput(batch_size, world.world_size, tokens, flops, peak)
 

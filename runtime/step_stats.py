@@ -147,10 +147,10 @@ def train_flops_per_sample(build, sample_inputs) -> int:
 
 
 class Throughput:
-    """Samples and tokens per second (in all and per rank), achieved TFLOP/s per rank, and MFU when the
-    device's peak is known, from optimizer steps per second."""
+    """Samples and tokens per second (in all and per rank), achieved TFLOP/s per rank where the FLOPs per sample
+    are known, and MFU where the device's peak is known too, from optimizer steps per second."""
 
-    def __init__(self, samples_per_step: int, world_size: int, tokens_per_sample: int, flops_per_sample: int,
+    def __init__(self, samples_per_step: int, world_size: int, tokens_per_sample: int, flops_per_sample: int | None,
                  peak: float | None):
         self.samples_per_step, self.world_size, self.tokens_per_sample = samples_per_step, world_size, tokens_per_sample
         self.flops_per_sample, self.peak = flops_per_sample, peak
@@ -160,10 +160,11 @@ class Throughput:
         per_rank = samples_per_s / self.world_size
         out = {"samples_per_s": samples_per_s, "samples_per_s_per_rank": per_rank,
                "tokens_per_s": samples_per_s * self.tokens_per_sample,
-               "tokens_per_s_per_rank": per_rank * self.tokens_per_sample,
-               "tflops_per_s_per_rank": per_rank * self.flops_per_sample / 1e12}
-        if self.peak:
-            out["mfu"] = per_rank * self.flops_per_sample / self.peak
+               "tokens_per_s_per_rank": per_rank * self.tokens_per_sample}
+        if self.flops_per_sample is not None:
+            out["tflops_per_s_per_rank"] = per_rank * self.flops_per_sample / 1e12
+            if self.peak:
+                out["mfu"] = per_rank * self.flops_per_sample / self.peak
         return out
 
 

@@ -117,7 +117,9 @@ def forkserver():
     """Ranks are forked from a server that imported torch and this project once: a rank starts in ~20 ms
     instead of a few seconds of imports, and each is still a fresh process."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "train_mmdit_stable", "tests.conftest"])
+    # torch._inductor: torch.use_deterministic_algorithms imports it (0.5 s in each rank otherwise)
+    context.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "torch._inductor", "train_mmdit_stable",
+                                    "tests.conftest"])
     return context
 
 

@@ -157,13 +157,12 @@ def test_lora_on_a_quantized_base_under_fsdp_equals_one_process(lora_run, tmp_pa
 
 
 def test_a_quantized_lora_run_killed_mid_training_resumes_bit_for_bit(lora_run, tmp_path):
-    run = lora_run("lora.base_quantization=int8", "training.max_steps=200", "checkpoint.every=20",
-                   "logging.log_every=20", run="killed")
+    common = ["lora.base_quantization=int8", "training.max_steps=60", "checkpoint.every=20", "logging.log_every=20"]
+    run = lora_run(*common, run="killed")
     sigkill_after(run, "step_00000040 complete")  # right after its second checkpoint
     assert checkpoints(tmp_path / "killed")
     assert main(run) == 0
-    assert main(lora_run("lora.base_quantization=int8", "training.max_steps=200", "checkpoint.every=20",
-                         "logging.log_every=20", run="straight")) == 0
+    assert main(lora_run(*common, run="straight")) == 0
     assert_close(final_weights(tmp_path / "killed"), final_weights(tmp_path / "straight"))
 
 
