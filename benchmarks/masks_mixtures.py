@@ -100,11 +100,20 @@ def main() -> None:
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "masks_mixtures_cpu.json")
     args = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    results = {"device": "cpu", "threads": torch.get_num_threads(), "step": step_costs(args),
-               "sampler": sampler_costs(args)}
-    print(json.dumps(results, indent=1))
+    results = {"device": "cpu", "threads": torch.get_num_threads(), "torch": torch.__version__,
+               "step": step_costs(args), "sampler": sampler_costs(args)}
+    step, sampler = results["step"], results["sampler"]["sampler_s_per_step"]
+    print(f"{'':<34} {'plain':>12} {'masked':>12} {'ratio':>7}")
+    print(f"{'step s (forward + backward)':<34} {step['plain_step_s']:>12.4f} {step['masked_step_s']:>12.4f} "
+          f"{step['masked_step_s'] / step['plain_step_s']:>7.3f}")
+    print(f"{'bytes saved for backward':<34} {step['saved_for_backward_plain_bytes']:>12,} "
+          f"{step['saved_for_backward_masked_bytes']:>12,} "
+          f"{step['saved_for_backward_masked_bytes'] / step['saved_for_backward_plain_bytes']:>7.4f}")
+    print(f"{'sampler ms per step':<34} {'one dataset':>12} {'three':>12}")
+    print(f"{f'  global batch {args.global_batch}':<34} {sampler['one dataset'] * 1e3:>12.2f} "
+          f"{sampler['three datasets'] * 1e3:>12.2f} {sampler['three datasets'] / sampler['one dataset']:>7.3f}")
     args.out.write_text(json.dumps(results, indent=1) + "\n")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
