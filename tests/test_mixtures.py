@@ -2,7 +2,7 @@
 (D - 1) / 2 units of its weight at every point of a run; batches depend on (seed, step, global batch) only,
 across world sizes and resumes; per-dataset caption dropout, loss weight, held-out loss and loss metrics; a
 mixture of a masked and a plain dataset of different latent sizes trains and resumes bit for bit after
-SIGKILL."""
+SIGKILL, and trains on two FSDP ranks as on one process."""
 
 import numpy as np
 import pytest
@@ -14,7 +14,8 @@ from data.loader import Collate, StepBatchSampler
 from data.mixture import MixedDataset, Mixture
 from errors import ConfigError
 from perf.checkpoint import checkpoints
-from tests.conftest import ROOT, assert_close, final_weights, metric_rows, sigkill_after, write_latent_shards
+from tests.conftest import (ROOT, assert_close, final_weights, metric_rows, sigkill_after, trains,
+                            write_latent_shards)
 from tests.test_masks import add_masks
 from train_mmdit_stable import main
 
@@ -92,6 +93,9 @@ def test_a_masked_and_a_plain_dataset_of_other_sizes_train_and_resume_bit_for_bi
     assert main(killed) == 0
     assert main(latent_run(*common, run="straight")) == 0
     assert_close(final_weights(tmp_path / "killed"), final_weights(tmp_path / "straight"))
+    # sharded: the same global batch of 4 over two FSDP ranks (each rank's masks and loss weights, one mean)
+    trains(2, latent_run(*common, "parallel.strategy=fsdp", "training.train_batch_size=2", run="fsdp"), tmp_path)
+    assert_close(final_weights(tmp_path / "fsdp"), final_weights(tmp_path / "straight"), atol=1e-6)  # measured 3e-8
     rows = metric_rows(tmp_path / "straight")
     train_rows = [r for r in rows if "loss" in r]  # a row per step; under aspect buckets a step is one dataset's
     assert all(("loss_by_dataset/subject" in r) != ("loss_by_dataset/class" in r) for r in train_rows)
