@@ -12,6 +12,7 @@ the config is named after (or --model); the data's sizes from SD3's encoders at 
 """
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -134,14 +135,15 @@ def settings(cfg, choice: dict, gpus: int) -> dict:
             "cpu_offload": choice["cpu_offload"]}
 
 
-def plan_rows(cfg, dataset, tokenizer, gpus: int, gpu_gib: float) -> list[dict]:
-    counts = {}
+def counter(cfg, dataset, tokenizer):
+    """count() by base quantization, each made once: a large model's count takes seconds."""
+    return functools.cache(lambda quantization: count(cfg, dataset, tokenizer, quantization))
+
+
+def plan_rows(cfg, counts, gpus: int, gpu_gib: float) -> list[dict]:
     rows = []
     for name, choice in choices(cfg, gpus):
-        quantization = choice["quantization"]
-        if quantization not in counts:
-            counts[quantization] = count(cfg, dataset, tokenizer, quantization)
-        result = plan(counts[quantization], checkpointing=choice["checkpointing"], every=choice["every"],
+        result = plan(counts(choice["quantization"]), checkpointing=choice["checkpointing"], every=choice["every"],
                       **settings(cfg, choice, gpus))
         rows.append({"choice": name, **{k: getattr(result, k) / GIB for k in
                                         ("weights", "gradients", "optimizer", "ema", "in_flight", "activations",
@@ -151,11 +153,10 @@ def plan_rows(cfg, dataset, tokenizer, gpus: int, gpu_gib: float) -> list[dict]:
     return rows
 
 
-def cheapest_line(cfg, dataset, tokenizer, gpus: int, gpu_gib: float) -> str:
+def cheapest_line(cfg, counts, gpus: int, gpu_gib: float) -> str:
     """The activation checkpointing setting that fits with the least recompute, the rest as configured."""
     given = choices(cfg, gpus)[0][1]
-    found = cheapest_checkpointing(count(cfg, dataset, tokenizer, given["quantization"]), gpu_gib * GIB,
-                                   **settings(cfg, given, gpus))
+    found = cheapest_checkpointing(counts(given["quantization"]), gpu_gib * GIB, **settings(cfg, given, gpus))
     if found is None:
         return f"no activation checkpointing setting fits {gpu_gib:g} GiB as configured otherwise"
     mode, every, result = found
@@ -240,8 +241,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"{args.config}: {name or 'the configured architecture'}, {cfg.training.dtype}, {args.gpus} GPU(s) of "
           f"{args.gpu_gib:g} GiB" + (f", {args.resolution} px" if tokenizer is None else ""))
-    print_rows(plan_rows(cfg, dataset, tokenizer, args.gpus, args.gpu_gib), args.gpu_gib)
-    print(cheapest_line(cfg, dataset, tokenizer, args.gpus, args.gpu_gib))
+    counts = counter(cfg, dataset, tokenizer)
+    print_rows(plan_rows(cfg, counts, args.gpus, args.gpu_gib), args.gpu_gib)
+    print(cheapest_line(cfg, counts, args.gpus, args.gpu_gib))
     return 0
 
 
