@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import (ROOT, TIMEOUT_S, TINY, assert_close, final_weights, free_port, gloo_threads,
-                            losses, metric_rows, spawn, train)
+                            losses, metric_rows, spawn, train, trains)
 
 WRITE_EVENTS = {"os.mkdir", "os.rename", "os.remove", "os.rmdir", "shutil.rmtree", "os.truncate", "os.symlink"}
 
@@ -196,11 +196,12 @@ def finish(proc: subprocess.Popen) -> str:
     return output
 
 
-def test_launcher_one_node_and_two_nodes_over_loopback(tmp_path):
-    """NPROC_PER_NODE=2 on one node, and NNODES=2 x 1 process as two torchrun node groups on this machine:
-    the same 2-rank job, so the same weights bit for bit."""
+def test_two_launcher_nodes_over_loopback_train_as_two_ranks_of_one_node(tmp_path):
+    """NNODES=2 x 1 process as two torchrun node groups on this machine, against the same 2-rank job on one node
+    (in processes of its own: NPROC_PER_NODE=2 under the launcher is tests/test_preemption.py's): the same
+    weights bit for bit."""
     overrides = [*TINY, "training.max_steps=4", "training.train_batch_size=4"]
-    finish(launcher({"NPROC_PER_NODE": "2"}, [*overrides, f"logging.output_dir={tmp_path / 'node'}"]))
+    trains(2, [*overrides, f"logging.output_dir={tmp_path / 'node'}"], tmp_path)
     port, two_nodes = str(free_port()), [f"logging.output_dir={tmp_path / 'nodes'}"]
     nodes = [launcher({"NNODES": "2", "NODE_RANK": str(r), "NPROC_PER_NODE": "1", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": port}, [*overrides, *two_nodes]) for r in (0, 1)]
