@@ -244,7 +244,7 @@ def build_validation(cfg: DictConfig, dataset, tokenizer: WordTokenizer | SD3Tok
     cannot be found is an error here, before any training."""
     v, on = cfg.validation, cfg.validation.every > 0
     images = None
-    if isinstance(dataset, ShapesDataset):  # scored at the end even with validation off
+    if isinstance(dataset, ShapesDataset) and (on or v.at_end):  # scored at the end even with validation off
         captions = dataset.validation_captions()
         shown = torch.linspace(0, len(captions) - 1, cfg.sampling.grid_size).long().tolist()
         images = prompt_images(cfg, dataset, captions, tokenizer(captions), tokenizer([""]), to_unit,
@@ -269,7 +269,7 @@ def build_validation(cfg: DictConfig, dataset, tokenizer: WordTokenizer | SD3Tok
                       for d, name in enumerate(dataset.names)]
         losses = [HeldOutLoss(dataset, items, partial(item_text, tokenizer), v.loss_sigmas, cfg.training.seed,
                               cfg.training.dtype, prefix) for prefix, items in groups]
-    return Validation(v.every, cfg.training.max_steps, images, losses, world, device)
+    return Validation(v.every, v.at_end, cfg.training.max_steps, images, losses, world, device)
 
 
 def prompt_images(cfg: DictConfig, dataset, captions, text, uncond, decode, score, shown) -> PromptImages:

@@ -205,6 +205,7 @@ class SamplingConfig:
 @dataclass
 class ValidationConfig:
     every: int = 0  # images and held-out loss every N steps and at the end; 0: off (shapes still score at the end)
+    at_end: bool = True  # validate after the last step too: the run's final samples and scores, against its time
     vae_from: Optional[str] = None  # latents: pipeline (or vae/) folder that decodes images; None: the precompute's
     loss_sigmas: int = 8  # held-out loss at this many fixed noise levels: a finer curve against more compute
 

@@ -124,12 +124,13 @@ class HeldOutLoss:
 
 
 class Validation:
-    """`every` > 0: at every `every`-th step and at the end. Images that are scored (the shapes data) are
-    also made at the end of a run with validation off: the run's final score is what `make train` reports."""
+    """`every` > 0: at every `every`-th step and, with `at_end`, at the end. Images that are scored (the shapes
+    data) are also made at the end of a run with validation off: the run's final score is what `make train`
+    reports."""
 
-    def __init__(self, every: int, max_steps: int, images: PromptImages | None, losses: list[HeldOutLoss],
-                 world: World, device: torch.device):
-        self.every, self.max_steps, self.images, self.losses = every, max_steps, images, losses
+    def __init__(self, every: int, at_end: bool, max_steps: int, images: PromptImages | None,
+                 losses: list[HeldOutLoss], world: World, device: torch.device):
+        self.every, self.final, self.max_steps, self.images, self.losses = every, at_end, max_steps, images, losses
         self.world, self.device = world, device
 
     def due(self, done: int) -> bool:
@@ -138,12 +139,13 @@ class Validation:
 
     def at_end(self, model, ema: EMA, run_dir: Path, logger) -> None:
         """The final validation; its metrics also go to `validation.json`."""
-        if self.every == 0 and not (self.images and self.images.score):
+        if not self.final or (self.every == 0 and not (self.images and self.images.score)):
             return
         if self.images is not None and self.world.is_main:  # it can take longer than a short run's training
             log.info("final validation: sampling %d caption(s) from the EMA weights, %d Euler steps each (cfg %g)%s",
                      len(self.images.captions), self.images.sampling.steps, self.images.sampling.cfg_scale,
                      ", then scoring their prompt fidelity" if self.images.score else "")
+            log.info("(validation.at_end=false ends a run at its last checkpoint instead)")
         metrics = self(model, ema, self.max_steps, run_dir, logger)
         if metrics and self.world.is_main:
             (run_dir / "validation.json").write_text(json.dumps(metrics, indent=1))

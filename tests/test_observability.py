@@ -63,7 +63,8 @@ def test_profiler_off_creates_no_profiler(tiny, tmp_path, monkeypatch):
 
 def test_metrics_reach_jsonl_and_tensorboard(tiny, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    assert main(tiny("training.max_steps=4", "logging.log_every=2", "logging.peak_tflops=0.1")) == 0
+    assert main(tiny("training.max_steps=4", "logging.log_every=2", "logging.peak_tflops=0.1",
+                     "validation.at_end=true")) == 0
     run_dir = tmp_path / "run"
     logged = [r for r in rows(run_dir) if "loss" in r]
     assert [r["step"] for r in logged] == [2, 4]

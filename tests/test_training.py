@@ -70,7 +70,7 @@ def test_micro_batch_split_does_not_change_the_math(tiny, tmp_path):
 
 def test_run_directory_resume_and_sampling(tiny, tmp_path):
     run_dir = tmp_path / "run"
-    assert main(tiny("training.max_steps=4", "checkpoint.every=2", "validation.every=2")) == 0
+    assert main(tiny("training.max_steps=4", "checkpoint.every=2", "validation.every=2", "validation.at_end=true")) == 0
     assert [p.name for p in checkpoints(run_dir)] == ["step_00000002", "step_00000004"]
     assert (run_dir / "config.yaml").is_file() and (run_dir / "validation.json").is_file()
     assert (run_dir / "samples" / "step_00000002.png").is_file() and (run_dir / "samples" / "step_00000004.png").is_file()

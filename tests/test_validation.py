@@ -44,7 +44,7 @@ def test_flipped_latents_are_picked_per_seed_epoch_and_item(tmp_path):
 
 def test_held_out_loss_is_a_deterministic_curve(tiny, tmp_path, caplog):
     run = ["training.max_steps=4", "data.holdout=6", "validation.every=2", "validation.loss_sigmas=3",
-           "sampling.steps=1"]
+           "sampling.steps=1", "validation.at_end=true"]
     caplog.set_level(logging.INFO, logger="mmdit")
     assert main(tiny(*run, run="a")) == 0
     assert re.search(r"final validation: sampling \d+ caption\(s\) from the EMA weights, 1 Euler steps each "
@@ -83,3 +83,13 @@ def test_a_grid_of_two_prompts_has_two_columns_and_whole_captions(tmp_path):
     save_grid(torch.zeros(2, 3, 32, 32), ["a red circle", "a dog on the grass"], tmp_path / "grid.png")
     assert Image.open(tmp_path / "grid.png").width == 2 * (256 + 8)  # no empty columns
     assert caption_lines(["a red circle"], 256) == [["a red circle"]]  # not "red circle"
+
+
+def test_at_end_false_ends_a_run_at_its_last_checkpoint(tiny, tmp_path):
+    """validation.at_end=false (as in the tests' tiny runs): periodic validation only, no final samples, scores
+    or validation.json."""
+    assert main(tiny("training.max_steps=4", "validation.every=2", "validation.at_end=false")) == 0
+    run = tmp_path / "run"
+    assert sorted(p.name for p in (run / "samples").glob("*.png")) == ["step_00000002.png"]
+    assert not (run / "validation.json").exists()
+    assert [r["step"] for r in metric_rows(run) if "fidelity/color" in r] == [2]
