@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
+TORCH := $(VENV)/.torch
 BASE := $(VENV)/.installed
 TEST := $(VENV)/.installed-test
 
@@ -11,16 +12,20 @@ TEST := $(VENV)/.installed-test
 install: $(TEST)
 
 # Reuse a torch that is already importable (system site-packages); otherwise install the tested pin.
-# Training needs only the base dependencies; the tests add diffusers, transformers, peft, wandb, ...
-$(BASE): pyproject.toml
+$(TORCH):
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==$(TORCH_VERSION)"
+	touch $(TORCH)
+
+# Training needs only the base dependencies; the tests add diffusers, transformers, peft, wandb, ... (one pip run
+# that installs the base too)
+$(BASE): pyproject.toml | $(TORCH)
 	$(PY) -m pip install -e .
 	touch $(BASE)
 
-$(TEST): $(BASE)
+$(TEST): pyproject.toml | $(TORCH)
 	$(PY) -m pip install -e ".[test]"
-	touch $(TEST)
+	touch $(TEST) $(BASE)
 
 train: $(BASE)
 	PYTHON=$(PY) ./train_mmdit_stable.sh $(ARGS)
