@@ -3,7 +3,6 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
-TORCH := $(VENV)/.torch
 BASE := $(VENV)/.installed
 TEST := $(VENV)/.installed-test
 
@@ -12,20 +11,16 @@ TEST := $(VENV)/.installed-test
 install: $(TEST)
 
 # Reuse a torch that is already importable (system site-packages); otherwise install the tested pin.
-$(TORCH):
+# Training needs only the base dependencies; the tests add diffusers, transformers, peft, wandb, ...
+$(BASE): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==$(TORCH_VERSION)"
-	touch $(TORCH)
-
-# Training needs only the base dependencies; the tests add diffusers, transformers, peft, wandb, ... (one pip run
-# that installs the base too)
-$(BASE): pyproject.toml | $(TORCH)
 	$(PY) -m pip install -e .
 	touch $(BASE)
 
-$(TEST): pyproject.toml | $(TORCH)
+$(TEST): $(BASE)
 	$(PY) -m pip install -e ".[test]"
-	touch $(TEST) $(BASE)
+	touch $(TEST)
 
 train: $(BASE)
 	PYTHON=$(PY) ./train_mmdit_stable.sh $(ARGS)
