@@ -21,8 +21,7 @@ from errors import InputError
 from formats import DTYPES
 from models.diffusers_io import (CheckpointFormatError, check_state_dict, export_diffusers_lora,
                                  export_diffusers_transformer)
-from models.lora import TEXT_ENCODER_PARTS
-from models.mmdit import MMDiT, MMDiTConfig
+from models.families import FAMILIES, transformer_of_record
 from perf.checkpoint import find_checkpoint, read_checkpoint
 
 log = logging.getLogger("mmdit")
@@ -37,12 +36,13 @@ def export(checkpoint: Path, out: Path, use_ema: bool = True, dtype: torch.dtype
     weights = {**tensors["model"], **(tensors["ema"] if use_ema else {})}  # the EMA covers trained parameters
     part = lambda prefix: {k.removeprefix(prefix): v for k, v in weights.items() if k.startswith(prefix)}
     transformer = part(PREFIX)
+    family = FAMILIES[meta.get("family", "sd3")]  # recorded since FLUX.1
     if meta["lora"]:
         adapters = {"transformer": (transformer, meta["lora"])}
         for encoder, settings in meta.get("text_encoder_lora", {}).items():  # lora.text_encoders
-            adapters[TEXT_ENCODER_PARTS[encoder]] = (part(f"text_encoder.{encoder}."), settings)
+            adapters[family.text_encoders.PARTS[encoder][0]] = (part(f"text_encoder.{encoder}."), settings)
         return export_diffusers_lora(adapters, out, dtype)
-    model = MMDiT(MMDiTConfig(**meta["mmdit"]))
+    model = transformer_of_record(family.name, meta["mmdit"])
     check_state_dict(model.state_dict(), transformer, checkpoint)
     model.load_state_dict(transformer)
     return export_diffusers_transformer(model, out, dtype)

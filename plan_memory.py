@@ -22,9 +22,9 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from configs.build import build_data, build_model
-from configs.schema import ARCHITECTURE_KEYS, Config
+from configs.schema import ARCHITECTURE_KEYS, FLUX_PACKING, Config, family_defaults
 from errors import ConfigError, InputError
-from models.diffusers_io import read_config
+from models.families import read_config
 from models.lora import apply_lora
 from models.quantized import quantize_linears
 from runtime.memory_plan import GIB, cheapest_checkpointing, count_model, plan
@@ -55,8 +55,12 @@ def planning_config(path: str, overrides: list[str], model: str | None):
         OmegaConf.update(cfg, key, None)
     name = model or next((m for m in RELEASED if path.split("/")[-1].replace("_", "-").startswith(m + "-")
                           or path.split("/")[-1].replace("_", "-").startswith(m + ".")), None)
-    if cfg.model.init_from and read_config_or_none(cfg.model.init_from):
-        architecture = {k: getattr(read_config_or_none(cfg.model.init_from), k) for k in ARCHITECTURE_KEYS}
+    found = read_config_or_none(cfg.model.init_from) if cfg.model.init_from else None
+    if found:
+        family, config = found
+        architecture = {"family": family.name, **{k: getattr(config, k) for k in ARCHITECTURE_KEYS[family.name]}}
+        if family.name == "flux":
+            architecture.update(patch_size=FLUX_PACKING, qk_norm="rms_norm")
     elif name:
         architecture = RELEASED[name]
     elif cfg.data.name == "shapes":
@@ -66,6 +70,7 @@ def planning_config(path: str, overrides: list[str], model: str | None):
                           f"({', '.join(RELEASED)})")
     for key, value in architecture.items():
         OmegaConf.update(cfg, f"model.{key}", value)
+    family_defaults(cfg)
     return cfg, name
 
 

@@ -1,14 +1,17 @@
 """Encode image-caption collections once into a latent dataset (see data/latents.py).
 
-    python precompute_latents.py --model SD3_DIR (--images DIR | --manifest FILE | --shards PATTERN ...) --out DIR
+    python precompute_latents.py --model PIPELINE_DIR (--images DIR | --manifest FILE | --shards PATTERN ...) --out DIR
         [--resolution 1024] [--aspect-buckets] [--random-flip] [--validation-prompts FILE] [--batch-size 8]
         [--shard-size 1000] [--text-embeddings precomputed|none] [--caption-field NAME] [--max-bad-fraction 0.01]
         [--workers 4] [--device auto] [--dtype fp16]
     NPROC_PER_NODE=N ./launch.sh precompute_latents.py ...   (the same command on N processes; NNODES=... too)
 
-SD3_DIR is a Stable Diffusion 3 / 3.5 pipeline directory as diffusers lays it out: vae/, text_encoder/ +
-tokenizer/ (CLIP-L), text_encoder_2/ + tokenizer_2/ (CLIP-G) and, optionally, text_encoder_3/ + tokenizer_3/
-(T5; without it the T5 part is zeros, as the pipeline does). Nothing is downloaded.
+PIPELINE_DIR is a diffusers pipeline directory, whose model_index.json names its family:
+- Stable Diffusion 3 / 3.5: vae/, text_encoder/ + tokenizer/ (CLIP-L), text_encoder_2/ + tokenizer_2/ (CLIP-G)
+  and, optionally, text_encoder_3/ + tokenizer_3/ (T5; without it the T5 part is zeros, as the pipeline does);
+- FLUX.1 (dev or schnell): vae/ (FLUX's scale and shift), text_encoder/ + tokenizer/ (CLIP-L, pooled),
+  text_encoder_2/ + tokenizer_2/ (T5: 512 tokens for dev, 256 for schnell by default).
+Nothing is downloaded. The dataset records the family; training checks it against model.family.
 
 Inputs:
 - --images DIR: every image file with a same-named .txt caption beside it; --manifest FILE: JSONL of
@@ -25,7 +28,7 @@ each latent element's pixels into `loss_mask` weights stored with the latents (d
 mask is black over its whole crop is skipped as bad ("empty mask").
 
 The latents are the VAE posterior mean, shifted and scaled as the pipeline expects; the text embeddings are what
-`StableDiffusion3Pipeline.encode_prompt` gives (models/sd3_text.py), or, with --text-embeddings none, not
+the pipeline's `encode_prompt` gives (models/sd3/text.py, models/flux/text.py), or, with --text-embeddings none, not
 stored: training encodes the captions itself (data.text_encoding=on_the_fly), and a sample costs its latents
 alone. Each image is resized to cover its target size and centre-cropped; the target is --resolution squared,
 or with --aspect-buckets the bucket of about that area nearest its aspect ratio.
@@ -49,10 +52,10 @@ from pathlib import Path
 import torch
 import torch.distributed.nn  # noqa: F401  imported before the group exists: see Ranks.close
 
-from data.precompute.encoders import SD3Encoders
-from data.precompute.inputs import (PrecomputeError, Unit, check_items, fingerprint, item_units,
-                                    read_image_folder, read_manifest, read_validation_prompts, shard_units,
-                                    vae_downsampling)
+from data.precompute.encoders import PipelineEncoders
+from data.precompute.inputs import (PrecomputeError, Unit, check_items, default_sequence_length, fingerprint,
+                                    item_units, pipeline_family, read_image_folder, read_manifest,
+                                    read_validation_prompts, shard_units, vae_downsampling)
 from data.precompute.job import INPUT_NAMES, check_output_directory, precompute, start_output_directory
 from data.precompute.ranks import Ranks
 from data.precompute.units import REPORTS
@@ -63,13 +66,13 @@ from runtime.distributed import stop_together
 from runtime.preemption import mark_exit
 
 log = logging.getLogger("mmdit")
-PATCH = 2  # the MMDiT's patch side in latents (SD3 / SD3.5)
+PATCH = 2  # latent pixels per token side of the released models (SD3's patches, FLUX.1's packing)
 MAX_INPUT_NAMES = 100_000  # images of a folder or manifest named in precompute.json (to say what changed on a rerun)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, type=Path, help="SD3 / SD3.5 pipeline directory (local)")
+    parser.add_argument("--model", required=True, type=Path, help="SD3 / SD3.5 or FLUX.1 pipeline directory (local)")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--images", type=Path, help="folder of images with same-named .txt captions")
     source.add_argument("--manifest", type=Path, help='JSONL of {"image": ..., "caption": ...}')
@@ -93,13 +96,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--shard-size", type=int, default=1000, help="items per output shard (and per unit of "
                         "folder and JSONL inputs)")
     parser.add_argument("--workers", type=int, default=4, help="threads decoding images")
-    parser.add_argument("--max-sequence-length", type=int, default=256, help="T5 tokens (SD3 pipelines: 256)")
+    parser.add_argument("--max-sequence-length", type=int, help="T5 tokens (default: the pipeline's: SD3 256, "
+                        "FLUX.1-dev 512, FLUX.1-schnell 256)")
     parser.add_argument("--device", default="auto", help="auto (under torchrun: this process's GPU), cpu, cuda:1")
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp16",
                         help="storage dtype; also the encoders' dtype on a GPU (they run in fp32 on the CPU)")
     args = parser.parse_args(argv)
     for name in ("resolution", "bucket_step", "batch_size", "shard_size", "max_sequence_length", "workers"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 <= args.max_bad_fraction <= 1:
         parser.error("--max-bad-fraction must be between 0 and 1")
@@ -158,6 +162,8 @@ def run(args: argparse.Namespace, ranks: Ranks, device: torch.device) -> int:
     with stop_together():  # every rank checks the inputs alike and loads the encoders; rank 0 the output directory
         units, inputs = read_inputs(args)
         prompts = read_validation_prompts(args.validation_prompts) if args.validation_prompts else None
+        family = pipeline_family(args.model)
+        length = args.max_sequence_length or default_sequence_length(args.model, family)
         multiple = vae_downsampling(args.model) * PATCH  # every latent side must divide into patches
         name = "bucket_step" if args.aspect_buckets else "resolution"
         if getattr(args, name) % multiple:
@@ -167,14 +173,13 @@ def run(args: argparse.Namespace, ranks: Ranks, device: torch.device) -> int:
         settings = {"model": str(args.model.resolve()), **inputs, "resolution": args.resolution,
                     "aspect_buckets": args.aspect_buckets, "bucket_step": args.bucket_step,
                     "random_flip": args.random_flip, "shard_size": args.shard_size, "dtype": args.dtype,
-                    "max_sequence_length": args.max_sequence_length, "text_embeddings": args.text_embeddings,
+                    "max_sequence_length": length, "text_embeddings": args.text_embeddings,
                     "caption_field": args.caption_field,
                     "compute_dtype": str(compute)}  # a resume must not mix latents encoded at two precisions
         if ranks.rank == 0:
             check_output_directory(args.out, settings)
             start_output_directory(args.out, settings)
-        encoders = SD3Encoders(args.model, device, compute, args.max_sequence_length,
-                               args.text_embeddings == "precomputed")
+        encoders = PipelineEncoders(args.model, family, device, compute, length, args.text_embeddings == "precomputed")
     work = {**settings, "batch_size": args.batch_size, "workers": args.workers}
     return precompute(units, encoders, args.out, work, ranks, prompts, args.max_bad_fraction)
 

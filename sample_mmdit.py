@@ -21,9 +21,8 @@ from data.shapes import ShapesDataset
 from errors import ConfigError, InputError
 from models.diffusers_io import load_diffusers_weights
 from models.lora import apply_lora
-from models.mmdit import MMDiT, MMDiTConfig
+from models.families import FAMILIES, open_weights, transformer_of_record
 from models.pipeline import generate, initial_noise
-from models.sd3_text import SD3TextEncoders
 from models.text_encoder import TextToImage
 from perf.checkpoint import find_checkpoint, read_checkpoint
 
@@ -39,15 +38,15 @@ def load_trained(checkpoint: Path, use_ema: bool = True) -> tuple[TextToImage, D
     tensors, meta = read_checkpoint(checkpoint)
     if cfg.data.name == "shapes":
         model = build_model(cfg, ShapesDataset, build_tokenizer())
-    elif cfg.lora.enabled and cfg.lora.text_encoders:  # adapted text encoders: SD3's, read from their pipeline
+    elif cfg.lora.enabled and cfg.lora.text_encoders:  # adapted text encoders: the pipeline's, read from its files
         tokenizer = build_data(cfg)[1]
-        encoders = SD3TextEncoders(tokenizer.folder, tokenizer.max_sequence_length).load(torch.device("cpu"),
-                                                                                          torch.float32)
-        model = TextToImage(MMDiT(MMDiTConfig(**meta["mmdit"])), encoders)
+        encoders = FAMILIES[cfg.model.family].text_encoders(tokenizer.folder, tokenizer.max_sequence_length).load(
+            torch.device("cpu"), torch.float32)
+        model = TextToImage(transformer_of_record(meta.get("family", "sd3"), meta["mmdit"]), encoders)
     else:
-        model = TextToImage(MMDiT(MMDiTConfig(**meta["mmdit"])))
+        model = TextToImage(transformer_of_record(meta.get("family", "sd3"), meta["mmdit"]))
     if cfg.lora.enabled:
-        load_diffusers_weights(model.transformer, Path(cfg.model.init_from))
+        load_diffusers_weights(model.transformer, Path(cfg.model.init_from), reader=open_weights(cfg.model.init_from))
     apply_lora(model, cfg.lora)
     trained = {name for name, p in model.named_parameters() if p.requires_grad}
     for part in ("model", "ema") if use_ema else ("model",):

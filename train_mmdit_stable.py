@@ -231,7 +231,7 @@ def lr_scales(cfg: DictConfig) -> dict[str, float]:
 
 def checkpoint_meta(cfg: DictConfig, model, world: World) -> dict:
     """What a checkpoint records beside the state: what export needs, without the data or the config."""
-    return {"mmdit": dataclasses.asdict(unwrap(model).transformer.cfg),
+    return {"family": cfg.model.family, "mmdit": dataclasses.asdict(unwrap(model).transformer.cfg),
             "lora": adapter_settings(cfg.lora) if cfg.lora.enabled else None,
             "text_encoder_lora": text_encoder_settings(cfg.lora) if cfg.lora.enabled else {},
             "world_size": world.world_size, "strategy": cfg.parallel.strategy}

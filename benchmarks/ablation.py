@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from formats import DTYPES  # noqa: E402
 from models.attention import math_attention, sdpa_attention, use_attention  # noqa: E402
-from models.mmdit import MMDiT, MMDiTConfig  # noqa: E402
+from models.sd3.model import MMDiT, MMDiTConfig  # noqa: E402
 from optim.adamw import build_adamw  # noqa: E402
 from perf.activation_checkpointing import apply_activation_checkpointing  # noqa: E402
 from perf.compile import apply_compile  # noqa: E402

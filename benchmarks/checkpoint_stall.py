@@ -50,7 +50,7 @@ def rank_stalls(strategy: str, layers: int, heads: int, saves: int, run_dir: str
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
-    from models.mmdit import MMDiT, MMDiTConfig
+    from models.sd3.model import MMDiT, MMDiTConfig
     from optim.ema import EMA
     from perf.checkpoint import Checkpointer, OptimizerState, TrainedWeights
     torch.set_num_threads(1 if strategy != "one process" else 2)

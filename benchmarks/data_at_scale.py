@@ -203,7 +203,7 @@ def loader_rate(data: Path, tokenizers: Path | None, workers: int, batch: int, s
     from data.latents import LatentDataset
     from data.loader import Collate, split_holdout, step_batches
     from models.rectified_flow import training_sigmas
-    from models.sd3_text import SD3Tokenizers
+    from models.sd3.text import SD3Tokenizers
     dataset = LatentDataset(data, text_embeddings=tokenizers is None)
     tokenizer = SD3Tokenizers(tokenizers, SD3["t5_tokens"]) if tokenizers else None
     sigmas = partial(training_sigmas, sampling="logit_normal", logit_mean=0.0, logit_std=1.0, shift=3.0)
@@ -224,7 +224,7 @@ def needed_rate(on_the_fly: bool) -> dict:
     import transformers
     from torch.utils.flop_counter import FlopCounterMode
 
-    from models.mmdit import MMDiT, MMDiTConfig
+    from models.sd3.model import MMDiT, MMDiTConfig
     from models.text_encoder import TextToImage
     from runtime.step_stats import train_flops_per_sample
     config = MMDiTConfig(sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24,

@@ -21,8 +21,9 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from models.lora import DIFFUSERS_SD3_TARGETS, apply_lora  # noqa: E402
-from models.mmdit import MMDiT, MMDiTConfig  # noqa: E402
+from models.families import SD3_LORA_TARGETS  # noqa: E402
+from models.lora import apply_lora  # noqa: E402
+from models.sd3.model import MMDiT, MMDiTConfig  # noqa: E402
 from models.rectified_flow import per_sample_loss  # noqa: E402
 from models.text_encoder import TextToImage  # noqa: E402
 from optim.ema import EMA  # noqa: E402
@@ -39,7 +40,7 @@ def build(layers: int, heads: int, lora_rank: int) -> TextToImage:
     for p in model.parameters():  # released-like weights: non-zero gates, so adapters get gradients
         p.data.normal_(0, 0.02)
     lora = SimpleNamespace(enabled=lora_rank > 0, rank=lora_rank, alpha=lora_rank, dropout=0.0,
-                           target_modules=DIFFUSERS_SD3_TARGETS, use_dora=False, use_rslora=False, text_encoders=[])
+                           target_modules=list(SD3_LORA_TARGETS), use_dora=False, use_rslora=False, text_encoders=[])
     return apply_lora(model, lora)
 
 

@@ -33,7 +33,7 @@ def make_inputs(work: Path) -> tuple[Path, Path]:
 
     from data.latents import shard_record, write_index
     from models.diffusers_io import export_diffusers_transformer
-    from models.mmdit import MMDiT, MMDiTConfig
+    from models.sd3.model import MMDiT, MMDiTConfig
     base, data = work / "base", work / "data"
     if not base.exists():
         torch.manual_seed(0)

@@ -25,10 +25,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.finetune import Mode as FinetuneMode  # noqa: E402
-from models.lora import DIFFUSERS_SD3_TARGETS, apply_lora  # noqa: E402
-from models.mmdit import MMDiT, MMDiTConfig  # noqa: E402
+from models.families import SD3_LORA_TARGETS  # noqa: E402
+from models.lora import apply_lora  # noqa: E402
+from models.sd3.model import MMDiT, MMDiTConfig  # noqa: E402
 from models.rectified_flow import per_sample_loss  # noqa: E402
-from models.sd3_text import SD3TextEncoders  # noqa: E402
+from models.sd3.text import SD3TextEncoders  # noqa: E402
 from models.text_encoder import TextToImage  # noqa: E402
 
 CLIP_TOKENS, VOCAB = 77, 1000
@@ -62,7 +63,7 @@ def build(args, folder: Path, mode: dict) -> TextToImage:
     for p in model.transformer.parameters():  # released-like weights: non-zero gates, so adapters get gradients
         p.data.normal_(0, 0.02)
     lora = SimpleNamespace(**{"enabled": True, "rank": args.rank, "alpha": args.rank, "dropout": 0.0,
-                              "target_modules": DIFFUSERS_SD3_TARGETS, "use_dora": False, "use_rslora": False,
+                              "target_modules": list(SD3_LORA_TARGETS), "use_dora": False, "use_rslora": False,
                               "text_encoders": [], **mode})
     return apply_lora(model, lora)
 

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from data.loader import StepBatchSampler  # noqa: E402
-from models.mmdit import MMDiT, MMDiTConfig  # noqa: E402
+from models.sd3.model import MMDiT, MMDiTConfig  # noqa: E402
 from models.rectified_flow import per_sample_loss  # noqa: E402
 from models.text_encoder import TextToImage  # noqa: E402
 

@@ -40,7 +40,7 @@ from torch.utils.flop_counter import flop_registry
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the project folders import by their names
 
-from models.mmdit import JointTransformerBlock  # noqa: E402
+from models.blocks import JointTransformerBlock  # noqa: E402
 
 aten = torch.ops.aten
 

@@ -72,7 +72,7 @@ def sd35_large_projection(gpus: tuple[int, ...] = (8, 16, 64), gpu_gib: float = 
     sharded N ways; bf16 weights of the blocks in flight are gathered); activations per 1024-px sample from
     autograd's saved tensors of one block, counted on the meta device, in bf16."""
     from models.attention import math_attention, use_attention
-    from models.mmdit import MMDiT, MMDiTConfig
+    from models.sd3.model import MMDiT, MMDiTConfig
     cfg = MMDiTConfig(sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=38,
                       attention_head_dim=64, num_attention_heads=38, joint_attention_dim=4096,
                       caption_projection_dim=2432, pooled_projection_dim=2048, pos_embed_max_size=192,

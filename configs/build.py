@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn as nn
 from omegaconf import DictConfig
 
 from data.images import to_unit
@@ -18,12 +19,14 @@ from data.mixture import MixedDataset
 from data.shapes import MAX_CAPTION_WORDS, VOCABULARY, ShapesDataset
 from errors import ConfigError, InputError
 from formats import DTYPES
-from models.diffusers_io import CheckpointFormatError, WeightReader, read_config
+from models.diffusers_io import CheckpointFormatError
+from models.families import FAMILIES, family_of_pipeline, open_weights, read_config
+from models.flux.model import FluxConfig
 from models.lora import apply_lora
-from models.mmdit import MMDiT, MMDiTConfig
+from models.sd3.model import MMDiTConfig
 from models.quantized import QuantizedLinear, dequantize, quantize, quantize_linears
 from models.rectified_flow import training_sigmas
-from models.sd3_text import SD3TextEncoders, SD3Tokenizers, check_pipeline
+from models.pipeline_text import PipelineTextEncoders, PipelineTokenizers
 from models.text_encoder import TextToImage, TinyTextEncoder, WordTokenizer
 from models.vae import load_vae
 from runtime.distributed import World
@@ -36,28 +39,41 @@ def build_tokenizer() -> WordTokenizer:
     return WordTokenizer(VOCABULARY, MAX_CAPTION_WORDS)
 
 
-def mmdit_config(cfg: DictConfig, latent_channels: int, latent_sizes: list[tuple[int, int]], joint_dim: int,
-                 pooled_dim: int) -> MMDiTConfig:
+def transformer_config(cfg: DictConfig, latent_channels: int, latent_sizes: list[tuple[int, int]], joint_dim: int,
+                       pooled_dim: int) -> MMDiTConfig | FluxConfig:
+    """The transformer's config (diffusers' config.json keys) of model.family, sized for the data."""
     m = cfg.model
     for size in latent_sizes:
         if size[0] % m.patch_size or size[1] % m.patch_size:
-            raise ConfigError(f"model.patch_size={m.patch_size} does not divide the {size[0]}x{size[1]} latents")
+            raise ConfigError(f"model.patch_size={m.patch_size} does not divide the {size[0]}x{size[1]} latents "
+                              f"({'patches' if m.family == 'sd3' else 'packed tokens'} of {m.patch_size}x{m.patch_size})")
+    common = dict(num_layers=m.num_layers, attention_head_dim=m.attention_head_dim,
+                  num_attention_heads=m.num_attention_heads, joint_attention_dim=joint_dim,
+                  pooled_projection_dim=pooled_dim)
+    if m.family == "flux":
+        channels = latent_channels * m.patch_size**2  # p x p latents packed into a token
+        return FluxConfig(in_channels=channels, out_channels=channels, num_single_layers=m.num_single_layers,
+                          guidance_embeds=m.guidance_embeds, axes_dims_rope=list(m.axes_dims_rope), **common)
+    for size in latent_sizes:
         if max(size) // m.patch_size > m.pos_embed_max_size:
             raise ConfigError(f"model.pos_embed_max_size={m.pos_embed_max_size} is smaller than the "
                               f"{size[0] // m.patch_size}x{size[1] // m.patch_size} patch grid")
-    dim = m.num_attention_heads * m.attention_head_dim
     return MMDiTConfig(sample_size=m.sample_size, patch_size=m.patch_size, in_channels=latent_channels,
-                       out_channels=latent_channels, num_layers=m.num_layers,
-                       attention_head_dim=m.attention_head_dim, num_attention_heads=m.num_attention_heads,
-                       joint_attention_dim=joint_dim, caption_projection_dim=dim, pooled_projection_dim=pooled_dim,
+                       out_channels=latent_channels, caption_projection_dim=m.num_attention_heads * m.attention_head_dim,
                        pos_embed_max_size=m.pos_embed_max_size, qk_norm=m.qk_norm,
-                       dual_attention_layers=list(m.dual_attention_layers))
+                       dual_attention_layers=list(m.dual_attention_layers), **common)
 
 
-def build_data(cfg: DictConfig) -> tuple[torch.utils.data.Dataset, WordTokenizer | SD3Tokenizers | None]:
+def build_transformer(cfg: DictConfig, latent_channels: int, latent_sizes: list[tuple[int, int]], joint_dim: int,
+                      pooled_dim: int) -> nn.Module:
+    config = transformer_config(cfg, latent_channels, latent_sizes, joint_dim, pooled_dim)
+    return FAMILIES[cfg.model.family].transformer(config)
+
+
+def build_data(cfg: DictConfig) -> tuple[torch.utils.data.Dataset, WordTokenizer | PipelineTokenizers | None]:
     """The dataset, and the tokenizer of the text encoder in the model: the one trained jointly for the shapes
-    data, SD3's for latents whose captions are encoded in the step (data.text_encoding=on_the_fly), None for
-    precomputed embeddings."""
+    data, the pipeline's for latents whose captions are encoded in the step (data.text_encoding=on_the_fly), None
+    for precomputed embeddings."""
     if cfg.data.name == "shapes":
         return ShapesDataset(cfg.data.num_items, cfg.training.seed), build_tokenizer()
     if not cfg.data.path and not cfg.data.datasets:
@@ -74,13 +90,19 @@ def build_data(cfg: DictConfig) -> tuple[torch.utils.data.Dataset, WordTokenizer
     if len(dataset.latent_sizes) > 1 and not cfg.data.aspect_buckets:  # a batch is of one size
         raise ConfigError(f"data.datasets hold latents of {len(dataset.latent_sizes)} sizes {dataset.latent_sizes}; "
                           f"set data.aspect_buckets=true to train on several sizes")
-    return dataset, sd3_tokenizers(cfg, dataset) if on_the_fly else None
+    return dataset, pipeline_tokenizers(cfg, dataset) if on_the_fly else None
 
 
 def open_latents(cfg: DictConfig, path: str, text_embeddings: bool) -> LatentDataset:
-    """A latent dataset, with loss masks as data.use_masks says (auto: where it has them)."""
+    """A latent dataset, with loss masks as data.use_masks says (auto: where it has them), encoded by a pipeline
+    of model.family."""
     masks = {"auto": None, "true": True, "false": False}[cfg.data.use_masks]
     dataset = LatentDataset(path, cfg.data.aspect_buckets, text_embeddings, masks)
+    family = dataset.index.get("family", "sd3")  # recorded since FLUX.1
+    if family != cfg.model.family:
+        raise ConfigError(f"{path} was encoded by a {family} pipeline, and model.family={cfg.model.family}: its "
+                          f"latents and text embeddings are another model's (set model.family={family}, or "
+                          f"precompute the images with a {cfg.model.family} pipeline)")
     if masks is None and dataset.masks:
         log.info("%s has loss masks: the loss is weighted by them (data.use_masks=false to ignore them)", path)
     return dataset
@@ -92,17 +114,23 @@ def dataset_names(paths: list[str]) -> list[str]:
     return [f"{n}.{i}" if names.count(n) > 1 else n for i, n in enumerate(names)]
 
 
-def sd3_tokenizers(cfg: DictConfig, dataset: LatentDataset) -> SD3Tokenizers:
+def pipeline_tokenizers(cfg: DictConfig, dataset: LatentDataset) -> PipelineTokenizers:
     """The tokenizers of the pipeline whose text encoders run in the step: data.text_encoders_from, else the
-    pipeline the dataset's precompute recorded."""
+    pipeline the dataset's precompute recorded; a pipeline of model.family."""
     folder, source = cfg.data.text_encoders_from, "data.text_encoders_from"
     if not folder:
         folder, source = dataset.index.get("model"), f"the pipeline recorded in {dataset.directory}/dataset.json"
+    family = FAMILIES[cfg.model.family]
     try:
-        check_pipeline(Path(folder or ""), source)
+        family.text_encoders.check_pipeline(Path(folder or ""), source)
+        found = family_of_pipeline(Path(folder)) if (Path(folder) / "model_index.json").is_file() else family
     except CheckpointFormatError as e:
-        raise ConfigError(f"data.text_encoding=on_the_fly needs SD3's text encoders: {e}") from None
-    return SD3Tokenizers(Path(folder), dataset.index["max_sequence_length"])
+        raise ConfigError(f"data.text_encoding=on_the_fly needs the text encoders of a {family.name} pipeline: "
+                          f"{e}") from None
+    if found is not family:
+        raise ConfigError(f"{source}={folder} is a {found.name} pipeline ({found.pipeline_class}), and "
+                          f"model.family={family.name}: its text encoders are another model's")
+    return family.tokenizers(Path(folder), dataset.index["max_sequence_length"])
 
 
 def holdout_split(cfg: DictConfig, dataset) -> tuple[np.ndarray, list[int]]:
@@ -119,24 +147,28 @@ def holdout_split(cfg: DictConfig, dataset) -> tuple[np.ndarray, list[int]]:
     return (items[0] if len(items) == 1 else np.concatenate(items)), held
 
 
-def build_model(cfg: DictConfig, dataset, tokenizer: WordTokenizer | SD3Tokenizers | None = None) -> TextToImage:
-    """The MMDiT sized for the dataset, with the text encoder `tokenizer` belongs to: SD3's frozen encoders, or
+def build_model(cfg: DictConfig, dataset, tokenizer: WordTokenizer | PipelineTokenizers | None = None) -> TextToImage:
+    """The MMDiT sized for the dataset, with the text encoder `tokenizer` belongs to: a pipeline's frozen encoders, or
     one trained jointly with it. Datasets of precomputed embeddings bring their own text widths (`text_dims`)."""
     channels, sizes = dataset.latent_channels, dataset.latent_sizes
     if tokenizer is None:
-        return TextToImage(MMDiT(mmdit_config(cfg, channels, sizes, *dataset.text_dims)))
-    if isinstance(tokenizer, SD3Tokenizers):
-        encoders = SD3TextEncoders(tokenizer.folder, tokenizer.max_sequence_length)
-        return TextToImage(MMDiT(mmdit_config(cfg, channels, sizes, encoders.joint_dim, encoders.pooled_dim)), encoders)
-    t = cfg.text_encoder
-    text_encoder = TinyTextEncoder(len(tokenizer.vocab), tokenizer.max_length, t.dim, t.num_layers, t.num_heads)
-    return TextToImage(MMDiT(mmdit_config(cfg, channels, sizes, t.dim, t.dim)), text_encoder)
+        text_encoder, dims = None, dataset.text_dims
+    elif isinstance(tokenizer, PipelineTokenizers):
+        text_encoder = FAMILIES[cfg.model.family].text_encoders(tokenizer.folder, tokenizer.max_sequence_length)
+        dims = (text_encoder.joint_dim, text_encoder.pooled_dim)
+    else:
+        t = cfg.text_encoder
+        text_encoder = TinyTextEncoder(len(tokenizer.vocab), tokenizer.max_length, t.dim, t.num_layers, t.num_heads)
+        dims = (t.dim, t.dim)
+    transformer = build_transformer(cfg, channels, sizes, *dims)
+    guidance = cfg.flux.train_guidance if cfg.model.guidance_embeds else None  # FLUX.1-dev's embedding
+    return TextToImage(transformer, text_encoder, guidance)
 
 
-def build_trained_model(cfg: DictConfig, dataset, tokenizer: WordTokenizer | SD3Tokenizers | None = None) -> TextToImage:
+def build_trained_model(cfg: DictConfig, dataset, tokenizer: WordTokenizer | PipelineTokenizers | None = None) -> TextToImage:
     """The model as training starts it, built on the meta device (nothing allocated yet: each rank later fills
     only what it holds, from `InitialValues`): with LoRA adapters (lora.enabled) on a base quantized
-    (lora.base_quantization) or not. What is frozen (a LoRA base, SD3's text encoders) is kept in the compute
+    (lora.base_quantization) or not. What is frozen (a LoRA base, a pipeline's text encoders) is kept in the compute
     dtype: bf16 halves fp32's memory, and autocast computes in bf16 anyway."""
     with torch.device("meta"):
         model = apply_lora(build_model(cfg, dataset, tokenizer), cfg.lora)
@@ -147,7 +179,7 @@ def build_trained_model(cfg: DictConfig, dataset, tokenizer: WordTokenizer | SD3
         frozen_fp32 = not p.requires_grad and p.dtype == torch.float32  # not the scales of quantized codes
         if frozen_fp32 and compute != torch.float32:
             p.data = torch.empty_like(p, dtype=compute)
-    if isinstance(model.text_encoder, SD3TextEncoders):
+    if isinstance(model.text_encoder, PipelineTextEncoders):
         try:
             model.text_encoder.check(f"data.text_encoding=on_the_fly: {model.text_encoder.folder}")
         except CheckpointFormatError as e:
@@ -162,7 +194,7 @@ def check_init_from(cfg: DictConfig, dataset, tokenizer, directory: str) -> None
     (`load_config` took them from it); what can still differ comes from the data (latent channels and the text
     encoders' widths); and its files hold every weight, in the right shape."""
     try:
-        theirs = dataclasses.asdict(read_config(Path(directory)))
+        theirs = dataclasses.asdict(read_config(Path(directory))[1])
         with torch.device("meta"):
             transformer = build_model(cfg, dataset, tokenizer).transformer
         ours = dataclasses.asdict(transformer.cfg)
@@ -171,7 +203,7 @@ def check_init_from(cfg: DictConfig, dataset, tokenizer, directory: str) -> None
             raise CheckpointFormatError(f"the data does not fit it (its config.json, the data): {different}; "
                                         f"latent channels and text widths come from data.path, which must be "
                                         f"encoded with the VAE and text encoders of this transformer's pipeline")
-        WeightReader(Path(directory)).check({k: v.shape for k, v in transformer.state_dict().items()}, directory)
+        open_weights(Path(directory)).check({k: v.shape for k, v in transformer.state_dict().items()}, directory)
     except CheckpointFormatError as e:
         raise ConfigError(f"model.init_from={directory}: {e}") from None
 
@@ -179,13 +211,13 @@ def check_init_from(cfg: DictConfig, dataset, tokenizer, directory: str) -> None
 class InitialValues:
     """Where each parameter and buffer of a trained model starts, one block at a time (`(name, offsets, sizes)`:
     the block a rank holds): the transformer's from model.init_from's files, reading only that block (its
-    quantized layers from the rows they quantize), SD3's frozen text encoders' from their pipeline's files,
+    quantized layers from the rows they quantize), a pipeline's frozen text encoders' from its files,
     everything else (a fresh model, the adapters, a jointly trained text encoder) from the model's own
     `initial_value`, a function of (seed, name)."""
 
     def __init__(self, model: TextToImage, seed: int, init_from: str | None):
         self.model, self.seed = model, seed
-        self.reader = WeightReader(Path(init_from)) if init_from else None
+        self.reader = open_weights(Path(init_from)) if init_from else None
         self.last_quantized = (None, None)  # the rows a quantized layer's codes came from, for its scales
 
     def __call__(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
@@ -194,7 +226,7 @@ class InitialValues:
         block = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
         if ".lora_" in name:
             return self.model.initial_value(name, self.seed)[block]
-        if name.startswith("text_encoder.") and isinstance(self.model.text_encoder, SD3TextEncoders):
+        if name.startswith("text_encoder.") and isinstance(self.model.text_encoder, PipelineTextEncoders):
             return self.model.text_encoder.read(name.removeprefix("text_encoder."), offsets, sizes)
         if self.reader is None or not name.startswith("transformer."):
             return self.model.initial_value(name, self.seed)[block]
@@ -237,7 +269,7 @@ def build_collate(cfg: DictConfig, dataset, tokenizer: WordTokenizer | None) -> 
                    [1.0 if e is None else e.loss_weight for e in entries])
 
 
-def build_validation(cfg: DictConfig, dataset, tokenizer: WordTokenizer | SD3Tokenizers | None, holdout: list[int],
+def build_validation(cfg: DictConfig, dataset, tokenizer: WordTokenizer | PipelineTokenizers | None, holdout: list[int],
                      world: World, device: torch.device) -> Validation:
     """What validation runs for this config: the dataset's prompts (scored for the shapes data, decoded by a VAE
     loaded on rank 0 for latents) and the held-out loss. Nothing is built when it would not run; a VAE that
@@ -296,14 +328,14 @@ def latent_decoder(cfg: DictConfig, dataset, world: World, device: torch.device)
     return decode
 
 
-def item_text(tokenizer: WordTokenizer | SD3Tokenizers | None, item: dict, rows: int) -> dict[str, torch.Tensor]:
+def item_text(tokenizer: WordTokenizer | PipelineTokenizers | None, item: dict, rows: int) -> dict[str, torch.Tensor]:
     """A dataset item's text input of the model, repeated `rows` times."""
     if tokenizer is not None:
         return tokenizer([item["caption"]] * rows)
     return {k: item[k][None].expand(rows, *item[k].shape) for k in ("prompt_embeds", "pooled_prompt_embeds")}
 
 
-def example_text(dataset, tokenizer: WordTokenizer | SD3Tokenizers | None) -> dict[str, torch.Tensor]:
+def example_text(dataset, tokenizer: WordTokenizer | PipelineTokenizers | None) -> dict[str, torch.Tensor]:
     """One sample's text input of the model (the empty caption), to count its FLOPs."""
     if tokenizer is not None:
         return tokenizer([""])
@@ -311,6 +343,6 @@ def example_text(dataset, tokenizer: WordTokenizer | SD3Tokenizers | None) -> di
     return {"prompt_embeds": torch.zeros(1, dataset.text_tokens, joint), "pooled_prompt_embeds": torch.zeros(1, pooled)}
 
 
-def text_tokens(dataset, tokenizer: WordTokenizer | SD3Tokenizers | None) -> int:
+def text_tokens(dataset, tokenizer: WordTokenizer | PipelineTokenizers | None) -> int:
     """The text tokens the MMDiT attends to per sample."""
     return tokenizer.tokens if tokenizer is not None else dataset.text_tokens

@@ -13,12 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Literal, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from errors import ConfigError
-from models.diffusers_io import CheckpointFormatError, read_config
-from models.lora import DIFFUSERS_SD3_TARGETS, TEXT_ENCODER_PARTS
+from models.diffusers_io import CheckpointFormatError
+from models.families import FAMILIES, read_config
+from models.flux.model import flux_axes
+from models.lora import TEXT_ENCODER_PARTS
 
 DEFAULT_CONFIG = Path(__file__).parent / "shapes.yaml"
 
@@ -30,15 +32,15 @@ class FieldError(ValueError):
         super().__init__(f"{name} must be {expected}, got {value}")
 
 
-def positive(section, *names: str) -> None:
+def positive(section, *names: str) -> None:  # None: a family default, set by `load_config`
     for name in names:
-        if not getattr(section, name) > 0:
+        if getattr(section, name) is not None and not getattr(section, name) > 0:
             raise FieldError(name, getattr(section, name), "> 0")
 
 
 def non_negative(section, *names: str) -> None:
     for name in names:
-        if getattr(section, name) < 0:
+        if getattr(section, name) is not None and getattr(section, name) < 0:
             raise FieldError(name, getattr(section, name), ">= 0")
 
 
@@ -50,19 +52,44 @@ def fraction(section, *names: str) -> None:
 
 @dataclass
 class ModelConfig:
-    patch_size: int = 4  # smaller patches see finer detail but cost ~4x tokens per halving
-    num_layers: int = 6  # depth: capacity against time per step
+    # sd3: SD3 / SD3.5's joint blocks over [image, text]; flux: FLUX.1's double-stream blocks (SD3's with rotary
+    # positions) then single-stream blocks (attention and MLP in parallel, cheaper per token). With init_from the
+    # folder's class decides, and a family set here must agree with it
+    family: Literal["sd3", "flux"] = "sd3"
+    # latent pixels per token side: sd3 patchifies with a conv, flux packs p x p latents (FLUX.1: 2); a smaller
+    # value sees finer detail but costs ~4x tokens per halving
+    patch_size: int = 4
+    # sd3: joint blocks; flux: double-stream blocks. None: the family's demo size (sd3 6; flux 2, with 4 single)
+    num_layers: Optional[int] = None
+    num_single_layers: Optional[int] = None  # flux: single-stream blocks after the double ones; None: 2 x num_layers
     num_attention_heads: int = 4  # hidden size = heads * head_dim
     attention_head_dim: int = 32  # wider heads: more capacity, more FLOPs per token
-    sample_size: int = 32  # nominal input size; sets the scale of the sin-cos position table
-    pos_embed_max_size: int = 16  # largest patch grid side the position table covers
-    qk_norm: Optional[Literal["rms_norm"]] = "rms_norm"  # per-head q,k RMSNorm (SD3.5): stabler at high lr
-    dual_attention_layers: List[int] = field(default_factory=list)  # SD3.5 image-only attn2 in these blocks
-    init_from: Optional[str] = None  # a diffusers SD3Transformer2DModel directory to start from; sets the sizes above
+    sample_size: int = 32  # sd3: nominal input size; sets the scale of the sin-cos position table
+    pos_embed_max_size: int = 16  # sd3: largest patch grid side the position table covers
+    # per-head q,k RMSNorm (SD3.5, and always in FLUX): stabler at high lr
+    qk_norm: Optional[Literal["rms_norm"]] = "rms_norm"
+    dual_attention_layers: List[int] = field(default_factory=list)  # sd3 (SD3.5): image-only attn2 in these blocks
+    # flux: rotary channels per position axis (unused, row, column), summing to attention_head_dim; None: FLUX.1's
+    # split (16/56/56 of 128), scaled to the head dim
+    axes_dims_rope: Optional[List[int]] = None
+    # flux: a guidance embedding, as FLUX.1-dev (guidance-distilled) has; schnell and models trained from scratch
+    # without distillation have none
+    guidance_embeds: bool = False
+    # a diffusers transformer directory (SD3Transformer2DModel or FluxTransformer2DModel) to start from; sets the
+    # family and the sizes above
+    init_from: Optional[str] = None
 
     def __post_init__(self):
         positive(self, "patch_size", "num_layers", "num_attention_heads", "attention_head_dim", "sample_size",
                  "pos_embed_max_size")
+        non_negative(self, "num_single_layers")
+        if self.family == "flux":
+            self.check_flux()
+            return
+        for name, unused in (("num_single_layers", 0), ("axes_dims_rope", None), ("guidance_embeds", False)):
+            if getattr(self, name) not in (None, unused):
+                raise FieldError(name, getattr(self, name), f"{unused} with family=sd3 (a FLUX.1 setting: set "
+                                 f"model.family=flux)")
         if (self.num_attention_heads * self.attention_head_dim) % 4:
             raise FieldError("num_attention_heads", self.num_attention_heads, f"such that heads * "
                              f"attention_head_dim ({self.attention_head_dim}) divides by 4 (the 2-D sin-cos "
@@ -73,6 +100,17 @@ class ModelConfig:
         if outside:
             raise FieldError("dual_attention_layers", list(self.dual_attention_layers),
                              f"block indices in 0..{self.num_layers - 1}")
+
+    def check_flux(self) -> None:
+        if self.dual_attention_layers:
+            raise FieldError("dual_attention_layers", list(self.dual_attention_layers), "[] with family=flux (an "
+                             "SD3.5 feature)")
+        if self.qk_norm != "rms_norm":
+            raise FieldError("qk_norm", self.qk_norm, "rms_norm with family=flux (FLUX.1 always normalises q and k)")
+        axes = list(self.axes_dims_rope or [])
+        if len(axes) != 3 or sum(axes) != self.attention_head_dim or any(d % 2 for d in axes):
+            raise FieldError("axes_dims_rope", axes, f"three even numbers that sum to attention_head_dim "
+                             f"({self.attention_head_dim})")
 
 
 @dataclass
@@ -142,7 +180,8 @@ class LoraConfig:
     rank: int = 16  # adapter rank: capacity against parameters and memory
     alpha: float = 16.0  # adapter output is scaled by alpha / rank; higher moves further from the base per step
     dropout: float = 0.0  # dropout on the adapter input: regularises small datasets, adds noise to the step
-    target_modules: List[str] = field(default_factory=lambda: list(DIFFUSERS_SD3_TARGETS))  # diffusers' SD3 set
+    # module names in the blocks to adapt; None: those of diffusers' LoRA training script for the family
+    target_modules: Optional[List[str]] = None
     # frozen base weights stored in 4-bit NormalFloat or 8-bit integers, per row (models/quantized.py): ~1/8 or
     # ~1/4 of their fp32 memory, at a small output error (benchmarks/RESULTS.md); adapters train in full precision
     base_quantization: Literal["none", "nf4", "int8"] = "none"
@@ -160,7 +199,7 @@ class LoraConfig:
     def __post_init__(self):
         positive(self, "rank", "alpha")
         fraction(self, "dropout")
-        if self.enabled and not self.target_modules:
+        if self.enabled and self.target_modules is not None and not self.target_modules:
             raise FieldError("target_modules", [], "the modules to adapt, e.g. attn.to_q")
         unknown = [t for t in self.text_encoders if t not in TEXT_ENCODER_PARTS]
         if unknown or len(set(self.text_encoders)) < len(self.text_encoders):
@@ -178,6 +217,9 @@ class FlowConfig:
     logit_std: float = 1.0  # spread of the logit-normal; larger covers the ends better
     mode_scale: float = 1.29  # mode sampling's s: > 0 favours mid noise, < 0 the ends (SD3: 1.29)
     shift: float = 3.0  # SD3 timestep shift of training sigmas; > 1 trains more at high noise, where shapes form
+    # FLUX.1's shift by resolution instead of `shift`: e^mu, mu linear in the image tokens (0.5 at 256, 1.15 at
+    # 4096), so larger images, whose noise hides less per token, train at higher noise
+    resolution_shift: bool = False
 
     def __post_init__(self):
         positive(self, "shift")
@@ -190,6 +232,7 @@ class SamplingConfig:
     steps: int = 30  # Euler steps: quality against sampling time
     cfg_scale: float = 5.0  # classifier-free guidance weight; 1 disables guidance (half the cost)
     shift: float = 3.0  # timestep shift of the sampling schedule; > 1 spends more steps at high noise
+    resolution_shift: bool = False  # FLUX.1's schedule: shift e^mu by the image's token count (flow.resolution_shift)
     # sigma range [low, high] where guidance applies: layout and identity form at high noise, while guidance at
     # low noise over-sharpens; outside it only the conditional branch runs (cheaper)
     guidance_interval: List[float] = field(default_factory=lambda: [0.0, 1.0])
@@ -200,6 +243,19 @@ class SamplingConfig:
         interval = list(self.guidance_interval)
         if len(interval) != 2 or not 0 <= interval[0] <= interval[1] <= 1:
             raise FieldError("guidance_interval", interval, "[low, high] with 0 <= low <= high <= 1")
+
+
+@dataclass
+class FluxGuidanceConfig:  # what only FLUX.1-dev's guidance embedding needs (model.guidance_embeds)
+    # the guidance value the embedding sees in training. dev was distilled to predict the guided velocity for the
+    # scale it is given; the flow-matching target of real data is the unguided one, which dev produces at 1.0, so
+    # 1.0 fine-tunes without teaching the embedding a new meaning (ai-toolkit, kohya's sd-scripts and SimpleTuner
+    # feed 1.0; diffusers' script defaults to 3.5 but its documented commands pass 1)
+    train_guidance: float = 1.0
+    sample_guidance: float = 3.5  # the embedded guidance of validation images (FluxPipeline's default)
+
+    def __post_init__(self):
+        non_negative(self, "train_guidance", "sample_guidance")
 
 
 @dataclass
@@ -402,6 +458,7 @@ class Config:
     lora: LoraConfig = field(default_factory=LoraConfig)
     flow: FlowConfig = field(default_factory=FlowConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    flux: FluxGuidanceConfig = field(default_factory=FluxGuidanceConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
@@ -453,9 +510,16 @@ def check_combinations(cfg: DictConfig) -> None:
 
 
 PATH_KEYS = ("data.path", "data.text_encoders_from", "model.init_from", "logging.output_dir", "validation.vae_from")
-# the MMDiT sizes a diffusers transformer folder fixes (the rest, like channels and text widths, come from the data)
-ARCHITECTURE_KEYS = ("patch_size", "num_layers", "num_attention_heads", "attention_head_dim", "sample_size",
-                     "pos_embed_max_size", "qk_norm", "dual_attention_layers")
+# the sizes a diffusers transformer folder fixes, by family (the rest, like channels and text widths, come from the
+# data)
+ARCHITECTURE_KEYS = {"sd3": ("patch_size", "num_layers", "num_attention_heads", "attention_head_dim", "sample_size",
+                             "pos_embed_max_size", "qk_norm", "dual_attention_layers"),
+                     "flux": ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim",
+                              "axes_dims_rope", "guidance_embeds")}
+FLUX_PACKING = 2  # FluxPipeline packs 2x2 latents of its 16-channel VAE into a token: model.patch_size of FLUX.1
+# the tiny models a family trains when its sizes are left unset (the shapes demo): sd3's 6 joint blocks; flux's
+# 2 double- and 4 single-stream blocks (FLUX.1's ratio), which cost about what sd3's 6 do per token
+DEMO_LAYERS = {"sd3": 6, "flux": 2}
 # keys that moved to the section a reader looks in: a config that still uses the old name is told the new one
 RENAMED = {"sampling.every": "validation.every", "logging.save_freq": "checkpoint.every",
            "training.compile_model": "compile.enabled", "training.compile_mode": "compile.mode",
@@ -522,6 +586,7 @@ def load_config(path: str | Path = DEFAULT_CONFIG, overrides: list[str] = (), re
                 OmegaConf.update(cfg, key, str(Path(OmegaConf.select(cfg, key)).expanduser().absolute()))
         if cfg.model.init_from:
             architecture_from_init(cfg, set(given.get("model", {})))
+    family_defaults(cfg)
     check_sections(cfg)
     check_combinations(cfg)
     return cfg
@@ -538,15 +603,34 @@ def check_sections(cfg: DictConfig) -> None:
                 raise ConfigError(f"{name}.{e}") from None
 
 
+def family_defaults(cfg: DictConfig) -> None:
+    """The values a family gives the keys left unset (None): sizes of its demo model, its rotary split, the LoRA
+    targets of diffusers' script for it."""
+    m = cfg.model
+    if m.num_layers is None:
+        m.num_layers = DEMO_LAYERS[m.family]
+    if m.num_single_layers is None:
+        m.num_single_layers = 2 * m.num_layers if m.family == "flux" else 0
+    if m.family == "flux" and m.axes_dims_rope is None:
+        m.axes_dims_rope = flux_axes(m.attention_head_dim)
+    if cfg.lora.target_modules is None:
+        cfg.lora.target_modules = list(FAMILIES[m.family].lora_targets)
+
+
 def architecture_from_init(cfg: DictConfig, explicit: set[str]) -> None:
-    """Set the MMDiT sizes from model.init_from's config.json; a size set explicitly must agree with it."""
+    """Set the family and the sizes from model.init_from's config.json; a value set explicitly must agree with
+    it."""
     folder = cfg.model.init_from
     try:
-        theirs = dataclasses.asdict(read_config(Path(folder)))
+        family, config = read_config(Path(folder))
     except CheckpointFormatError as e:
         raise ConfigError(f"model.init_from={folder}: {e}") from None
-    for key in ARCHITECTURE_KEYS:
-        ours = OmegaConf.to_object(cfg.model[key]) if key == "dual_attention_layers" else cfg.model[key]
+    theirs = {**dataclasses.asdict(config), "family": family.name}
+    if family.name == "flux":
+        theirs.update(patch_size=FLUX_PACKING, qk_norm="rms_norm")
+    for key in ("family", *ARCHITECTURE_KEYS[family.name], *(("patch_size", "qk_norm") if family.name == "flux" else ())):
+        ours = cfg.model[key]
+        ours = OmegaConf.to_object(ours) if isinstance(ours, ListConfig) else ours
         if key in explicit and ours != theirs[key]:
             raise ConfigError(f"model.{key}={ours} contradicts {folder}/config.json ({key}: {theirs[key]}); the "
                               f"architecture comes from model.init_from: leave model.{key} unset, or point "

@@ -1,6 +1,7 @@
-"""Diffusers `SD3Transformer2DModel` directories in and out: config.json plus safetensors (one file, or
-shards with an index). The MMDiT uses diffusers' parameter names, so weights map key for key; anything
-that does not fit is reported by name before a single weight is copied."""
+"""Diffusers transformer directories in and out, for every family (`SD3Transformer2DModel`,
+`FluxTransformer2DModel`): config.json plus safetensors (one file, or shards with an index), and LoRA files. The
+models use diffusers' parameter names, so weights map key for key; anything that does not fit is reported by name
+before a single weight is copied. Which family a folder holds is models/families.py's question."""
 
 import dataclasses
 import json
@@ -9,22 +10,17 @@ import shutil
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from errors import InputError
 from models.lora import ADAPTER
-from models.mmdit import MMDiT, MMDiTConfig
 
-CLASS_NAME = "SD3Transformer2DModel"
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 INDEX = "diffusion_pytorch_model.safetensors.index.json"
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 LORA_METADATA_KEY = "lora_adapter_metadata"
-# config.json keys diffusers writes that do not change the architecture this MMDiT implements
-IGNORED_KEYS = {"_class_name", "_diffusers_version", "_name_or_path", "qk_norm_eps"}
-# architecture features of newer diffusers configs; accepted only at the value that means "absent"
-NEUTRAL_VALUES = {"pos_embed_type": "sincos", "use_pos_embed": True, "context_pre_only": None}
 
 
 class CheckpointFormatError(InputError):
@@ -47,27 +43,6 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dic
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata=metadata)
     os.chmod(tmp, file_mode())
     os.replace(tmp, path)
-
-
-def read_config(directory: Path) -> MMDiTConfig:
-    path = Path(directory) / "config.json"
-    if not path.is_file():
-        raise CheckpointFormatError(f"{path} does not exist: expected a diffusers {CLASS_NAME} directory")
-    raw = json.loads(path.read_text())
-    if raw.get("_class_name", CLASS_NAME) != CLASS_NAME:
-        raise CheckpointFormatError(f"{path}: _class_name is {raw['_class_name']!r}, expected {CLASS_NAME!r} "
-                                    f"(point at the pipeline's transformer/ folder)")
-    fields = {f.name for f in dataclasses.fields(MMDiTConfig)}
-    unknown = {k: v for k, v in raw.items()
-               if k not in fields and k not in IGNORED_KEYS and NEUTRAL_VALUES.get(k, object()) != v}
-    if unknown:
-        raise CheckpointFormatError(f"{path}: settings this MMDiT does not implement: {unknown}")
-    config = MMDiTConfig(**{k: v for k, v in raw.items() if k in fields})
-    config.dual_attention_layers = list(config.dual_attention_layers or [])
-    if config.caption_projection_dim != config.hidden_size:
-        raise CheckpointFormatError(f"{path} is inconsistent: caption_projection_dim={config.caption_projection_dim} "
-                                    f"but num_attention_heads * attention_head_dim = {config.hidden_size}")
-    return config
 
 
 class WeightReader:
@@ -127,19 +102,11 @@ def check_state_dict(expected: dict[str, torch.Tensor], found: dict[str, torch.T
     check_shapes({k: v.shape for k, v in expected.items()}, {k: v.shape for k, v in found.items()}, source)
 
 
-def load_diffusers_transformer(directory: Path, dtype: torch.dtype = torch.float32) -> MMDiT:
-    """An MMDiT with the directory's config and weights (cast to `dtype`). Public API, for users rather
-    than the trainer (which builds on the meta device and fills its shards with `WeightReader`): a released
-    or exported transformer folder (`export_diffusers_transformer` writes one) as this repository's MMDiT,
-    to inspect it or call it from one's own code (the README says so)."""
-    model = MMDiT(read_config(directory))
-    load_diffusers_weights(model, directory, dtype)
-    return model
-
-
-def load_diffusers_weights(model: MMDiT, directory: Path, dtype: torch.dtype = torch.float32) -> None:
-    """Fill `model` (which must have exactly the directory's keys and shapes) tensor by tensor."""
-    reader = WeightReader(directory)
+def load_diffusers_weights(model: nn.Module, directory: Path, dtype: torch.dtype = torch.float32,
+                           reader: "WeightReader | None" = None) -> None:
+    """Fill `model` (which must have exactly the directory's keys and shapes) tensor by tensor (from `reader`,
+    if given: one with WeightReader's calls over another layout)."""
+    reader = reader or WeightReader(directory)
     state = model.state_dict()
     reader.check({k: v.shape for k, v in state.items()}, directory)
     with torch.no_grad():
@@ -172,10 +139,12 @@ def cpu_tensors(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str,
     return {k: v.detach().to(dtype).contiguous().cpu() for k, v in state.items()}
 
 
-def export_diffusers_transformer(model: MMDiT, directory: Path, dtype: torch.dtype = torch.float32) -> Path:
-    """Write a directory that `SD3Transformer2DModel.from_pretrained` loads."""
+def export_diffusers_transformer(model: nn.Module, directory: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """Write a directory that diffusers' class of the model (`SD3Transformer2DModel`, `FluxTransformer2DModel`)
+    loads with `from_pretrained`."""
     def write(tmp: Path) -> None:
-        config = {"_class_name": CLASS_NAME, "_diffusers_version": "0.30.0", **dataclasses.asdict(model.cfg)}
+        config = {"_class_name": model.DIFFUSERS_CLASS, "_diffusers_version": "0.30.0",
+                  **dataclasses.asdict(model.cfg)}
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         # persistent buffers are recomputed by diffusers too, but it stores them; keep the state dict whole
         save_safetensors(cpu_tensors(model.state_dict(), dtype), tmp / WEIGHTS, metadata={"format": "pt"})

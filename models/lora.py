@@ -7,13 +7,9 @@ import torch.nn as nn
 
 from errors import ConfigError
 
-# The attention projections diffusers' SD3 LoRA training script targets (SD3.5's image-only attn2 is left alone).
-DIFFUSERS_SD3_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-                         "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]
-# The CLIP projections the same script adapts when it trains the text encoders (T5 is never adapted).
+# The CLIP projections diffusers' scripts adapt when they train the text encoders (T5 is never adapted).
 TEXT_ENCODER_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
-# lora.text_encoders' names -> the pipeline component (and exported file prefix) diffusers gives each
-TEXT_ENCODER_PARTS = {"clip_l": "text_encoder", "clip_g": "text_encoder_2"}
+TEXT_ENCODER_PARTS = ("clip_l", "clip_g")  # lora.text_encoders' names (FLUX.1's pipeline has CLIP-L only)
 ADAPTER = "default"  # peft's adapter name; it appears in parameter names and is dropped on export
 
 
@@ -45,14 +41,15 @@ def apply_lora(model: nn.Module, lora) -> nn.Module:
     missing = [t for t in lora.target_modules if not any(n == t or n.endswith("." + t) for n in names)]
     if missing:
         raise ConfigError(f"lora.target_modules {missing} match no module of the MMDiT "
-                          f"(e.g. {DIFFUSERS_SD3_TARGETS[0]!r}, 'attn2.to_q', 'ff.net.2')")
+                          f"(names inside a block, e.g. 'attn.to_q', 'attn2.to_q', 'ff.net.2')")
     model.requires_grad_(False)
     adapted = {"transformer": (model.transformer, adapter_settings(lora))}
     for part, settings in text_encoder_settings(lora).items():
         encoder = getattr(model.text_encoder, part, None)
         if encoder is None:
             raise ConfigError(f"lora.text_encoders names {part}, but the model runs no such text encoder "
-                              f"(data.text_encoding=on_the_fly runs SD3's CLIP-L and CLIP-G)")
+                              f"(data.text_encoding=on_the_fly runs the pipeline's encoders: SD3's CLIP-L and "
+                              f"CLIP-G, FLUX.1's CLIP-L)")
         adapted[part] = (encoder, settings)
     for module, settings in adapted.values():
         inject_adapter_in_model(LoraConfig(**settings), module, adapter_name=ADAPTER)

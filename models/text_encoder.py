@@ -1,6 +1,6 @@
 """A small text encoder trained jointly with the MMDiT, for caption datasets with a closed vocabulary.
 
-It stands in for SD3's CLIP/T5 stack (models/sd3_text.py): it yields a token sequence [B, L, dim] and a pooled
+It stands in for SD3's CLIP/T5 stack (models/sd3/text.py): it yields a token sequence [B, L, dim] and a pooled
 vector [B, dim]. Datasets of precomputed embeddings bypass both (see `TextToImage.encode`).
 """
 
@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from errors import InputError
-from models.mmdit import init_generator, initialize, xavier_uniform
+from models.blocks import init_generator, initialize, xavier_uniform
 
 PAD = "<pad>"
 
@@ -81,17 +81,19 @@ class TinyTextEncoder(nn.Module):
 
 
 class TextToImage(nn.Module):
-    """The trained unit: the MMDiT (`transformer`) and, for caption datasets, its text encoder (trained with it,
-    or SD3's frozen encoders).
+    """The trained unit: the MMDiT (`transformer`, of any family) and, for caption datasets, its text encoder
+    (trained with it, or a pipeline's frozen encoders).
 
     `forward` encodes the text itself, so a DDP or FSDP wrapper around this module sees every trained parameter
-    (sampling goes through `forward` too).
+    (sampling goes through `forward` too). A transformer with a guidance embedding (FLUX.1-dev) is given
+    `guidance`: the constant it trains with, unless a call passes another (sampling).
     """
 
-    def __init__(self, transformer: nn.Module, text_encoder: nn.Module | None = None):
+    def __init__(self, transformer: nn.Module, text_encoder: nn.Module | None = None, guidance: float | None = None):
         super().__init__()
         self.transformer = transformer
         self.text_encoder = text_encoder
+        self.guidance = guidance
 
     def initial_value(self, name: str, seed: int) -> torch.Tensor:
         """A fresh model's value of `name` (see MMDiT.initial_value); LoRA adapters start as peft's Gaussian
@@ -110,8 +112,10 @@ class TextToImage(nn.Module):
             return text["prompt_embeds"], text["pooled_prompt_embeds"]
         return self.text_encoder(**text)
 
-    def forward(self, x_t: torch.Tensor, sigma: torch.Tensor, text: dict) -> torch.Tensor:
+    def forward(self, x_t: torch.Tensor, sigma: torch.Tensor, text: dict, guidance: float | None = None) -> torch.Tensor:
         """The velocity at noise level sigma, from the text (token ids of the text encoder, or precomputed
         embeddings)."""
         context, pooled = self.encode(text)
-        return self.transformer(x_t, context, pooled, sigma * 1000)
+        guidance = self.guidance if guidance is None else guidance
+        embedded = {} if guidance is None else {"guidance": torch.full_like(sigma, guidance)}
+        return self.transformer(x_t, context, pooled, sigma * 1000, **embedded)

@@ -37,7 +37,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 1) 
     """mode none: a no-op; mlp or full: in blocks 0, every, 2*every, ..."""
     if mode == "none":
         return
-    blocks = model.transformer.transformer_blocks
+    blocks = model.transformer.blocks
     for block in list(blocks)[::every]:
         for module in checkpointed_modules(block, mode):
             module.forward = checkpointed(module.forward)

@@ -20,7 +20,7 @@ def apply_compile(model: nn.Module, cfg) -> None:
     """`cfg` is the config's `compile` section."""
     if not cfg.enabled:
         return
-    targets = list(model.transformer.transformer_blocks) if cfg.scope == "blocks" else [model.transformer]
+    targets = list(model.transformer.blocks) if cfg.scope == "blocks" else [model.transformer]
     backend = EagerIfFailing(cfg.backend, cfg.mode)  # one object: identical blocks share the compiled code
     for module in targets:
         module.compile(backend=backend, fullgraph=cfg.scope == "blocks")

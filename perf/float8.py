@@ -49,9 +49,9 @@ def check_float8(cfg, device: torch.device) -> None:
 
 
 def converts(module: nn.Module, name: str) -> bool:
-    """A block's per-token linear with float8-sized dimensions (`name` relative to the transformer blocks)."""
+    """A block's per-token linear with float8-sized dimensions (`name` relative to the block)."""
     return (isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
-            and not name.split(".")[1].startswith("norm") and ".lora_" not in f".{name}")
+            and not name.split(".")[0].startswith("norm") and ".lora_" not in f".{name}")
 
 
 def apply_float8(model: nn.Module, cfg, device: torch.device, sharded: bool) -> None:
@@ -62,9 +62,10 @@ def apply_float8(model: nn.Module, cfg, device: torch.device, sharded: bool) -> 
     check_float8(cfg, device)
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     config = Float8LinearConfig(emulate=cfg.emulate, enable_fsdp_float8_all_gather=sharded)
-    blocks = model.transformer.transformer_blocks
-    convert_to_float8_training(blocks, module_filter_fn=converts, config=config)
-    linears = [type(m).__name__ for m in blocks.modules() if isinstance(m, nn.Linear)]
+    blocks = model.transformer.blocks
+    for block in blocks:
+        convert_to_float8_training(block, module_filter_fn=converts, config=config)
+    linears = [type(m).__name__ for block in blocks for m in block.modules() if isinstance(m, nn.Linear)]
     log.info("float8%s: %d of the blocks' %d linears%s", " (emulated)" if cfg.emulate else "",
              linears.count("Float8Linear"), len(linears), ", all-gathered in float8" if sharded else "")
 

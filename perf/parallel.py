@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from errors import ConfigError
-from models.sd3_text import SD3TextEncoders
+from models.pipeline_text import PipelineTextEncoders
 from perf.activation_checkpointing import apply_activation_checkpointing
 from perf.compile import apply_compile
 from perf.float8 import apply_float8
@@ -91,11 +91,11 @@ def apply_parallelism(model: nn.Module, cfg: DictConfig, world: World, device: t
     mesh = device_mesh(cfg, world, device)
     bf16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if t.dtype == "bf16" else {}
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if p.cpu_offload else OffloadPolicy()
-    for block in model.transformer.transformer_blocks:
+    for block in model.transformer.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=p.reshard_after_forward,
                     mp_policy=MixedPrecisionPolicy(**bf16), offload_policy=offload)
     frozen = ([*model.text_encoder.blocks(), *model.text_encoder.encoders()]
-              if isinstance(model.text_encoder, SD3TextEncoders) else [])
+              if isinstance(model.text_encoder, PipelineTextEncoders) else [])
     # gathered for the forward, freed after it; a CLIP with adapters (lora.text_encoders) is gathered again for its
     # backward, and its adapters' gradients reduce-scattered, like a transformer block's
     for module in frozen:
@@ -109,7 +109,7 @@ def apply_parallelism(model: nn.Module, cfg: DictConfig, world: World, device: t
     # does not manage, on the GPU
     materialize(model, torch.device("cpu") if p.cpu_offload else device, initial_values, buffers=device)
     log.info("%s: mesh %s, %d blocks%s sharded + the root, reshard after forward %s, %s%s", p.strategy,
-             dict(zip(mesh.mesh_dim_names, mesh.shape)), len(model.transformer.transformer_blocks),
+             dict(zip(mesh.mesh_dim_names, mesh.shape)), len(model.transformer.blocks),
              f" and {len(frozen)} modules of the frozen text encoders" if frozen else "",
              p.reshard_after_forward, "bf16 compute, fp32 reduction" if t.dtype == "bf16" else "fp32",
              ", weights, gradients and AdamW state offloaded to host memory" if p.cpu_offload else "")

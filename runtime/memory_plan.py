@@ -85,7 +85,7 @@ def count_model(model, example_inputs, activation_bytes: int, frozen_bytes: int)
     """Parameters and saved activations of `model` (built on the meta device, in fp32: the meta device has no
     autocast) in one forward of `example_inputs` (batch 1); float activations counted at `activation_bytes`
     per element, frozen float weights at `frozen_bytes` (the dtype training keeps them in)."""
-    blocks = list(model.transformer.transformer_blocks)
+    blocks = list(model.transformer.blocks)
     weights = {id(p) for p in model.parameters()}
     n = len(blocks)
     saved, inputs, mlp_saved, mlp_inputs, one_mlp = [0] * n, [0] * n, [0] * n, [0] * n, [0]

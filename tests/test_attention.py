@@ -10,7 +10,7 @@ import torch
 from configs.schema import TrainingConfig
 from errors import ConfigError
 from models.attention import attention_kernels, math_attention, sdpa_attention
-from models.mmdit import MMDiT, MMDiTConfig
+from models.sd3.model import MMDiT, MMDiTConfig
 from perf import attention as backends
 from perf.attention import BACKENDS, apply_attention_backend, build_kernel, flash_kernel, requirement, why_not
 from perf.precision import DTYPES

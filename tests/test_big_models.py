@@ -9,7 +9,7 @@ from configs.build import InitialValues, build_data, build_model, build_trained_
 from configs.schema import load_config
 from errors import ConfigError
 from models.diffusers_io import WeightReader, load_diffusers_weights
-from models.mmdit import initialize
+from models.blocks import initialize
 from models.quantized import QuantizedLinear, dequantize, quantize
 from perf.checkpoint import checkpoints
 from perf.parallel import apply_parallelism

@@ -113,8 +113,8 @@ def test_the_architecture_comes_from_init_from_and_a_contradiction_names_the_key
     config = json.loads((tmp_path / "base" / "config.json").read_text())
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text(json.dumps({**config, "caption_projection_dim": 96}))
-    with pytest.raises(ConfigError, match=r"broken/config\.json is inconsistent: caption_projection_dim=96 but "
-                                          r"num_attention_heads \* attention_head_dim = 128"):
+    with pytest.raises(ConfigError, match=r"broken/config\.json is inconsistent: caption_projection_dim=96 must "
+                                          r"equal num_attention_heads\*attention_head_dim=128"):
         load_config("finetune.yaml", ["model.init_from=broken"])  # the folder is named, not the data
 
 

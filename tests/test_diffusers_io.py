@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from models.diffusers_io import (CheckpointFormatError, export_diffusers_transformer,
-                                 load_diffusers_transformer)
-from models.mmdit import MMDiT, MMDiTConfig
+from models.diffusers_io import CheckpointFormatError, export_diffusers_transformer
+from models.families import load_diffusers_transformer
+from models.sd3.model import MMDiT, MMDiTConfig
 from tests.conftest import randomize
 
 diffusers = pytest.importorskip("diffusers")

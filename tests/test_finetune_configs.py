@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from configs.build import mmdit_config
+from configs.build import transformer_config
 from configs.schema import load_config
 from models.lora import apply_lora
-from models.mmdit import MMDiT
+from models.sd3.model import MMDiT
 from models.text_encoder import TextToImage
 from tests.conftest import export_random_base, losses, write_latent_shards
 from train_mmdit_stable import main
@@ -41,7 +41,7 @@ def test_config_with_the_released_transformer_is_the_released_architecture(name,
         theirs = diffusers.SD3Transformer2DModel(**released)
     theirs.save_config(tmp_path / "transformer")  # config.json only, as in the released folder
     cfg = load_config(CONFIGS / f"{name}.yaml", ["data.path=unused", f"model.init_from={tmp_path / 'transformer'}"])
-    ours = mmdit_config(cfg, **SD3_INPUTS)
+    ours = transformer_config(cfg, **SD3_INPUTS)
     assert dataclasses.asdict(ours) == released
     with torch.device("meta"):
         model = TextToImage(MMDiT(ours))

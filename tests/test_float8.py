@@ -14,7 +14,7 @@ import torch.nn as nn
 pytest.importorskip("torchao")
 
 from errors import ConfigError
-from models.mmdit import MMDiT, MMDiTConfig
+from models.sd3.model import MMDiT, MMDiTConfig
 from perf.checkpoint import checkpoints
 from perf.float8 import apply_float8, check_float8
 from tests.conftest import assert_close, final_weights, randomize, spawn, train

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from models.mmdit import MMDiT, MMDiTConfig, sincos_2d_table
+from models.sd3.model import MMDiT, MMDiTConfig, sincos_2d_table
 
 
 def small(**kw) -> MMDiTConfig:

@@ -1,4 +1,5 @@
-"""The SD3 pipeline's encoders as precompute runs them: the VAE for latents, CLIP-L/CLIP-G/T5 for captions."""
+"""A pipeline's encoders as precompute runs them: the VAE for latents, the family's text encoders for captions
+(SD3: CLIP-L, CLIP-G and T5; FLUX.1: CLIP-L and T5)."""
 
 import json
 import logging
@@ -8,23 +9,23 @@ import torch
 
 from data.precompute.images import to_unit_range
 from models.diffusers_io import save_safetensors
-from models.sd3_text import SD3TextEncoders, SD3Tokenizers
+from models.families import Family
 from models.vae import load_vae
 
 log = logging.getLogger("mmdit")
 
 
-class SD3Encoders:
-    """The VAE of an SD3 pipeline directory, and its text encoders (models/sd3_text.py) unless text embeddings
-    are not stored."""
+class PipelineEncoders:
+    """The VAE of a pipeline directory of `family`, and its text encoders unless text embeddings are not
+    stored."""
 
-    def __init__(self, model_dir: Path, device: torch.device, dtype: torch.dtype, max_sequence_length: int,
-                 text_embeddings: bool):
-        self.device = device
+    def __init__(self, model_dir: Path, family: Family, device: torch.device, dtype: torch.dtype,
+                 max_sequence_length: int, text_embeddings: bool):
+        self.device, self.family = device, family
         self.vae = load_vae(model_dir / "vae", device, dtype)
-        self.tokenizers = SD3Tokenizers(model_dir, max_sequence_length)
+        self.tokenizers = family.tokenizers(model_dir, max_sequence_length)
         with torch.device("meta"):
-            self.text = SD3TextEncoders(model_dir, max_sequence_length)
+            self.text = family.text_encoders(model_dir, max_sequence_length)
         self.text_dims = (self.text.joint_dim, self.text.pooled_dim)
         if text_embeddings:
             self.text.check("--model")
@@ -48,7 +49,7 @@ class SD3Encoders:
         return {name: values.to(store).cpu() for name, values in rows.items()}
 
 
-def encode_prompts(encoders: SD3Encoders, prompts: list[str], store: torch.dtype, path: Path) -> None:
+def encode_prompts(encoders: PipelineEncoders, prompts: list[str], store: torch.dtype, path: Path) -> None:
     prompt_embeds, pooled = encoders.encode_text(prompts)
     save_safetensors({"prompt_embeds": prompt_embeds.to(store), "pooled_prompt_embeds": pooled.to(store)}, path,
                      {"captions": json.dumps(prompts)})

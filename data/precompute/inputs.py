@@ -14,7 +14,7 @@ from data.webdataset import IMAGE_SUFFIXES as SHARD_IMAGE_SUFFIXES
 from data.webdataset import MASK_SUFFIX, Sample, read_samples
 from errors import InputError
 from models.diffusers_io import CheckpointFormatError
-from models.sd3_text import check_pipeline
+from models.families import FAMILIES, Family, family_of_pipeline
 
 log = logging.getLogger("mmdit")
 IMAGE_SUFFIXES = {f".{suffix}" for suffix in SHARD_IMAGE_SUFFIXES}  # of folder inputs: what shards may hold
@@ -152,17 +152,33 @@ def read_validation_prompts(path: Path) -> list[str]:
     return prompts
 
 
-def vae_downsampling(model_dir: Path) -> int:
-    """From the pipeline's folders and vae/config.json, before any weight is loaded: 8 for SD3's VAE."""
+def pipeline_family(model_dir: Path) -> Family:
+    """The family of a pipeline folder (its model_index.json; SD3's layout without one), with the folders its
+    encoders need, before any weight is loaded."""
     if not model_dir.is_dir():
         raise PrecomputeError(f"--model {model_dir} " + ("is not a directory" if model_dir.exists() else
-                              "does not exist") + "; expected an SD3 pipeline directory (diffusers' layout)")
+                              "does not exist") + "; expected a diffusers pipeline directory (SD3 / SD3.5 or "
+                              "FLUX.1)")
     if not (model_dir / "vae").is_dir():
-        raise PrecomputeError(f"--model {model_dir}: no vae/ folder; expected an SD3 pipeline directory")
+        raise PrecomputeError(f"--model {model_dir}: no vae/ folder; expected a diffusers pipeline directory")
     try:
-        check_pipeline(model_dir, "--model")
+        family = family_of_pipeline(model_dir) if (model_dir / "model_index.json").is_file() else FAMILIES["sd3"]
+        family.text_encoders.check_pipeline(model_dir, "--model")
     except CheckpointFormatError as e:
         raise PrecomputeError(str(e)) from None
+    return family
+
+
+def default_sequence_length(model_dir: Path, family: Family) -> int:
+    """T5 tokens the family's pipeline uses: FLUX.1-schnell (no guidance embedding) 256, dev 512; SD3 256."""
+    config = model_dir / "transformer" / "config.json"
+    if family.name == "flux" and config.is_file() and not json.loads(config.read_text()).get("guidance_embeds"):
+        return 256
+    return family.max_sequence_length
+
+
+def vae_downsampling(model_dir: Path) -> int:
+    """From vae/config.json, before any weight is loaded: 8 for SD3's and FLUX.1's VAE."""
     try:
         return 2 ** (len(json.loads((model_dir / "vae" / "config.json").read_text())["block_out_channels"]) - 1)
     except (OSError, ValueError, KeyError, TypeError) as e:

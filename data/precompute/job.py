@@ -9,7 +9,7 @@ from pathlib import Path
 from data.latents import EMPTY_PROMPT
 from data.latents import PRECOMPUTE_SETTINGS as SETTINGS
 from data.latents import VALIDATION_PROMPTS, publish_json, write_index
-from data.precompute.encoders import SD3Encoders, encode_prompts
+from data.precompute.encoders import PipelineEncoders, encode_prompts
 from data.precompute.inputs import PrecomputeError, Unit
 from data.precompute.ranks import Progress, Ranks
 from data.precompute.units import PROGRESS, REPORTS, encode_unit, report_path, verified
@@ -87,7 +87,7 @@ def remaining_units(out: Path, count: int, ranks: Ranks) -> list[int]:
     return [n for n in range(count) if not shared[n]]
 
 
-def precompute(units: list[Unit], encoders: SD3Encoders, out: Path, settings: dict, ranks: Ranks,
+def precompute(units: list[Unit], encoders: PipelineEncoders, out: Path, settings: dict, ranks: Ranks,
                validation_prompts: list[str] | None = None, max_bad_fraction: float = 1.0) -> int:
     """Encode the units left to do (this rank's share), then on rank 0 write the dataset; the exit status."""
     left = remaining_units(out, len(units), ranks)
@@ -143,11 +143,11 @@ def summarize(reports: list[dict], out: Path, max_bad_fraction: float) -> bool:
     return True
 
 
-def write_dataset(reports: list[dict], encoders: SD3Encoders, out: Path, settings: dict,
+def write_dataset(reports: list[dict], encoders: PipelineEncoders, out: Path, settings: dict,
                   validation_prompts: list[str] | None) -> None:
     shards = [s for r in reports for s in r["shards"]]
     vae = encoders.vae
-    info = {"channels": vae.latent_channels, "text_embeddings": encoders.text is not None,
+    info = {"family": encoders.family.name, "channels": vae.latent_channels, "text_embeddings": encoders.text is not None,
             "text_tokens": encoders.tokenizers.tokens, "text_dims": list(encoders.text_dims),
             "max_sequence_length": settings["max_sequence_length"], "flipped": settings["random_flip"],
             "resolution": settings["resolution"], "model": settings["model"],

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from data.latents import publish_json, shard_record
-from data.precompute.encoders import SD3Encoders
+from data.precompute.encoders import PipelineEncoders
 from data.precompute.images import aspect_buckets, latent_weights, ordered_map, prepare
 from data.precompute.inputs import Unit
 from formats import DTYPES, sha256
@@ -22,7 +22,7 @@ class UnitWriter:
     """One unit's output: samples wait per target size for a batch, encoded rows wait for a shard. A shard
     stores `loss_mask` when any of its samples has a mask; its samples without one weigh 1 everywhere."""
 
-    def __init__(self, number: int, encoders: SD3Encoders, settings: dict, out: Path, progress):
+    def __init__(self, number: int, encoders: PipelineEncoders, settings: dict, out: Path, progress):
         self.number, self.encoders, self.out, self.progress = number, encoders, out, progress
         self.batch_size, self.shard_size = settings["batch_size"], settings["shard_size"]
         self.flip, self.store = settings["random_flip"], DTYPES[settings["dtype"]]
@@ -69,7 +69,7 @@ class UnitWriter:
             self.write(size)
 
 
-def encode_unit(number: int, unit: Unit, encoders: SD3Encoders, settings: dict, out: Path, progress) -> dict:
+def encode_unit(number: int, unit: Unit, encoders: PipelineEncoders, settings: dict, out: Path, progress) -> dict:
     """Encode a unit and publish its report (the marker that it is finished); returns the report."""
     buckets = (aspect_buckets(settings["resolution"], settings["bucket_step"]) if settings["aspect_buckets"]
                else [(settings["resolution"], settings["resolution"])])

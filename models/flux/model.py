@@ -1,0 +1,201 @@
+"""FLUX.1's transformer (dev and schnell), in one file: models/blocks.py's joint blocks as its double-stream blocks,
+then single-stream blocks over [text, image], rotary positions over the packed latent grid, and a guidance
+embedding for the guidance-distilled dev.
+
+Submodule and parameter names follow diffusers' `FluxTransformer2DModel` key for key (docs/flux-architecture.md
+lists them). Unlike diffusers' module, this one takes what the SD3 module takes: latents [B, C, H, W] (packed here
+into tokens of p x p latent pixels, p = 2 for FLUX.1's 16-channel latents: `in_channels` = C * p * p), text tokens,
+pooled text and timestep = sigma * 1000, plus `guidance` [B] on the pipeline's scale (dev: 3.5) when the model has
+a guidance embedding. The rotary tables are computed once per latent size and text length and reused by every
+block and every step.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models.blocks import (AdaLNContinuous, AdaLNZero, JointTransformerBlock, SelfAttention, TimeTextEmbed, gated,
+                           initial_value, initialize, layer_norm, modulate)
+
+ROPE_THETA = 10000
+
+
+@dataclass
+class FluxConfig:  # diffusers' config.json keys and defaults (FLUX.1-dev / -schnell but for guidance_embeds)
+    patch_size: int = 1  # diffusers' key; tokens are packed outside its module (here: in `Flux.forward`)
+    in_channels: int = 64  # latent channels x 2 x 2 (the packing)
+    out_channels: int | None = None  # None: in_channels
+    num_layers: int = 19  # double-stream blocks
+    num_single_layers: int = 38
+    attention_head_dim: int = 128
+    num_attention_heads: int = 24
+    joint_attention_dim: int = 4096  # T5-XXL's width
+    pooled_projection_dim: int = 768  # CLIP-L's pooled output
+    guidance_embeds: bool = False  # dev: True (guidance-distilled); schnell: False
+    axes_dims_rope: list = field(default_factory=lambda: [16, 56, 56])  # rotary channels per id axis
+
+    def __post_init__(self):
+        self.axes_dims_rope = list(self.axes_dims_rope)
+        self.out_channels = self.out_channels or self.in_channels
+
+    @property
+    def hidden_size(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+
+def flux_axes(head_dim: int) -> list[int]:
+    """FLUX.1's split of a head's channels over the (unused, row, column) id axes, 16/56/56 of 128, for any head
+    dim that allows even parts."""
+    first = 2 * max(1, round(head_dim / 16))
+    rest = head_dim - first
+    row = 2 * (rest // 4)
+    return [first, row, rest - row]
+
+
+# ----------------------------------------------------------------------------------------------- positions
+
+
+def rope_1d(dim: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [L, dim] of one id axis, frequencies theta^(-2i/dim) in float64, each repeated for its pair."""
+    freqs = 1.0 / ROPE_THETA ** (torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device) / dim)
+    angles = torch.outer(positions.double(), freqs)
+    return angles.cos().repeat_interleave(2, dim=1).float(), angles.sin().repeat_interleave(2, dim=1).float()
+
+
+def position_ids(text_tokens: int, rows: int, columns: int, device: torch.device) -> torch.Tensor:
+    """[text + rows * columns, 3] ids of the joint sequence [text, image]: text all zero, each image token
+    (0, row, column) on the packed grid."""
+    grid = torch.zeros(rows, columns, 3, device=device)
+    grid[..., 1] = torch.arange(rows, device=device)[:, None]
+    grid[..., 2] = torch.arange(columns, device=device)[None, :]
+    return torch.cat([torch.zeros(text_tokens, 3, device=device), grid.reshape(-1, 3)])
+
+
+def rope_tables(axes: list[int], ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    tables = [rope_1d(dim, ids[:, i]) for i, dim in enumerate(axes)]
+    return torch.cat([cos for cos, _ in tables], dim=-1), torch.cat([sin for _, sin in tables], dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------- packing
+
+
+def pack(latents: torch.Tensor, p: int) -> torch.Tensor:
+    """[B, C, H, W] -> [B, H/p * W/p, C * p * p], each token a p x p patch in FLUX's (channel, row, column) order."""
+    b, c, h, w = latents.shape
+    x = latents.view(b, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // p) * (w // p), c * p * p)
+
+
+def unpack(tokens: torch.Tensor, h: int, w: int, p: int) -> torch.Tensor:
+    """The inverse of `pack` for latents of h x w."""
+    b, _, d = tokens.shape
+    x = tokens.view(b, h // p, w // p, d // (p * p), p, p).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, d // (p * p), h, w)
+
+
+# ----------------------------------------------------------------------------------------------- blocks
+
+
+class SingleTransformerBlock(nn.Module):
+    """Attention and MLP in parallel over the joint sequence [text, image]: x + gate * proj_out([attn, mlp])."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.norm = AdaLNZero(dim, 3)
+        self.proj_mlp = nn.Linear(dim, 4 * dim)
+        self.attn = SelfAttention(dim, heads, qk_norm=True, out_projection=False)
+        self.proj_out = nn.Linear(5 * dim, dim)
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        shift, scale, gate = self.norm(temb)
+        normed = modulate(layer_norm(x), shift, scale)
+        mlp = F.gelu(self.proj_mlp(normed), approximate="tanh")
+        return gated(x, gate, self.proj_out(torch.cat([self.attn(normed, rope), mlp], dim=-1)))
+
+
+# ----------------------------------------------------------------------------------------------- the model
+
+
+class Flux(nn.Module):
+    DIFFUSERS_CLASS = "FluxTransformer2DModel"
+
+    def __init__(self, cfg: FluxConfig):
+        super().__init__()
+        if len(cfg.axes_dims_rope) != 3 or sum(cfg.axes_dims_rope) != cfg.attention_head_dim \
+                or any(d % 2 for d in cfg.axes_dims_rope):
+            raise ValueError(f"axes_dims_rope={list(cfg.axes_dims_rope)} must be three even numbers that sum to "
+                             f"attention_head_dim={cfg.attention_head_dim}")
+        if cfg.patch_size != 1:
+            raise ValueError(f"patch_size={cfg.patch_size}: FLUX packs latents into tokens before its transformer, "
+                             f"whose patch_size is 1")
+        if cfg.out_channels != cfg.in_channels:
+            raise ValueError(f"out_channels={cfg.out_channels} must equal in_channels={cfg.in_channels}: the "
+                             f"output is unpacked like the input")
+        self.cfg = cfg
+        dim, heads = cfg.hidden_size, cfg.num_attention_heads
+        self.time_text_embed = TimeTextEmbed(dim, cfg.pooled_projection_dim, guidance=cfg.guidance_embeds)
+        self.context_embedder = nn.Linear(cfg.joint_attention_dim, dim)
+        self.x_embedder = nn.Linear(cfg.in_channels, dim)
+        self.transformer_blocks = nn.ModuleList(
+            JointTransformerBlock(dim, heads, qk_norm=True, context_pre_only=False, dual_attention=False,
+                                  text_first=True) for _ in range(cfg.num_layers))
+        self.single_transformer_blocks = nn.ModuleList(SingleTransformerBlock(dim, heads)
+                                                       for _ in range(cfg.num_single_layers))
+        self.norm_out = AdaLNContinuous(dim)
+        self.proj_out = nn.Linear(dim, cfg.patch_size**2 * cfg.out_channels)
+        self.rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        if not self.proj_out.weight.is_meta:  # built on the meta device, the caller fills it (shard by shard)
+            initialize(self, seed=0)
+
+    @property
+    def blocks(self) -> list[nn.Module]:
+        """The repeated blocks, which the plugins wrap one by one (compile, checkpointing, sharding, float8)."""
+        return [*self.transformer_blocks, *self.single_transformer_blocks]
+
+    def initial_value(self, name: str, seed: int) -> torch.Tensor:
+        """A function of (seed, name) alone: models/blocks.py's rule."""
+        return initial_value(self, name, seed)
+
+    def packing(self, latent_channels: int) -> int:
+        """The side p of the latent patch a token packs: in_channels = latent channels x p x p."""
+        p = math.isqrt(self.cfg.in_channels // latent_channels)
+        if latent_channels * p * p != self.cfg.in_channels:
+            raise ValueError(f"{latent_channels}-channel latents do not pack into in_channels={self.cfg.in_channels} "
+                             f"(channels x p x p)")
+        return p
+
+    def rope(self, text_tokens: int, rows: int, columns: int, device: torch.device):
+        """cos and sin [text + rows * columns, head_dim] of the joint sequence, computed once per shape."""
+        key = (text_tokens, rows, columns, device)
+        if key not in self.rope_cache:
+            ids = position_ids(text_tokens, rows, columns, device)
+            self.rope_cache[key] = rope_tables(list(self.cfg.axes_dims_rope), ids)
+        return self.rope_cache[key]
+
+    def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                pooled_projections: torch.Tensor, timestep: torch.Tensor,
+                guidance: torch.Tensor | None = None) -> torch.Tensor:
+        """[B,C,H,W] latents, [B,L,joint_dim] text tokens, [B,pooled_dim] pooled text, timestep = sigma*1000, and
+        with a guidance embedding `guidance` [B] (the pipeline's scale, e.g. 3.5) -> velocity [B,C,H,W]."""
+        if (guidance is None) == self.cfg.guidance_embeds:
+            raise ValueError("this FLUX transformer has a guidance embedding: pass guidance [B]" if guidance is None
+                             else "this FLUX transformer has no guidance embedding (schnell): pass no guidance")
+        h, w = hidden_states.shape[-2:]
+        p = self.packing(hidden_states.shape[1])
+        if h % p or w % p:
+            raise ValueError(f"latents of {h}x{w} do not pack into {p}x{p} patches: both sides must divide by {p}")
+        x = self.x_embedder(pack(hidden_states, p))
+        temb = self.time_text_embed(timestep, pooled_projections,
+                                    None if guidance is None else guidance.to(timestep.dtype) * 1000)
+        c = self.context_embedder(encoder_hidden_states)
+        rope = self.rope(c.shape[1], h // p, w // p, x.device)
+        for block in self.transformer_blocks:
+            x, c = block(x, c, temb, rope)
+        joint = torch.cat([c, x], dim=1)
+        for block in self.single_transformer_blocks:
+            joint = block(joint, temb, rope)
+        x = joint[:, c.shape[1]:]
+        return unpack(self.proj_out(self.norm_out(x, temb)), h, w, p)

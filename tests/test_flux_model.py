@@ -1,0 +1,246 @@
+"""The FLUX.1 transformer against diffusers' `FluxTransformer2DModel`: key for key, and outputs within 1e-5 (fp32)
+both ways (a diffusers folder loaded here, and an export loaded by diffusers), on configs that vary what a mapping
+error would hide behind: head dims, rotary splits, guidance on and off, rectangular latents, several text lengths,
+sharded folders. Configs are drawn from a seeded generator as well as written out, so the mapping is not fitted to
+a hand-picked few."""
+
+import random
+
+import pytest
+import torch
+
+from models.diffusers_io import export_diffusers_transformer
+from models.families import load_diffusers_transformer, read_config
+from models.flux.model import Flux, FluxConfig, flux_axes, pack, unpack
+from tests.conftest import randomize
+
+diffusers = pytest.importorskip("diffusers")
+
+CONFIGS = {
+    "dev-like": dict(num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
+                     axes_dims_rope=[4, 6, 6], guidance_embeds=True),
+    "schnell-like": dict(num_layers=1, num_single_layers=3, attention_head_dim=16, num_attention_heads=2,
+                         axes_dims_rope=[2, 8, 6], guidance_embeds=False),
+    "odd-head-dim": dict(num_layers=1, num_single_layers=1, attention_head_dim=12, num_attention_heads=3,
+                         axes_dims_rope=[2, 6, 4], guidance_embeds=True, joint_attention_dim=20,
+                         pooled_projection_dim=6),
+}
+
+
+def random_config(seed: int) -> dict:
+    """A config no one picked: sizes, rotary split and guidance from `seed`."""
+    r = random.Random(seed)
+    head_dim = 2 * r.randint(3, 10)
+    first = 2 * r.randint(1, head_dim // 2 - 2)
+    second = 2 * r.randint(1, (head_dim - first) // 2 - 1)
+    return dict(num_layers=r.randint(1, 2), num_single_layers=r.randint(1, 3), attention_head_dim=head_dim,
+                num_attention_heads=r.randint(1, 3), axes_dims_rope=[first, second, head_dim - first - second],
+                guidance_embeds=r.random() < 0.5, joint_attention_dim=r.randint(3, 24),
+                pooled_projection_dim=r.randint(3, 24))
+
+
+def full_config(config: dict, channels: int = 4) -> dict:
+    return {"in_channels": 4 * channels, "joint_attention_dim": 24, "pooled_projection_dim": 16, **config}
+
+
+def inputs(config: dict, height: int, width: int, text: int = 5, seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    channels = config["in_channels"] // 4
+    return {"latents": torch.randn(2, channels, height, width, generator=gen),
+            "text": torch.randn(2, text, config["joint_attention_dim"], generator=gen),
+            "pooled": torch.randn(2, config["pooled_projection_dim"], generator=gen),
+            "sigma": torch.tensor([0.25, 0.9]),
+            "guidance": torch.tensor([3.5, 1.0]) if config["guidance_embeds"] else None}
+
+
+def ours_output(model: Flux, x: dict) -> torch.Tensor:
+    extra = {} if x["guidance"] is None else {"guidance": x["guidance"]}
+    return model(x["latents"], x["text"], x["pooled"], x["sigma"] * 1000, **extra)
+
+
+def diffusers_output(model, x: dict) -> torch.Tensor:
+    """What FluxPipeline does around its transformer: pack, ids (text zeros, image (0, row, col) on the packed
+    grid), sigma as timestep, guidance on its scale; then unpack."""
+    latents = x["latents"]
+    h, w = latents.shape[-2:]
+    img_ids = torch.zeros(h // 2, w // 2, 3)
+    img_ids[..., 1] = torch.arange(h // 2)[:, None]
+    img_ids[..., 2] = torch.arange(w // 2)[None, :]
+    out = model(hidden_states=pack(latents, 2), encoder_hidden_states=x["text"], pooled_projections=x["pooled"],
+                timestep=x["sigma"], img_ids=img_ids.reshape(-1, 3), txt_ids=torch.zeros(x["text"].shape[1], 3),
+                guidance=x["guidance"], return_dict=False)[0]
+    return unpack(out, h, w, 2)
+
+
+CASES = [*CONFIGS, "random-0", "random-1", "random-2"]
+
+
+def config_of(name: str) -> dict:
+    return full_config(random_config(int(name.split("-")[1])) if name.startswith("random") else CONFIGS[name])
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_import_from_diffusers(name, tmp_path):
+    config = config_of(name)
+    reference = diffusers.FluxTransformer2DModel(**config).eval()
+    randomize(reference, 1)
+    reference.save_pretrained(tmp_path / "transformer", max_shard_size="20KB")  # sharded, with an index
+    assert any(tmp_path.glob("transformer/*.index.json"))
+    family, _ = read_config(tmp_path / "transformer")
+    ours = load_diffusers_transformer(tmp_path / "transformer").eval()
+    assert family.name == "flux" and isinstance(ours, Flux)
+    assert ours.state_dict().keys() == reference.state_dict().keys()
+    for height, width, text in ((8, 8, 5), (6, 10, 3), (12, 4, 9)):  # square, wide, tall; text lengths
+        x = inputs(config, height, width, text)
+        with torch.no_grad():
+            expected, got = diffusers_output(reference, x), ours_output(ours, x)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_export_to_diffusers(name, tmp_path):
+    config = config_of(name)
+    ours = Flux(FluxConfig(**config)).eval()
+    randomize(ours, 2)
+    export_diffusers_transformer(ours, tmp_path / "exported")
+    loaded = diffusers.FluxTransformer2DModel.from_pretrained(tmp_path / "exported").eval()
+    x = inputs(config, 6, 10)
+    with torch.no_grad():
+        expected, got = ours_output(ours, x), diffusers_output(loaded, x)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_packing_is_fluxs_and_inverts():
+    latents = torch.randn(2, 16, 6, 4)
+    tokens = pack(latents, 2)
+    assert tokens.shape == (2, 6, 64)
+    assert torch.equal(tokens[0, 1], latents[0, :, 0:2, 2:4].reshape(-1))  # token (row 0, col 1): (c, dy, dx)
+    assert torch.equal(unpack(tokens, 6, 4, 2), latents)
+
+
+def test_rotary_tables_are_computed_once_per_shape():
+    model = Flux(FluxConfig(**full_config(CONFIGS["schnell-like"])))
+    x = inputs(full_config(CONFIGS["schnell-like"]), 8, 8)
+    with torch.no_grad():
+        ours_output(model, x)
+        ours_output(model, x)
+        assert len(model.rope_cache) == 1
+        ours_output(model, inputs(full_config(CONFIGS["schnell-like"]), 8, 12))
+    assert len(model.rope_cache) == 2
+
+
+def test_fluxs_split_of_the_head_dim():
+    assert flux_axes(128) == [16, 56, 56]
+    for head_dim in (16, 32, 64, 96, 12):
+        axes = flux_axes(head_dim)
+        assert sum(axes) == head_dim and all(a % 2 == 0 and a > 0 for a in axes), (head_dim, axes)
+
+
+def test_inputs_that_cannot_run_are_named():
+    config = full_config(CONFIGS["dev-like"])
+    model = Flux(FluxConfig(**config))
+    x = inputs(config, 8, 8)
+    with pytest.raises(ValueError, match="has a guidance embedding: pass guidance"):
+        model(x["latents"], x["text"], x["pooled"], x["sigma"] * 1000)
+    schnell = Flux(FluxConfig(**full_config(CONFIGS["schnell-like"])))
+    with pytest.raises(ValueError, match="has no guidance embedding"):
+        schnell(x["latents"], x["text"], x["pooled"], x["sigma"] * 1000, guidance=x["guidance"])
+    with pytest.raises(ValueError, match="latents of 7x8 do not pack into 2x2 patches"):
+        model(x["latents"][..., :7, :], x["text"], x["pooled"], x["sigma"] * 1000, guidance=x["guidance"])
+    with pytest.raises(ValueError, match="3-channel latents do not pack into in_channels=16"):
+        model(x["latents"][:, :3], x["text"], x["pooled"], x["sigma"] * 1000, guidance=x["guidance"])
+    with pytest.raises(ValueError, match=r"axes_dims_rope=\[4, 6, 4\] must be three even numbers that sum to "
+                                         r"attention_head_dim=16"):
+        Flux(FluxConfig(**{**config, "axes_dims_rope": [4, 6, 4]}))
+
+
+# ----------------------------------------------------------------------------------------------- the BFL file
+
+
+def bfl_checkpoint(config: dict, seed: int = 4) -> dict[str, torch.Tensor]:
+    """Random tensors under the original (BFL) FLUX code's names and shapes, written from its module layout."""
+    gen = torch.Generator().manual_seed(seed)
+    dim, head = config["num_attention_heads"] * config["attention_head_dim"], config["attention_head_dim"]
+    shapes = {"img_in": (dim, config["in_channels"]), "txt_in": (dim, config["joint_attention_dim"]),
+              "time_in.in_layer": (dim, 256), "time_in.out_layer": (dim, dim),
+              "vector_in.in_layer": (dim, config["pooled_projection_dim"]), "vector_in.out_layer": (dim, dim),
+              "final_layer.linear": (config["in_channels"], dim), "final_layer.adaLN_modulation.1": (2 * dim, dim)}
+    if config["guidance_embeds"]:
+        shapes.update({"guidance_in.in_layer": (dim, 256), "guidance_in.out_layer": (dim, dim)})
+    for i in range(config["num_layers"]):
+        for s in ("img", "txt"):
+            shapes.update({f"double_blocks.{i}.{s}_mod.lin": (6 * dim, dim), f"double_blocks.{i}.{s}_attn.qkv": (3 * dim, dim),
+                           f"double_blocks.{i}.{s}_attn.proj": (dim, dim), f"double_blocks.{i}.{s}_mlp.0": (4 * dim, dim),
+                           f"double_blocks.{i}.{s}_mlp.2": (dim, 4 * dim)})
+    for i in range(config["num_single_layers"]):
+        shapes.update({f"single_blocks.{i}.linear1": (7 * dim, dim), f"single_blocks.{i}.linear2": (dim, 5 * dim),
+                       f"single_blocks.{i}.modulation.lin": (3 * dim, dim)})
+    tensors = {}
+    for name, shape in shapes.items():
+        tensors[f"{name}.weight"] = torch.randn(shape, generator=gen) * 0.05
+        tensors[f"{name}.bias"] = torch.randn(shape[0], generator=gen) * 0.05
+    norms = [f"double_blocks.{i}.{s}_attn.norm.{q}_norm.scale" for i in range(config["num_layers"])
+             for s in ("img", "txt") for q in ("query", "key")]
+    norms += [f"single_blocks.{i}.norm.{q}_norm.scale" for i in range(config["num_single_layers"]) for q in ("query", "key")]
+    tensors.update({name: 1 + torch.randn(head, generator=gen) * 0.05 for name in norms})
+    return tensors
+
+
+def diffusers_conversion(checkpoint: dict, width: int) -> dict:
+    """diffusers' own BFL -> diffusers conversion, with the FLUX.1 width it hard-codes (3072) set to `width`."""
+    import types
+
+    from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers as convert
+    code = convert.__code__
+    patched = code.replace(co_consts=tuple(width if c == 3072 else c for c in code.co_consts))
+    return types.FunctionType(patched, convert.__globals__)(dict(checkpoint))
+
+
+@pytest.mark.parametrize("prefix", ["", "model.diffusion_model."])  # BFL's file, and ComfyUI's
+def test_the_original_single_file_loads_as_diffusers_converts_it(prefix, tmp_path):
+    from safetensors.torch import save_file
+    config = {**config_of("dev-like"), "axes_dims_rope": flux_axes(16)}  # the file holds no rotary split: FLUX.1's
+    checkpoint = bfl_checkpoint(config)
+    save_file({prefix + k: v for k, v in checkpoint.items()}, tmp_path / "flux1-tiny.safetensors")
+    reference = diffusers.FluxTransformer2DModel(**config).eval()
+    reference.load_state_dict(diffusers_conversion(checkpoint, 32), strict=True)
+    family, found = read_config(tmp_path / "flux1-tiny.safetensors")
+    assert family.name == "flux" and found == FluxConfig(**config)
+    ours = load_diffusers_transformer(tmp_path / "flux1-tiny.safetensors").eval()
+    x = inputs(config, 6, 10)
+    with torch.no_grad():
+        torch.testing.assert_close(ours_output(ours, x), diffusers_output(reference, x), rtol=1e-5, atol=1e-5)
+
+
+def test_blocks_of_fused_and_swapped_tensors_read_as_their_rows(tmp_path):
+    """What an FSDP rank reads: any block of rows of a diffusers tensor, across the fused and swapped BFL ones."""
+    from safetensors.torch import save_file
+
+    from models.flux.bfl import BFLReader
+    config = config_of("dev-like")
+    checkpoint = bfl_checkpoint(config)
+    save_file(checkpoint, tmp_path / "f.safetensors")
+    whole = diffusers_conversion(checkpoint, 32)
+    reader = BFLReader(tmp_path / "f.safetensors")
+    for key in ("norm_out.linear.weight", "single_transformer_blocks.0.proj_mlp.weight",
+                "transformer_blocks.1.attn.add_k_proj.bias", "single_transformer_blocks.1.attn.to_v.weight"):
+        tensor = whole[key]
+        for start, rows in ((0, tensor.shape[0]), (5, 40), (30, 7), (tensor.shape[0] - 3, 3)):
+            columns = ((2,), (9,)) if tensor.dim() == 2 else ((), ())
+            got = reader.read(key, (start, *columns[0]), (rows, *columns[1]))
+            assert torch.equal(got, tensor[start:start + rows, 2:11] if tensor.dim() == 2 else tensor[start:start + rows])
+
+
+def test_a_single_file_that_is_not_complete_is_named(tmp_path):
+    from safetensors.torch import save_file
+
+    from models.diffusers_io import CheckpointFormatError
+    checkpoint = bfl_checkpoint(config_of("dev-like"))
+    del checkpoint["single_blocks.1.linear2.weight"]
+    save_file(checkpoint, tmp_path / "broken.safetensors")
+    with pytest.raises(CheckpointFormatError, match=r"broken\.safetensors is not a complete FLUX\.1 checkpoint .* "
+                                                    r"missing \['single_blocks\.1\.linear2\.weight'\]"):
+        read_config(tmp_path / "broken.safetensors")
+    save_file({"weight": torch.zeros(2)}, tmp_path / "other.safetensors")
+    with pytest.raises(CheckpointFormatError, match="other.safetensors is not a FLUX.1 checkpoint in the original"):
+        read_config(tmp_path / "other.safetensors")
