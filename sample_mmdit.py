@@ -7,6 +7,7 @@ written as 0000.png, 0001.png, ... in prompt order, from the EMA weights unless 
 """
 
 import argparse
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from configs.build import build_data, build_model, build_tokenizer
+from configs.build import build_data, build_model, build_sampler, build_tokenizer
 from configs.schema import load_config
 from data.images import save_png, to_unit
 from data.shapes import ShapesDataset
@@ -102,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg_scale = cfg.sampling.cfg_scale if args.cfg is None else args.cfg
     shape = (ShapesDataset.latent_channels, *ShapesDataset.latent_sizes[0])
     noise = initial_noise(args.seed, list(range(len(prompts))), shape)
-    x = generate(model, tokenizer(prompts), tokenizer([""]), noise, steps, cfg_scale,
-                 cfg.sampling.shift, tuple(cfg.sampling.guidance_interval))
+    sampler = dataclasses.replace(build_sampler(cfg, shape[1:]), steps=steps, cfg_scale=cfg_scale)
+    x = generate(model, tokenizer(prompts), tokenizer([""]), noise, sampler)
     images = to_unit(x)
     for i, image in enumerate(images):
         save_png(image, args.out / f"{i:04d}.png")

@@ -202,11 +202,12 @@ def stand_in_tokenizers(work: Path) -> Path:
 def loader_rate(data: Path, tokenizers: Path | None, workers: int, batch: int, steps: int) -> float:
     from data.latents import LatentDataset
     from data.loader import Collate, split_holdout, step_batches
-    from models.rectified_flow import training_sigmas
+    from models.rectified_flow import batch_sigmas
     from models.sd3.text import SD3Tokenizers
     dataset = LatentDataset(data, text_embeddings=tokenizers is None)
     tokenizer = SD3Tokenizers(tokenizers, SD3["t5_tokens"]) if tokenizers else None
-    sigmas = partial(training_sigmas, sampling="logit_normal", logit_mean=0.0, logit_std=1.0, shift=3.0)
+    sigmas = partial(batch_sigmas, patch_size=2, by_resolution=False, shift=3.0, sampling="logit_normal",
+                     logit_mean=0.0, logit_std=1.0)
     collate = Collate(0, sigmas, 0.1, tokenizer, dataset.empty_prompt)
     items, _ = split_holdout(len(dataset), 0, 0)
     loader = step_batches(dataset, collate, items, batch, 0, 0, 1, 0, steps + 2, torch.device("cpu"), workers,

@@ -9,6 +9,7 @@ writes for the same seed (noise keyed by (seed, image index)); defaults come fro
 """
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -20,15 +21,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from data.images import to_unit  # noqa: E402
 from data.shapes import ShapesDataset, all_prompts, caption, prompt_fidelity  # noqa: E402
-from models.pipeline import generate, initial_noise  # noqa: E402
+from configs.build import build_sampler  # noqa: E402
+from models.pipeline import Sampler, generate, initial_noise  # noqa: E402
 from sample_mmdit import load_for_sampling  # noqa: E402
 
 
-def fidelity(model, tokenizer, seed: int, steps: int, cfg: float, shift: float, interval: tuple) -> dict:
+SHAPE = (ShapesDataset.latent_channels, *ShapesDataset.latent_sizes[0])
+
+
+def fidelity(model, tokenizer, seed: int, sampler: Sampler) -> dict:
     prompts = all_prompts()
-    shape = (ShapesDataset.latent_channels, *ShapesDataset.latent_sizes[0])
     x = generate(model, tokenizer([caption(*p) for p in prompts]), tokenizer([""]),
-                 initial_noise(seed, list(range(len(prompts))), shape), steps, cfg, shift, interval)
+                 initial_noise(seed, list(range(len(prompts))), SHAPE), sampler)
     return prompt_fidelity(to_unit(x), prompts)
 
 
@@ -44,11 +48,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     model, tokenizer, cfg, checkpoint = load_for_sampling(args.checkpoint, use_ema=not args.no_ema)
-    s = cfg.sampling
-    settings = {"steps": args.steps or s.steps, "cfg": s.cfg_scale if args.cfg is None else args.cfg,
-                "shift": args.shift or s.shift, "interval": tuple(args.interval or s.guidance_interval)}
+    s = build_sampler(cfg, SHAPE[1:])
+    sampler = dataclasses.replace(s, steps=args.steps or s.steps, cfg_scale=s.cfg_scale if args.cfg is None else args.cfg,
+                                  shift=args.shift or s.shift, guidance_interval=tuple(args.interval or s.guidance_interval))
+    settings = {"steps": sampler.steps, "cfg": sampler.cfg_scale, "shift": sampler.shift,
+                "interval": sampler.guidance_interval}
     torch.set_grad_enabled(False)
-    per_seed = {seed: fidelity(model, tokenizer, seed, **settings) for seed in args.seeds}
+    per_seed = {seed: fidelity(model, tokenizer, seed, sampler) for seed in args.seeds}
     mean = {k: statistics.mean(f[k] for f in per_seed.values()) for k in ("color", "shape", "position")}
     for seed, f in per_seed.items():
         print(f"seed {seed}: color {f['color']:.2f} shape {f['shape']:.2f} position {f['position']:.2f}")

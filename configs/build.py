@@ -25,7 +25,8 @@ from models.flux.model import FluxConfig
 from models.lora import apply_lora
 from models.sd3.model import MMDiTConfig
 from models.quantized import QuantizedLinear, dequantize, quantize, quantize_linears
-from models.rectified_flow import training_sigmas
+from models.pipeline import Sampler
+from models.rectified_flow import batch_sigmas, resolution_shift
 from models.pipeline_text import PipelineTextEncoders, PipelineTokenizers
 from models.text_encoder import TextToImage, TinyTextEncoder, WordTokenizer
 from models.vae import load_vae
@@ -260,8 +261,9 @@ class InitialValues:
 def build_collate(cfg: DictConfig, dataset, tokenizer: WordTokenizer | None) -> Collate:
     """Batches with their noise, noise levels (the configured timestep sampling) and caption dropout."""
     flow = cfg.flow
-    sigmas = partial(training_sigmas, sampling=flow.sigma_sampling, logit_mean=flow.logit_mean,
-                     logit_std=flow.logit_std, shift=flow.shift, mode_scale=flow.mode_scale)
+    sigmas = partial(batch_sigmas, patch_size=cfg.model.patch_size, by_resolution=flow.resolution_shift,
+                     shift=flow.shift, sampling=flow.sigma_sampling, logit_mean=flow.logit_mean,
+                     logit_std=flow.logit_std, mode_scale=flow.mode_scale)
     entries = cfg.data.datasets or [None]
     dropout = [cfg.data.caption_dropout if e is None or e.caption_dropout is None else e.caption_dropout
                for e in entries]
@@ -304,10 +306,19 @@ def build_validation(cfg: DictConfig, dataset, tokenizer: WordTokenizer | Pipeli
     return Validation(v.every, v.at_end, cfg.training.max_steps, images, losses, world, device)
 
 
+def build_sampler(cfg: DictConfig, latent_size: tuple[int, int]) -> Sampler:
+    """The sampler of sampling.* for latents of `latent_size`: the schedule shifted by sampling.shift or by the
+    resolution (sampling.resolution_shift), and a guidance-distilled model's embedded guidance."""
+    s, p = cfg.sampling, cfg.model.patch_size
+    shift = resolution_shift((latent_size[0] // p) * (latent_size[1] // p)) if s.resolution_shift else s.shift
+    return Sampler(s.steps, s.cfg_scale, shift, tuple(s.guidance_interval),
+                   cfg.flux.sample_guidance if cfg.model.guidance_embeds else None)
+
+
 def prompt_images(cfg: DictConfig, dataset, captions, text, uncond, decode, score, shown) -> PromptImages:
     shape = (dataset.latent_channels, *dataset.commonest_size)
-    return PromptImages(captions, text, uncond, shape, decode, score, shown, cfg.sampling, cfg.training.seed,
-                        cfg.training.dtype, cfg.training.train_batch_size)
+    return PromptImages(captions, text, uncond, shape, decode, score, shown, build_sampler(cfg, shape[1:]),
+                        cfg.training.seed, cfg.training.dtype, cfg.training.train_batch_size)
 
 
 def latent_decoder(cfg: DictConfig, dataset, world: World, device: torch.device):

@@ -588,6 +588,8 @@ def load_config(path: str | Path = DEFAULT_CONFIG, overrides: list[str] = (), re
             architecture_from_init(cfg, set(given.get("model", {})))
     family_defaults(cfg)
     check_sections(cfg)
+    if resolve:
+        check_guidance_keys(cfg, given)
     check_combinations(cfg)
     return cfg
 
@@ -601,6 +603,15 @@ def check_sections(cfg: DictConfig) -> None:
                 OmegaConf.to_object(node)
             except FieldError as e:
                 raise ConfigError(f"{name}.{e}") from None
+
+
+def check_guidance_keys(cfg: DictConfig, given: DictConfig) -> None:
+    """flux.* feeds a guidance embedding: given to a model without one (FLUX.1-schnell, SD3), it would be ignored."""
+    given_keys = [f"flux.{k}" for k in ("train_guidance", "sample_guidance") if OmegaConf.select(given, f"flux.{k}") is not None]
+    if given_keys and not cfg.model.guidance_embeds:
+        model = f"{cfg.model.init_from} has" if cfg.model.init_from else "model.guidance_embeds=false:"
+        raise ConfigError(f"{given_keys[0]} sets the guidance a guidance-distilled model (FLUX.1-dev) embeds, and "
+                          f"{model} no guidance embedding (FLUX.1-schnell and SD3 have none): remove it")
 
 
 def family_defaults(cfg: DictConfig) -> None:

@@ -193,6 +193,7 @@ class Collate:
     models/rectified_flow.py keys them. This runs in the loader (in its workers, when there are any), so the
     training step only copies the batch to the device.
 
+    `sigmas(draws, latent size)` maps the draws to noise levels (the size sets FLUX's resolution shift).
     A dropped caption becomes the empty caption: the tokens of "" for a text encoder in the model, the encoding
     of "" for precomputed embeddings (zeros when the dataset has none).
 
@@ -214,7 +215,7 @@ class Collate:
         draws = draw_sample_noise(self.seed, step, positions, tuple(latents.shape[1:]))
         dropped = draws.dropout_uniform < self.caption_dropout[sources]
         batch = {"step": step, "first_position": int(positions[0]), "latents": latents, "noise": draws.noise,
-                 "sigma": self.sigmas(draws), "text": self.text(items, dropped), "source": sources,
+                 "sigma": self.sigmas(draws, tuple(latents.shape[-2:])), "text": self.text(items, dropped), "source": sources,
                  "loss_weight": self.loss_weights[sources]}
         if "loss_mask" in items[0]:
             batch["loss_mask"] = torch.stack([item["loss_mask"] for item in items])

@@ -1,4 +1,8 @@
-"""Generating from captions: Euler sampling with classifier-free guidance, from noise keyed by image index."""
+"""Generating from captions: Euler sampling with classifier-free guidance (and a guidance-distilled model's
+embedded guidance), from noise keyed by image index."""
+
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -12,20 +16,32 @@ def initial_noise(seed: int, indices: list[int], shape: tuple) -> torch.Tensor:
         sample_key(seed, SAMPLING_STREAM, i))) for i in indices])
 
 
+@dataclass(frozen=True)
+class Sampler:
+    """How images are made: `steps` Euler steps from sigma 1 to 0 on a schedule shifted by `shift`,
+    classifier-free guidance `cfg_scale` at the sigmas in `guidance_interval` (1: none, one forward per step), and
+    for a guidance-distilled model (FLUX.1-dev) its embedded `guidance` scale."""
+    steps: int
+    cfg_scale: float
+    shift: float
+    guidance_interval: tuple[float, float] = (0.0, 1.0)
+    guidance: float | None = None
+
+
 @torch.no_grad()
 def generate(model: TextToImage, text: dict[str, torch.Tensor], uncond: dict[str, torch.Tensor], noise: torch.Tensor,
-             steps: int, cfg_scale: float, shift: float, guidance_interval: tuple[float, float] = (0.0, 1.0),
-             batch_size: int = 96) -> torch.Tensor:
+             sampler: Sampler, batch_size: int = 96) -> torch.Tensor:
     """The model's output space (pixels in [-1, 1] for the shapes data, latents otherwise), one sample per row
     of `text` (token ids, or precomputed embeddings) from the matching row of `noise`; `uncond` is the one-row
     unconditional input of guidance. Returned in float32 on the CPU."""
     device = next(model.parameters()).device
+    velocity = model if sampler.guidance is None else partial(model, guidance=sampler.guidance)
     out = []
     for start in range(0, len(noise), batch_size):
         cond = {k: v[start : start + batch_size].to(device) for k, v in text.items()}
         n = len(next(iter(cond.values())))
-        x = euler_sample(model, noise[start : start + n].to(device), cond,
-                         {k: v.to(device).expand(n, *v.shape[1:]) for k, v in uncond.items()}, steps, cfg_scale,
-                         shift, guidance_interval)
+        x = euler_sample(velocity, noise[start : start + n].to(device), cond,
+                         {k: v.to(device).expand(n, *v.shape[1:]) for k, v in uncond.items()}, sampler.steps,
+                         sampler.cfg_scale, sampler.shift, sampler.guidance_interval)
         out.append(x.float().cpu())
     return torch.cat(out) if out else noise.new_zeros((0, *noise.shape[1:]))

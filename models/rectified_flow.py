@@ -48,6 +48,23 @@ def shift_sigmas(sigma: torch.Tensor, shift: float) -> torch.Tensor:
     return shift * sigma / (1 + (shift - 1) * sigma)
 
 
+def resolution_shift(image_tokens: int) -> float:
+    """FLUX.1's timestep shift for an image of `image_tokens` tokens: e^mu with mu linear in the token count, 0.5
+    at 256 tokens and 1.15 at 4096 (FluxPipeline's `calculate_shift` defaults). SD3's shift s and this one are the
+    same map, sigma' = s sigma / (1 + (s - 1) sigma), with s = e^mu."""
+    mu = 0.5 + (1.15 - 0.5) * (image_tokens - 256) / (4096 - 256)
+    return math.exp(mu)
+
+
+def batch_sigmas(draw: SampleNoise, latent_size: tuple[int, int], patch_size: int, by_resolution: bool, shift: float,
+                 **sampling) -> torch.Tensor:
+    """`training_sigmas` of a batch of latents of `latent_size`: shifted by `shift`, or by the resolution's
+    (`by_resolution`, tokens of patch_size x patch_size latents)."""
+    if by_resolution:
+        shift = resolution_shift((latent_size[0] // patch_size) * (latent_size[1] // patch_size))
+    return training_sigmas(draw, shift=shift, **sampling)
+
+
 def training_sigmas(draw: SampleNoise, sampling: str, logit_mean: float, logit_std: float, shift: float,
                     mode_scale: float = 1.29) -> torch.Tensor:
     """The noise level of each sample, drawn by one of the SD3 paper's schemes (sec. 3.1), then shifted."""

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from data.images import save_grid
-from models.pipeline import generate, initial_noise
+from models.pipeline import Sampler, generate, initial_noise
 from models.rectified_flow import VALIDATION_STREAM, interpolate, per_sample_loss, sample_key
 from optim.ema import EMA
 from perf.parallel import reshard, unwrap
@@ -71,18 +71,16 @@ class PromptImages:
     in [0, 1] (on rank 0), `score` (if any) rates them, and the grid shows `shown` of them."""
 
     def __init__(self, captions: list[str], text: dict, uncond: dict, shape: tuple, decode, score, shown: list[int],
-                 sampling, seed: int, dtype: str, batch_size: int):
+                 sampler: Sampler, seed: int, dtype: str, batch_size: int):
         self.captions, self.text, self.uncond, self.shape = captions, text, uncond, shape
         self.decode, self.score, self.shown = decode, score, shown
-        self.sampling, self.seed, self.dtype, self.batch_size = sampling, seed, dtype, batch_size
+        self.sampler, self.seed, self.dtype, self.batch_size = sampler, seed, dtype, batch_size
 
     def __call__(self, model, world: World, device) -> tuple[torch.Tensor | None, list[str], dict]:
         indices, real = share(list(range(len(self.captions))), world)
-        s = self.sampling
         with autocast(device, self.dtype):
             samples = generate(model, {k: v[indices] for k, v in self.text.items()}, self.uncond,
-                               initial_noise(self.seed, indices, self.shape), s.steps, s.cfg_scale, s.shift,
-                               tuple(s.guidance_interval), batch_size=self.batch_size)
+                               initial_noise(self.seed, indices, self.shape), self.sampler, self.batch_size)
         samples = gather_to_main(list(samples[:real]), world)
         if not world.is_main:
             return None, [], {}
@@ -143,7 +141,7 @@ class Validation:
             return
         if self.images is not None and self.world.is_main:  # it can take longer than a short run's training
             log.info("final validation: sampling %d caption(s) from the EMA weights, %d Euler steps each (cfg %g)%s",
-                     len(self.images.captions), self.images.sampling.steps, self.images.sampling.cfg_scale,
+                     len(self.images.captions), self.images.sampler.steps, self.images.sampler.cfg_scale,
                      ", then scoring their prompt fidelity" if self.images.score else "")
             log.info("(validation.at_end=false ends a run at its last checkpoint instead)")
         metrics = self(model, ema, self.max_steps, run_dir, logger)

@@ -159,8 +159,8 @@ def test_caption_dropout_uses_the_empty_prompt_encoding(tmp_path):
     dropped = draw_sample_noise(0, 0, torch.arange(8), (4, 8, 8)).dropout_uniform < 0.5
     assert 0 < dropped.sum() < 8
     empty = {"prompt_embeds": torch.full((1, 2, 4), 7.0), "pooled_prompt_embeds": torch.full((1, 5), 7.0)}
-    text = Collate(0, lambda draws: draws.sigma_uniform, 0.5, empty_prompt=empty)(items)["text"]
+    text = Collate(0, lambda draws, size: draws.sigma_uniform, 0.5, empty_prompt=empty)(items)["text"]
     assert text["prompt_embeds"][dropped].eq(7).all() and text["prompt_embeds"][~dropped].eq(1).all()
     assert text["pooled_prompt_embeds"][dropped].eq(7).all()
-    zeros = Collate(0, lambda draws: draws.sigma_uniform, 0.5)(items)["text"]  # a dataset without "" encoded
+    zeros = Collate(0, lambda draws, size: draws.sigma_uniform, 0.5)(items)["text"]  # a dataset without "" encoded
     assert zeros["prompt_embeds"][dropped].eq(0).all() and zeros["prompt_embeds"][~dropped].eq(1).all()

@@ -58,7 +58,7 @@ def test_mixed_batches_depend_on_seed_step_and_global_batch_only():
 def test_collate_takes_caption_dropout_and_loss_weight_from_each_samples_dataset():
     items = [{"step": 0, "position": p, "latents": torch.zeros(4, 2, 2), "prompt_embeds": torch.ones(2, 3),
               "pooled_prompt_embeds": torch.ones(3), "caption": "c", "source": p % 2} for p in range(16)]
-    batch = Collate(0, lambda draws: draws.sigma_uniform, [0.0, 0.99], loss_weights=[1.0, 0.25])(items)
+    batch = Collate(0, lambda draws, size: draws.sigma_uniform, [0.0, 0.99], loss_weights=[1.0, 0.25])(items)
     dropped = (batch["text"]["pooled_prompt_embeds"] == 0).all(1)
     assert not dropped[0::2].any() and dropped[1::2].all()
     assert batch["loss_weight"].tolist() == [1.0, 0.25] * 8 and batch["source"].tolist() == [0, 1] * 8
