@@ -311,33 +311,66 @@ def word_tokenizer(max_length: int):
                                                 eos_token="<eos>", model_max_length=max_length)
 
 
-def clip(hidden: int):
+def clip(hidden: int, projection: bool = True):
+    """A tiny CLIP text model: with its projection (SD3's CLIP-L and CLIP-G), or without (FLUX.1's CLIP-L)."""
     import transformers
     config = transformers.CLIPTextConfig(vocab_size=len(WORDS) + 3, hidden_size=hidden, intermediate_size=2 * hidden,
                                          num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=CLIP_TOKENS,
                                          projection_dim=8, pad_token_id=0, eos_token_id=2)
-    return transformers.CLIPTextModelWithProjection(config)
+    return (transformers.CLIPTextModelWithProjection if projection else transformers.CLIPTextModel)(config)
+
+
+def t5(width: int = 24):
+    import transformers
+    return transformers.T5EncoderModel(transformers.T5Config(
+        vocab_size=len(WORDS) + 3, d_model=width, d_kv=4, d_ff=32, num_layers=1, num_heads=2,
+        relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=2))
 
 
 @pytest.fixture(scope="session")
 def sd3_dir(tmp_path_factory):
     """A tiny, random SD3 pipeline directory in diffusers' layout (nothing is downloaded): a 4-channel VAE with
     one downsampling, CLIP-L (8 wide), CLIP-G (16 wide), T5 (24 wide): joint dim 24, pooled dim 8 + 8."""
-    import diffusers
-    import transformers
     root = tmp_path_factory.mktemp("sd3")
     torch.manual_seed(0)
-    diffusers.AutoencoderKL(in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 2,
-                            up_block_types=["UpDecoderBlock2D"] * 2, block_out_channels=[8, 16], layers_per_block=1,
-                            latent_channels=4, norm_num_groups=4, shift_factor=0.0609,
-                            scaling_factor=1.5305).save_pretrained(root / "vae")
+    tiny_vae(shift_factor=0.0609, scaling_factor=1.5305).save_pretrained(root / "vae")
     clip(8).save_pretrained(root / "text_encoder")
     clip(16).save_pretrained(root / "text_encoder_2")
-    t5 = transformers.T5Config(vocab_size=len(WORDS) + 3, d_model=24, d_kv=4, d_ff=32, num_layers=1, num_heads=2,
-                               relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=2)
-    transformers.T5EncoderModel(t5).save_pretrained(root / "text_encoder_3")
+    t5().save_pretrained(root / "text_encoder_3")
     for folder, length in (("tokenizer", CLIP_TOKENS), ("tokenizer_2", CLIP_TOKENS), ("tokenizer_3", T5_TOKENS)):
         word_tokenizer(length).save_pretrained(root / folder)
+    return root
+
+
+# FLUX.1's VAE constants (SD3's are 1.5305 / 0.0609)
+FLUX_VAE = {"scaling_factor": 0.3611, "shift_factor": 0.1159}
+
+
+def tiny_vae(latent_channels: int = 4, **constants):
+    import diffusers
+    return diffusers.AutoencoderKL(in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 2,
+                                   up_block_types=["UpDecoderBlock2D"] * 2, block_out_channels=[8, 16],
+                                   layers_per_block=1, latent_channels=latent_channels, norm_num_groups=4, **constants)
+
+
+@pytest.fixture(scope="session")
+def flux_dir(tmp_path_factory):
+    """A tiny, random FLUX.1-dev pipeline saved by diffusers' FluxPipeline (model_index.json and all; nothing is
+    downloaded): a 4-channel VAE with FLUX's constants and one downsampling, CLIP-L (8 wide, pooled), T5 (24 wide,
+    T5_TOKENS long), and a transformer of 1 double and 2 single blocks with a guidance embedding."""
+    import diffusers
+    root = tmp_path_factory.mktemp("flux")
+    torch.manual_seed(0)
+    transformer = diffusers.FluxTransformer2DModel(in_channels=16, num_layers=1, num_single_layers=2,
+                                                   attention_head_dim=8, num_attention_heads=2, joint_attention_dim=24,
+                                                   pooled_projection_dim=8, guidance_embeds=True,
+                                                   axes_dims_rope=[2, 2, 4])
+    randomize(transformer, 5)
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                                          base_image_seq_len=256, max_image_seq_len=4096)
+    diffusers.FluxPipeline(scheduler=scheduler, vae=tiny_vae(**FLUX_VAE), text_encoder=clip(8, projection=False),
+                           tokenizer=word_tokenizer(CLIP_TOKENS), text_encoder_2=t5(),
+                           tokenizer_2=word_tokenizer(T5_TOKENS), transformer=transformer).save_pretrained(root)
     return root
 
 

@@ -1,0 +1,76 @@
+"""FLUX.1 fine-tuning on a tiny random FluxPipeline saved by diffusers (tests/conftest.py: flux_dir): precompute
+stores what the pipeline computes (FLUX's VAE constants, T5 tokens and CLIP-L's pooled output), text encoded in the
+step equals precomputed, and mistakes are named before compute."""
+
+import pytest
+import torch
+
+import precompute_latents
+from data.latents import LatentDataset
+from tests.conftest import T5_TOKENS, image_folder
+from train_mmdit_stable import main
+
+diffusers = pytest.importorskip("diffusers")
+
+
+def precompute(flux_dir, images, out, *extra) -> int:
+    return precompute_latents.main(["--model", str(flux_dir), "--images", str(images), "--out", str(out),
+                                    "--resolution", "16", "--dtype", "fp32", *extra])
+
+
+@pytest.fixture(scope="module")
+def flux_data(flux_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("flux-data")
+    images = image_folder(root / "images", [(16, 16), (20, 18), (16, 16), (24, 24)] * 2)
+    (root / "prompts.txt").write_text("a red cat\na dog on the grass\n")
+    assert precompute(flux_dir, images, root / "data", "--validation-prompts", str(root / "prompts.txt")) == 0
+    return root / "data"
+
+
+def test_precompute_stores_what_the_flux_pipeline_computes(flux_dir, flux_data):
+    """The VAE latents with FLUX's scale and shift, T5's 512 tokens (dev's default), CLIP-L's pooled output: as
+    the pipeline computes them for the same batch of captions."""
+    from tests.test_precompute import load_image
+    pipe = diffusers.FluxPipeline.from_pretrained(flux_dir)
+    ds = LatentDataset(flux_data)
+    assert ds.index["family"] == "flux" and ds.index["max_sequence_length"] == 512
+    assert ds.index["vae"]["scaling_factor"] == 0.3611 and ds.index["vae"]["shift_factor"] == 0.1159
+    assert ds.text_dims == (24, 8) and ds.text_tokens == 512 and len(ds) == 8
+    images = flux_data.parent / "images"
+    captions = [(images / f"img{i:02d}.txt").read_text() for i in range(8)]
+    order = {ds[i]["caption"]: i for i in range(8)}
+    with torch.no_grad():
+        embeds, pooled, _ = pipe.encode_prompt(captions, None, max_sequence_length=512)
+        pixels = torch.stack([load_image(images / f"img{i:02d}.png", (16, 16)) for i in range(8)])
+        latents = (pipe.vae.encode(pixels).latent_dist.mean - 0.1159) * 0.3611
+    assert len(order) == 8
+    for i, caption in enumerate(captions):
+        item = ds[order[caption]]
+        torch.testing.assert_close(item["prompt_embeds"], embeds[i], rtol=0, atol=1e-6)
+        torch.testing.assert_close(item["pooled_prompt_embeds"], pooled[i], rtol=0, atol=1e-6)
+        torch.testing.assert_close(item["latents"], latents[i], rtol=1e-5, atol=1e-5)
+
+
+FLUX_RUN = ["model.family=flux", "data.name=latents", "model.patch_size=2", "model.num_layers=1",
+            "model.num_single_layers=2", "model.num_attention_heads=2", "model.attention_head_dim=8",
+            "model.guidance_embeds=true", "training.train_batch_size=4", "optimizer.warmup_steps=1",
+            "logging.log_every=1", "checkpoint.every=0", "training.max_steps=2"]
+
+
+@pytest.fixture
+def flux_lora(flux_data, tmp_path):
+    """A LoRA run over a random "released" FLUX transformer on the precomputed data."""
+    from tests.conftest import LORA, export_random_base
+    base = export_random_base([*FLUX_RUN, f"data.path={flux_data}"], tmp_path / "base")
+
+    def make(*extra: str, name: str = "run") -> list[str]:
+        return [*FLUX_RUN, *LORA, f"data.path={flux_data}", f"model.init_from={base}",
+                f"logging.output_dir={tmp_path / name}", *extra]
+    return make
+
+
+def test_encoding_in_the_step_equals_precomputed_embeddings(flux_lora, tmp_path):
+    from tests.conftest import assert_close, final_weights
+    assert main(flux_lora(name="precomputed")) == 0
+    assert main(flux_lora("data.text_encoding=on_the_fly", name="on_the_fly")) == 0
+    assert_close(final_weights(tmp_path / "on_the_fly"), final_weights(tmp_path / "precomputed"), atol=1e-6)
