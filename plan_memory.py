@@ -29,7 +29,7 @@ from models.lora import apply_lora
 from models.quantized import quantize_linears
 from runtime.memory_plan import GIB, cheapest_checkpointing, count_model, plan
 
-# The released transformers' sizes (docs/sd3-architecture.md); text from CLIP-L + CLIP-G + T5
+# The released transformers' sizes (docs/sd3-architecture.md, docs/flux.md)
 RELEASED = {
     "sd3-medium": {"num_layers": 24, "num_attention_heads": 24, "attention_head_dim": 64, "patch_size": 2,
                    "sample_size": 128, "pos_embed_max_size": 192, "qk_norm": None, "dual_attention_layers": []},
@@ -38,8 +38,24 @@ RELEASED = {
                     "dual_attention_layers": list(range(13))},
     "sd35-large": {"num_layers": 38, "num_attention_heads": 38, "attention_head_dim": 64, "patch_size": 2,
                    "sample_size": 128, "pos_embed_max_size": 192, "qk_norm": "rms_norm", "dual_attention_layers": []},
+    "flux-dev": {"family": "flux", "num_layers": 19, "num_single_layers": 38, "num_attention_heads": 24,
+                 "attention_head_dim": 128, "patch_size": 2, "qk_norm": "rms_norm", "axes_dims_rope": [16, 56, 56],
+                 "guidance_embeds": True},
+    "flux-schnell": {"family": "flux", "num_layers": 19, "num_single_layers": 38, "num_attention_heads": 24,
+                     "attention_head_dim": 128, "patch_size": 2, "qk_norm": "rms_norm", "axes_dims_rope": [16, 56, 56],
+                     "guidance_embeds": False},
 }
+# What the transformer sees of a sample of the released pipelines: SD3's CLIP-L + CLIP-G (77) and T5 (256) tokens,
+# pooled CLIP-L ++ CLIP-G; FLUX.1's T5 tokens (512 for dev, 256 for schnell) and CLIP-L's pooled output. Both
+# VAEs give 16-channel latents at 1/8 of the resolution.
 SD3_TEXT = {"tokens": 77 + 256, "joint": 4096, "pooled": 2048, "latent_channels": 16, "vae_factor": 8}
+FLUX_TEXT = {"tokens": 512, "joint": 4096, "pooled": 768, "latent_channels": 16, "vae_factor": 8}
+
+
+def released_text(cfg) -> dict:
+    if cfg.model.family == "sd3":
+        return SD3_TEXT
+    return {**FLUX_TEXT, "tokens": 512 if cfg.model.guidance_embeds else 256}
 
 
 def planning_config(path: str, overrides: list[str], model: str | None):
@@ -82,13 +98,14 @@ def read_config_or_none(folder: str):
 
 
 def data_like(cfg, resolution: int):
-    """What the model needs to know of the data: the dataset when it is here, else SD3 latents at `resolution`
-    (its largest latent size sets the activations)."""
+    """What the model needs to know of the data: the dataset when it is here, else the released pipeline's latents
+    and text at `resolution` (its largest latent size sets the activations)."""
     if cfg.data.name == "shapes" or (cfg.data.path and Path(cfg.data.path, "dataset.json").is_file()):
         return build_data(cfg)
-    side = resolution // SD3_TEXT["vae_factor"]
-    return SimpleNamespace(latent_channels=SD3_TEXT["latent_channels"], latent_sizes=[(side, side)],
-                           text_dims=(SD3_TEXT["joint"], SD3_TEXT["pooled"]), text_tokens=SD3_TEXT["tokens"]), None
+    text = released_text(cfg)
+    side = resolution // text["vae_factor"]
+    return SimpleNamespace(latent_channels=text["latent_channels"], latent_sizes=[(side, side)],
+                           text_dims=(text["joint"], text["pooled"]), text_tokens=text["tokens"]), None
 
 
 def count(cfg, dataset, tokenizer, quantization: str):
@@ -193,6 +210,8 @@ def readme_table(resolution: int) -> str:
     for model in RELEASED:
         for lora in (False, True):
             path = f"configs/{model.replace('-', '_')}{'_lora' if lora else ''}.yaml"
+            if not Path(path).is_file():  # FLUX.1-schnell: LoRA only
+                continue
             cfg, _ = planning_config(path, ["training.train_batch_size=1", "training.activation_checkpointing=none"],
                                      model)
             dataset, tokenizer = data_like(cfg, resolution)

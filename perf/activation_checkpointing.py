@@ -30,7 +30,7 @@ def checkpointed_modules(block: nn.Module, mode: str) -> list[nn.Module]:
     """What `mode` recomputes in one block."""
     if mode == "full":
         return [block]
-    return [ff for ff in (block.ff, block.ff_context) if ff is not None]
+    return [ff for ff in (getattr(block, "ff", None), getattr(block, "ff_context", None)) if ff is not None]
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 1) -> None:

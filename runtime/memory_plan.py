@@ -145,7 +145,7 @@ def count_model(model, example_inputs, activation_bytes: int, frozen_bytes: int)
     handles = []
     for i, block in enumerate(blocks):
         handles += [block.register_forward_pre_hook(enter(i)), block.register_forward_hook(leave(i))]
-        for ff in (block.ff, block.ff_context):
+        for ff in (getattr(block, "ff", None), getattr(block, "ff_context", None)):  # a FLUX single block has none
             if ff is not None:
                 handles += [ff.register_forward_pre_hook(enter_mlp(i)), ff.register_forward_hook(leave_mlp(i))]
     try:
