@@ -151,6 +151,6 @@ def read_holder(fd: int) -> dict | None:
 def describe(holder: dict | None) -> str:
     if holder is None:
         return "another job (it has not yet written who it is)"
-    command = holder["command"]
+    command = " ".join(holder["command"].split())  # one line
     command = command if len(command) <= COMMAND_CHARS else command[:COMMAND_CHARS] + "..."
     return f"pid {holder['pid']} on {holder['host']}, started {holder['started']} ({command})"
