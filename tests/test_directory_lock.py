@@ -22,6 +22,8 @@ from train_mmdit_stable import main
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+LOCK = ("import os, sys, time; from pathlib import Path; from runtime.directory_lock import lock_directory; "
+        "lock = lock_directory(Path(sys.argv[1]), 'x')")  # python -c LOCK DIRECTORY
 
 
 def files(directory: Path) -> dict[str, bytes]:
@@ -109,16 +111,14 @@ def test_the_lock_is_the_holders_alone(tmp_path):
     with lock_directory(directory, "run"):
         with pytest.raises(InputError, match=rf"run is in use by this process \(pid {os.getpid()}\)"):
             lock_directory(directory, "run")
-        refused = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; "
-                                  "from runtime.directory_lock import lock_directory; lock_directory(Path(sys.argv[1]), 'x')",
-                                  str(directory)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        refused = subprocess.run([sys.executable, "-c", LOCK, str(directory)], cwd=ROOT, capture_output=True,
+                                 text=True, timeout=60)
         assert f"x is in use by pid {os.getpid()}" in refused.stderr  # still held after the refused second lock
     assert not (tmp_path / "new").exists()
 
-    holder = subprocess.Popen([sys.executable, "-c", "import os, sys, time; from pathlib import Path; "
-                               "from runtime.directory_lock import lock_directory; lock_directory(Path(sys.argv[1]), 'x'); "
-                               "child = os.fork(); time.sleep(60 if child == 0 else 0.2); print(child, flush=True); "
-                               "time.sleep(60)", str(directory)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    fork = "; child = os.fork(); time.sleep(60 if child == 0 else 0.2); print(child, flush=True); time.sleep(60)"
+    holder = subprocess.Popen([sys.executable, "-c", LOCK + fork, str(directory)], cwd=ROOT, stdout=subprocess.PIPE,
+                              text=True)
     child = int(holder.stdout.readline())
     holder.kill()
     holder.wait()
