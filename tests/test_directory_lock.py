@@ -1,10 +1,10 @@
 """One job per run or output directory (runtime/directory_lock.py): a second start into a directory in use exits 2
-naming its holder and changes nothing; a dead holder never blocks."""
+naming its holder and changes nothing; a dead holder never blocks (a start after a SIGKILL resumes:
+tests/test_orphans.py)."""
 
 import errno
 import fcntl
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -17,7 +17,7 @@ import pytest
 import precompute_latents
 from errors import InputError
 from runtime.directory_lock import LOCK_FILE, lock_directory
-from tests.conftest import T5_TOKENS, assert_close, final_weights, image_folder, losses, sigkill_after, spawn, train
+from tests.conftest import T5_TOKENS, assert_close, final_weights, image_folder, losses, spawn, train
 from train_mmdit_stable import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,17 +69,6 @@ def test_a_second_training_into_a_busy_run_directory_exits_2_and_changes_nothing
     assert_close(final_weights(run_dir), final_weights(tmp_path / "straight"))
     assert losses(run_dir) == losses(tmp_path / "straight")
     assert not (run_dir / LOCK_FILE).exists()  # there only while held
-
-
-def test_a_start_after_the_holder_was_sigkilled_resumes(tiny, tmp_path, caplog):
-    """The kernel released the lock of the killed holder; its `.lock` file, left behind, is taken over."""
-    caplog.set_level(logging.INFO, logger="mmdit")
-    overrides = tiny("training.max_steps=12", "checkpoint.every=2")
-    sigkill_after(overrides, "complete")
-    assert (tmp_path / "run" / LOCK_FILE).is_file()
-    assert main(overrides) == 0
-    assert "resumed from" in caplog.text
-    assert not (tmp_path / "run" / LOCK_FILE).exists()
 
 
 def test_a_precompute_into_a_busy_output_directory_exits_2_and_changes_nothing(sd3_dir, tmp_path, caplog):

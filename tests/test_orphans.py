@@ -10,8 +10,6 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
-
 from runtime.directory_lock import LOCK_FILE
 from tests.conftest import TINY, free_port
 from train_mmdit_stable import main
@@ -21,12 +19,27 @@ DEADLINE_S = 15  # torch's data loader workers look for their parent every 5 s; 
 LAUNCHED = [*TINY, "training.max_steps=100000", "checkpoint.every=2"]
 
 
-def alive(process: psutil.Process) -> bool:
-    """Running (a process killed but not yet reaped by its new parent is a zombie: dead)."""
+def stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command's name (state, parent, ...); None once it is gone."""
     try:
-        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return text[text.rindex(")") + 2:].split()
+
+
+def alive(process: tuple[int, str]) -> bool:
+    """Whether (pid, start time) still runs: a process killed but not yet reaped by its new parent is a zombie
+    ("Z"), dead; a new process that reuses the pid has another start time."""
+    fields = stat(process[0])
+    return fields is not None and fields[0] != "Z" and fields[19] == process[1]
+
+
+def command(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().split("\0")[:3]
+    except FileNotFoundError:
+        return []
 
 
 class Launch:
@@ -45,24 +58,29 @@ class Launch:
             assert time.monotonic() < deadline and self.proc.poll() is None, "".join(self.lines)[-3000:]
             time.sleep(0.05)
 
-    def processes(self) -> list[psutil.Process]:
-        """The launcher and everything it started: torchrun, the workers, their data loader workers."""
-        launcher = psutil.Process(self.proc.pid)
-        return [launcher, *launcher.children(recursive=True)]
+    def processes(self) -> list[tuple[int, str]]:
+        """The launcher and everything it started (torchrun, the workers, their data loader workers), each as
+        (pid, start time)."""
+        fields = {int(p.name): stat(int(p.name)) for p in Path("/proc").iterdir() if p.name.isdigit()}
+        found, todo = [], [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            found.append((pid, fields[pid][19]))
+            todo += [child for child, f in fields.items() if f is not None and int(f[1]) == pid]
+        return found
 
 
 def kill_launcher_and_wait(launches: list[Launch], expected: int) -> None:
     """SIGKILL the first launcher; no process of any launch may be left after DEADLINE_S."""
     processes = [p for launch in launches for p in launch.processes()]
-    assert len(processes) == expected, [p.cmdline()[:3] for p in processes]
+    assert len(processes) == expected, [command(pid) for pid, _ in processes]
     launches[0].proc.kill()
     deadline = time.monotonic() + DEADLINE_S
     while any(alive(p) for p in processes) and time.monotonic() < deadline:
         time.sleep(0.05)
-    left = [(p.pid, p.cmdline()[:3]) for p in processes if alive(p)]
-    for p in processes:  # the test leaves nothing running, whatever it found
-        if alive(p):
-            p.kill()
+    left = [(p[0], command(p[0])) for p in processes if alive(p)]
+    for pid, _ in left:  # the test leaves nothing running, whatever it found
+        os.kill(pid, signal.SIGKILL)
     assert not left, f"still running {DEADLINE_S}s after the launcher was killed: {left}"
 
 
@@ -76,7 +94,7 @@ def test_sigkill_of_the_launcher_of_two_processes_leaves_no_process_and_the_run_
     assert (run_dir / LOCK_FILE).is_file()  # left by the killed rank 0: harmless
     caplog.set_level(logging.INFO, logger="mmdit")
     assert main([*TINY, "training.max_steps=20", f"logging.output_dir={run_dir}"]) == 0  # 8 x 1 = 4 x 2 per step
-    assert "resumed from" in caplog.text
+    assert "resumed from" in caplog.text and not (run_dir / LOCK_FILE).exists()
 
 
 def test_sigkill_of_the_launcher_of_one_process_leaves_no_process(tmp_path):
