@@ -47,7 +47,6 @@ export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 
-unset MMDIT_TORCHRUN_PID  # set for its workers only (runtime/parent_death.py), never inherited from an outer launch
 if [[ "$nproc" == 1 && "$nnodes" == 1 && -z "${MASTER_ADDR:-}${RDZV_ENDPOINT:-}${MAX_RESTARTS:-}" ]]; then
   exec "$PYTHON" "$script" "$@"  # the launcher becomes the worker: ending it ends the run
 fi
@@ -84,9 +83,11 @@ forward() {  # SIGINT stays SIGINT (a second Ctrl-C interrupts, as for one proce
 trap 'forward INT' INT  # before the start: a signal then can never leave torchrun running on its own
 trap 'forward TERM' TERM HUP
 echo "torchrun ${launch[*]}" >&2
-# torchrun in a session of its own that ends with this launcher, however it ends (a kill -9, the OOM killer), and
-# workers that end with torchrun: runtime/parent_death.py. It execs torchrun: $! is torchrun's pid.
-"$PYTHON" "$here/runtime/parent_death.py" $$ "$PYTHON" -m torch.distributed.run "${launch[@]}" "$script" "$@" &
+# torchrun, and each worker it starts, through runtime/parent_death.py: torchrun in a session of its own, and each
+# ends with its parent, however that ends (the launcher: a kill -9, the OOM killer). It execs: $! is torchrun's pid.
+ends_with_parent=("$PYTHON" "$here/runtime/parent_death.py")
+"${ends_with_parent[@]}" torchrun $$ "$PYTHON" -m torch.distributed.run "${launch[@]}" --no-python \
+  "${ends_with_parent[@]}" worker "$PYTHON" -u "$script" "$@" &
 torchrun_pid=$!
 status=0
 while true; do  # `wait` returns early when a trapped signal arrives; wait again until torchrun has ended

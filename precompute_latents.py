@@ -62,7 +62,6 @@ from errors import InputError
 from formats import DTYPES
 from runtime.directory_lock import lock_directory
 from runtime.distributed import stop_together
-from runtime.parent_death import end_with_torchrun
 from runtime.preemption import mark_exit
 
 log = logging.getLogger("mmdit")
@@ -129,7 +128,6 @@ def read_inputs(args: argparse.Namespace) -> tuple[list[Unit], dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    end_with_torchrun()  # under launch.sh's torchrun: no worker outlives it
     args = parse_args(argv)
     ranks = Ranks()
     logging.basicConfig(level=logging.INFO if ranks.rank == 0 else logging.ERROR, format="%(message)s",

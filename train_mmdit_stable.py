@@ -37,7 +37,6 @@ from runtime.directory_lock import lock_directory
 from runtime.distributed import World, destroy_distributed, init_distributed, stop_together, world_from_env
 from runtime.metrics import RunLogger, TrainingLog, save_loss_curve
 from runtime.nonfinite import NonFiniteGuard
-from runtime.parent_death import end_with_torchrun
 from runtime.preemption import PreemptionHandler, mark_exit
 from runtime.step_stats import (MemoryStats, SigmaBuckets, StepTimer, Throughput, peak_flops,
                                 train_flops_per_sample)
@@ -46,7 +45,6 @@ log = logging.getLogger("mmdit")
 
 
 def main(argv: list[str] | None = None) -> int:
-    end_with_torchrun()  # under launch.sh's torchrun: no worker outlives it
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config over the typed schema")
     parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. training.max_steps=50")

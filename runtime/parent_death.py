@@ -1,12 +1,16 @@
 """No orphans: every process of a launch ends within moments of the launcher, whatever ended it.
 
-launch.sh starts torchrun through this file, `python runtime/parent_death.py LAUNCHER_PID COMMAND ...`: in a
-session of its own (a terminal's Ctrl-C then reaches the launcher alone, which passes it on) and with Linux's
-parent-death signal set to SIGKILL, so that torchrun dies with the launcher even when the launcher is SIGKILLed
-and can pass nothing on. torchrun starts each worker in a session of its own and leaves them running when it is
-killed itself; so each worker asks, first thing (`end_with_torchrun`), for the same signal when torchrun dies.
-(With one process the launcher execs the worker: killing it kills the run.) The data loader's worker processes
-watch their parent themselves (torch checks every 5 s), as do the compile workers of torch.compile.
+launch.sh starts torchrun through this file, and has torchrun start each worker through it too:
+
+    python runtime/parent_death.py torchrun LAUNCHER_PID python -m torch.distributed.run ... --no-python \\
+        python runtime/parent_death.py worker python -u SCRIPT.py ARGS
+
+Each step asks Linux for SIGKILL when its parent ends (the parent-death signal), then execs the command: torchrun
+in a session of its own (a terminal's Ctrl-C then reaches the launcher alone, which passes it on) that dies with
+the launcher even when the launcher is SIGKILLed and can pass nothing on; each worker, which torchrun starts in a
+session of its own and would leave running if killed itself, dies with torchrun. Any SCRIPT.py is covered. (With
+one process the launcher execs the script: killing it kills the run.) The data loader's worker processes watch
+their parent themselves (torch checks every 5 s), as do the compile workers of torch.compile.
 
 SIGKILL rather than SIGTERM (which would checkpoint): a launcher traps SIGTERM, SIGINT and SIGHUP and passes them
 on as a pre-emption (checkpoint, exit 0), so it dies only of a signal it cannot trap: a user's `kill -9`, the OOM
@@ -17,12 +21,14 @@ run directory's lock dies with its holder (runtime/directory_lock.py): the same 
 
 The parent-death signal survives exec (unless the program is set-user-ID) and belongs to the thread that started
 the process (torchrun starts its workers from its main thread). A process whose parent died before it asked would
-never get the signal: each step compares its parent with the one it expects (the launcher's pid, given on the
-command line; torchrun's, which this file leaves in MMDIT_TORCHRUN_PID) and ends at once if that one is gone.
+never get the signal, so each step then compares its parent with the one it expects (the launcher's pid, given on
+the command line; torchrun's, which the first step leaves in MMDIT_TORCHRUN_PID, exec keeping the pid) and does
+not start the command if that one is gone.
 
 Under several nodes each node's launcher, torchrun and workers end together like this; the ranks of the other
 nodes then fail at their next collective with the ranks that are gone (gloo: at once, the connection is closed;
-NCCL: its watchdog, or `parallel.timeout_s`), and their torchrun ends them. Linux only (elsewhere: a no-op).
+NCCL: its watchdog, or `parallel.timeout_s`), and their torchrun ends them. Linux only (elsewhere the commands
+just start).
 """
 
 import ctypes
@@ -44,22 +50,18 @@ def die_with_parent(parent: int) -> bool:
     return os.getppid() == parent  # asked before this check: a later end of the parent sends the signal
 
 
-def end_with_torchrun() -> None:
-    """First thing in a worker of launch.sh's torchrun: end when torchrun does (nothing elsewhere)."""
-    parent = os.environ.get(TORCHRUN_PID)
-    if parent is not None and not die_with_parent(int(parent)):
-        raise SystemExit(f"torchrun (pid {parent}) has ended before this worker started; exiting")
-
-
-def main(argv: list[str]) -> None:
-    """Start a command (torchrun) in a session of its own, to end with the launcher `argv[0]`."""
-    launcher, command = int(argv[0]), argv[1:]
-    os.setsid()
-    if not die_with_parent(launcher):
-        raise SystemExit(f"the launcher (pid {launcher}) has ended; not starting {command[0]}")
-    os.environ[TORCHRUN_PID] = str(os.getpid())  # exec keeps the pid: torchrun's, for its workers
+def start(role: str, command: list[str]) -> None:
+    """Exec `command` as torchrun (`command[0]` is the launcher's pid) or as one of its workers."""
+    if role == "torchrun":
+        parent, command = int(command[0]), command[1:]
+        os.setsid()
+        os.environ[TORCHRUN_PID] = str(os.getpid())  # for its workers
+    else:
+        parent = int(os.environ[TORCHRUN_PID])
+    if not die_with_parent(parent):
+        raise SystemExit(f"{role}: its parent (pid {parent}) has ended; not starting {command[0]}")
     os.execvp(command[0], command)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    start(sys.argv[1], sys.argv[2:])

@@ -116,19 +116,21 @@ def test_sigkill_of_one_nodes_launcher_ends_every_node(tmp_path):
     assert nodes[1].proc.wait(timeout=10) == 1
 
 
-def test_a_process_whose_parent_has_ended_does_not_start(tmp_path):
+def test_a_process_whose_parent_has_ended_does_not_start():
     """Where the launcher, or torchrun, died before its child could ask for the parent-death signal (which would
-    then never come), the child ends instead of running on."""
+    then never come), the child does not start its command; with its parent alive, it does."""
     gone = subprocess.Popen(["true"])
     gone.wait()
-    ask = "from runtime.parent_death import end_with_torchrun; end_with_torchrun(); print('running')"
-    worker = subprocess.run([sys.executable, "-c", ask], cwd=ROOT, capture_output=True, text=True, timeout=60,
+    wrapper = [sys.executable, str(ROOT / "runtime" / "parent_death.py")]
+    torchrun = subprocess.run([*wrapper, "torchrun", str(gone.pid), "echo", "started"], capture_output=True,
+                              text=True, timeout=60)
+    assert torchrun.returncode == 1 and torchrun.stdout == "", torchrun
+    assert f"torchrun: its parent (pid {gone.pid}) has ended; not starting echo" in torchrun.stderr
+    worker = subprocess.run([*wrapper, "worker", "echo", "started"], capture_output=True, text=True, timeout=60,
                             env={**os.environ, "MMDIT_TORCHRUN_PID": str(gone.pid)})
     assert worker.returncode == 1 and worker.stdout == "", worker
-    assert f"torchrun (pid {gone.pid}) has ended before this worker started" in worker.stderr
-    assert subprocess.run([sys.executable, "-c", ask], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "MMDIT_TORCHRUN_PID": str(os.getpid())}).stdout == "running\n"
-    torchrun = subprocess.run([sys.executable, str(ROOT / "runtime" / "parent_death.py"), str(gone.pid), "echo",
-                               "started"], capture_output=True, text=True, timeout=60)
-    assert torchrun.returncode == 1 and torchrun.stdout == "", torchrun
-    assert f"the launcher (pid {gone.pid}) has ended; not starting echo" in torchrun.stderr
+    assert f"worker: its parent (pid {gone.pid}) has ended; not starting echo" in worker.stderr
+    assert subprocess.run([*wrapper, "torchrun", str(os.getpid()), "echo", "started"], capture_output=True,
+                          text=True, timeout=60).stdout == "started\n"
+    assert subprocess.run([*wrapper, "worker", "echo", "started"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "MMDIT_TORCHRUN_PID": str(os.getpid())}).stdout == "started\n"
