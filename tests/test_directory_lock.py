@@ -49,8 +49,8 @@ def holding(directory: Path, proc: subprocess.Popen, timeout: float = 120) -> No
 def test_a_second_training_into_a_busy_run_directory_exits_2_and_changes_nothing(tiny, tmp_path, caplog):
     """The first training holds its run directory; a second start (one process, and two ranks) is refused with
     the holder named, before it writes anything; the first then ends with the weights of an undisturbed run."""
-    run_dir, overrides = tmp_path / "run", tiny("training.max_steps=12", "checkpoint.every=4")
-    assert main(tiny("training.max_steps=12", "checkpoint.every=4", run="straight")) == 0
+    run_dir, overrides = tmp_path / "run", tiny("training.max_steps=6", "checkpoint.every=3")
+    assert main(tiny("training.max_steps=6", "checkpoint.every=3", run="straight")) == 0
     first = subprocess.Popen([sys.executable, "train_mmdit_stable.py", *overrides], cwd=ROOT, env=ENV,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -72,7 +72,7 @@ def test_a_second_training_into_a_busy_run_directory_exits_2_and_changes_nothing
 
 
 def test_a_precompute_into_a_busy_output_directory_exits_2_and_changes_nothing(sd3_dir, tmp_path, caplog):
-    images = image_folder(tmp_path / "images", [(16, 16), (20, 18), (24, 24), (16, 16)])
+    images = image_folder(tmp_path / "images", [(16, 16), (20, 18)])
     args = ["--model", str(sd3_dir), "--images", str(images), "--resolution", "16", "--batch-size", "2",
             "--shard-size", "2", "--dtype", "fp32", "--max-sequence-length", str(T5_TOKENS)]
     out = tmp_path / "out"
