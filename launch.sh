@@ -14,6 +14,9 @@
 # was pre-empted cleanly; under torchrun the launcher passes them (and SIGHUP, as SIGTERM) to the workers and then
 # exits as one process would. A worker's error that it has reported (the user's input, exit 2; a failure it
 # explained, exit 1; an interruption, exit 130) ends the launch with that status and no torchrun traceback.
+# A launcher killed by a signal it cannot pass on (kill -9, the OOM killer) takes torchrun and every worker with it
+# (runtime/parent_death.py); a second launch into a run or output directory in use is refused with exit 2
+# (runtime/directory_lock.py).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 script="${1:?usage: ./launch.sh SCRIPT.py [arguments]}"
@@ -45,7 +48,7 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 
 if [[ "$nproc" == 1 && "$nnodes" == 1 && -z "${MASTER_ADDR:-}${RDZV_ENDPOINT:-}${MAX_RESTARTS:-}" ]]; then
-  exec "$PYTHON" "$script" "$@"
+  exec "$PYTHON" "$script" "$@"  # the launcher becomes the worker: ending it ends the run
 fi
 
 launch=(--nnodes "$nnodes" --nproc-per-node "$nproc" --max-restarts "${MAX_RESTARTS:-0}")
@@ -79,10 +82,12 @@ forward() {  # SIGINT stays SIGINT (a second Ctrl-C interrupts, as for one proce
 }
 trap 'forward INT' INT  # before the start: a signal then can never leave torchrun running on its own
 trap 'forward TERM' TERM HUP
-session=()
-if command -v setsid >/dev/null; then session=(setsid); fi  # not a group leader here, so it execs: $! is torchrun
 echo "torchrun ${launch[*]}" >&2
-${session[@]+"${session[@]}"} "$PYTHON" -m torch.distributed.run "${launch[@]}" "$script" "$@" &
+# torchrun, and each worker it starts, through runtime/parent_death.py: torchrun in a session of its own, and each
+# ends with its parent, however that ends (the launcher: a kill -9, the OOM killer). It execs: $! is torchrun's pid.
+ends_with_parent=("$PYTHON" "$here/runtime/parent_death.py")
+"${ends_with_parent[@]}" torchrun $$ "$PYTHON" -m torch.distributed.run "${launch[@]}" --no-python \
+  "${ends_with_parent[@]}" worker "$PYTHON" -u "$script" "$@" &
 torchrun_pid=$!
 status=0
 while true; do  # `wait` returns early when a trapped signal arrives; wait again until torchrun has ended

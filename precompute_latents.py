@@ -47,6 +47,7 @@ import argparse
 import logging
 import signal
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -62,6 +63,7 @@ from data.precompute.units import REPORTS
 from data.webdataset import ShardError, expand_shards
 from errors import InputError
 from formats import DTYPES
+from runtime.directory_lock import lock_directory
 from runtime.distributed import stop_together
 from runtime.preemption import mark_exit
 
@@ -138,7 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(f"cuda:{ranks.local_rank}" if gpu else "cpu" if args.device == "auto" else args.device)
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # a scheduler's stop, taken as Ctrl-C is
     try:
-        status = run(args, ranks, device)
+        with stop_together():  # one job per output directory, refused before anything is read or computed
+            lock = lock_directory(args.out, f"--out {args.out}", PrecomputeError) if ranks.rank == 0 else nullcontext()
+        with lock:
+            status = run(args, ranks, device)
     except InputError as e:  # the user's input: one line, once (every rank stops alike: stop_together)
         if ranks.rank == 0:
             log.error("precompute: %s", e)

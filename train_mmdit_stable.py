@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import logging
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -32,6 +33,7 @@ from perf.float8 import check_float8, precompute_scales_after_step
 from perf.parallel import apply_parallelism, check_all_parameters_used, check_parallel, sync_gradients, unwrap
 from perf.precision import autocast, configure_cuda_math, deterministic_kernels, grad_scaler
 from perf.profiler import build_profiler
+from runtime.directory_lock import lock_directory
 from runtime.distributed import World, destroy_distributed, init_distributed, stop_together, world_from_env
 from runtime.metrics import RunLogger, TrainingLog, save_loss_curve
 from runtime.nonfinite import NonFiniteGuard
@@ -56,7 +58,11 @@ def main(argv: list[str] | None = None) -> int:
         device = init_distributed(world, resolve_device(cfg.training.device), cfg.parallel.timeout_s,
                                   group_of_one=cfg.parallel.cpu_offload)  # FSDP offloads even one process
         try:
-            return train(cfg, world, device)
+            with stop_together():  # one training per run directory, refused before anything is computed or written
+                lock = lock_directory(Path(cfg.logging.output_dir), f"logging.output_dir={cfg.logging.output_dir}",
+                                      ConfigError) if world.is_main else nullcontext()
+            with lock:
+                return train(cfg, world, device)
         finally:
             destroy_distributed()
     except InputError as e:  # the user's input: one line, once

@@ -15,6 +15,7 @@ from data.precompute.ranks import Progress, Ranks
 from data.precompute.units import PROGRESS, REPORTS, encode_unit, report_path, verified
 from data.webdataset import ShardError
 from formats import DTYPES
+from runtime.directory_lock import LOCK_FILE
 
 log = logging.getLogger("mmdit")
 INPUT_NAMES = "input_names"  # in the settings: the shards or images given, to name what changed on a rerun
@@ -29,7 +30,7 @@ def check_output_directory(out: Path, settings: dict) -> None:
         if parent.exists() and not parent.is_dir():
             raise PrecomputeError(f"--out {out}: {parent} is a file, not a directory")
     if not (out / SETTINGS).is_file():
-        if out.exists() and any(out.iterdir()):
+        if out.exists() and any(path.name != LOCK_FILE for path in out.iterdir()):  # the lock: this job's
             raise PrecomputeError(f"--out {out} exists and was not written by this tool; choose a new directory")
         return
     old = json.loads((out / SETTINGS).read_text())
