@@ -642,6 +642,10 @@ def architecture_from_init(cfg: DictConfig, explicit: set[str]) -> None:
     for key in ("family", *ARCHITECTURE_KEYS[family.name], *(("patch_size", "qk_norm") if family.name == "flux" else ())):
         ours = cfg.model[key]
         ours = OmegaConf.to_object(ours) if isinstance(ours, ListConfig) else ours
+        if key == "family" and key in explicit and ours != theirs[key]:
+            raise ConfigError(f"model.family={ours}, and model.init_from={folder} holds a {family.name} transformer "
+                              f"({family.diffusers_class}): use a config of that family (configs/{family.name}_*.yaml)"
+                              f" or a {ours} checkpoint")
         if key in explicit and ours != theirs[key]:
             raise ConfigError(f"model.{key}={ours} contradicts {folder}/config.json ({key}: {theirs[key]}); the "
                               f"architecture comes from model.init_from: leave model.{key} unset, or point "

@@ -70,3 +70,39 @@ def test_config_runs_as_written_on_a_shrunken_model(name, tmp_path):
            "logging.log_every=1", f"logging.output_dir={tmp_path / 'run'}"]
     assert main(run) == 0
     assert len(losses(tmp_path / "run")) == 3
+
+
+FLUX_RELEASED = dict(patch_size=1, in_channels=64, out_channels=64, num_layers=19, num_single_layers=38,
+                     attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
+                     axes_dims_rope=[16, 56, 56])  # docs/flux.md
+
+
+@pytest.mark.parametrize("name,gpus,gib", [("flux_dev_lora", 1, 80), ("flux_dev_lora_24gb", 1, 24),
+                                           ("flux_dev", 8, 80), ("flux_schnell_lora", 1, 80)])
+def test_flux_configs_are_the_released_architecture_and_fit_where_they_say(name, gpus, gib, tmp_path):
+    """Pointed at (the config of) the released FLUX.1 transformer, each config builds diffusers'
+    FluxTransformer2DModel key for key (12B parameters on the meta device), and the memory plan of the config as
+    written (plan_memory.py's first row) fits the GPUs its header names, at 1024 px. (schnell's plan is dev's but for
+    the guidance embedding and T5's length: it is not counted again, for time.)"""
+    import plan_memory
+    from models.flux.model import Flux
+    from runtime.memory_plan import GIB, plan
+    released = {**FLUX_RELEASED, "guidance_embeds": "schnell" not in name}
+    with torch.device("meta"):
+        theirs = diffusers.FluxTransformer2DModel(**released)
+    theirs.save_config(tmp_path / "transformer")
+    cfg = load_config(CONFIGS / f"{name}.yaml", ["data.path=unused", f"model.init_from={tmp_path / 'transformer'}"])
+    assert cfg.model.family == "flux" and cfg.model.patch_size == 2
+    ours = transformer_config(cfg, latent_channels=16, latent_sizes=[(128, 128)], joint_dim=4096, pooled_dim=768)
+    assert dataclasses.asdict(ours) == released
+    with torch.device("meta"):
+        model = Flux(ours)
+    assert {k: v.shape for k, v in model.state_dict().items()} == {k: v.shape for k, v in theirs.state_dict().items()}
+    if "schnell" in name:
+        return
+    cfg, _ = plan_memory.planning_config(str(CONFIGS / f"{name}.yaml"), [], "flux-dev")
+    _, choice = plan_memory.choices(cfg, gpus)[0]
+    counted = plan_memory.count(cfg, *plan_memory.data_like(cfg, 1024), choice["quantization"])
+    result = plan(counted, checkpointing=choice["checkpointing"], every=choice["every"],
+                  **plan_memory.settings(cfg, choice, gpus))
+    assert result.peak / GIB <= gib, result

@@ -74,3 +74,25 @@ def test_encoding_in_the_step_equals_precomputed_embeddings(flux_lora, tmp_path)
     assert main(flux_lora(name="precomputed")) == 0
     assert main(flux_lora("data.text_encoding=on_the_fly", name="on_the_fly")) == 0
     assert_close(final_weights(tmp_path / "on_the_fly"), final_weights(tmp_path / "precomputed"), atol=1e-6)
+
+
+def test_mistakes_are_named_before_compute(flux_dir, flux_data, tmp_path, caplog):
+    """A FLUX folder given to an SD3 config; guidance given to a model without its embedding (schnell); latents
+    that cannot pack into 2x2 tokens; SD3 data under a FLUX model: exit 2, one line, no run directory."""
+    from tests.conftest import export_random_base
+    run = ["training.max_steps=1", f"data.path={flux_data}", f"logging.output_dir={tmp_path / 'run'}"]
+    assert main(["--config", "configs/sd3_medium_lora.yaml", *run, f"model.init_from={flux_dir / 'transformer'}"]) == 2
+    assert ("model.family=sd3, and model.init_from=" in caplog.text and "holds a flux transformer "
+            "(FluxTransformer2DModel): use a config of that family (configs/flux_*.yaml)" in caplog.text)
+    schnell = export_random_base([*FLUX_RUN, f"data.path={flux_data}", "model.guidance_embeds=false"],
+                                 tmp_path / "schnell")
+    assert main(["--config", "configs/flux_schnell_lora.yaml", *run, f"model.init_from={schnell}",
+                 "flux.train_guidance=3.5"]) == 2
+    assert ("flux.train_guidance sets the guidance a guidance-distilled model (FLUX.1-dev) embeds, and "
+            f"{schnell} has no guidance embedding" in caplog.text)
+    assert main([*FLUX_RUN, *run, "model.patch_size=3"]) == 2
+    assert "model.patch_size=3 does not divide the 8x8 latents (packed tokens of 3x3)" in caplog.text
+    assert main([*FLUX_RUN, *run[:2], "model.family=sd3", "model.num_single_layers=0", "model.guidance_embeds=false",
+                 f"logging.output_dir={tmp_path / 'run'}"]) == 2
+    assert f"{flux_data} was encoded by a flux pipeline, and model.family=sd3" in caplog.text
+    assert not (tmp_path / "run").exists()
