@@ -101,8 +101,10 @@ class PipelineTextEncoders(nn.Module):
         """The layers FSDP shards one by one (the rest of each encoder is sharded with it)."""
         layers = []
         for encoder in self.encoders():
-            layers += list(encoder.encoder.block) if hasattr(encoder, "shared") else \
-                list(encoder.text_model.encoder.layers)  # T5, CLIP
+            if hasattr(encoder, "shared"):  # T5
+                layers += list(encoder.encoder.block)
+            else:  # CLIP: CLIPTextModelWithProjection wraps a text_model, CLIPTextModel (transformers 5) is one
+                layers += list(getattr(encoder, "text_model", encoder).encoder.layers)
         return layers
 
     def run(self, encoder: nn.Module, ids: torch.Tensor, **kwargs):

@@ -85,3 +85,19 @@ def test_mode_and_cosmap_sampling_have_the_sd3_densities():
     torch.testing.assert_close(counts, density / 10, rtol=0.1, atol=0.005)
     shifted = training_sigmas(draws, "cosmap", 0.0, 1.0, 3.0)
     assert shifted.median() > cosmap.median()  # the shift applies to every scheme
+
+
+def test_fluxs_resolution_shift_is_its_pipelines_schedule():
+    """FLUX.1's shift by image size: e^mu, mu 0.5 at 256 tokens and 1.15 at 4096; Euler's sigmas on it are those
+    of FluxPipeline's scheduler (dynamic shifting, mu from calculate_shift) for the same token count."""
+    import pytest
+    from models.rectified_flow import resolution_shift
+    diffusers = pytest.importorskip("diffusers")
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+    assert resolution_shift(256) == pytest.approx(math.exp(0.5)) and resolution_shift(4096) == pytest.approx(math.exp(1.15))
+    for tokens, steps in ((1024, 28), (4096, 4), (64, 10)):
+        scheduler = diffusers.FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                                              base_image_seq_len=256, max_image_seq_len=4096)
+        scheduler.set_timesteps(sigmas=[1 - i / steps for i in range(steps)], mu=calculate_shift(tokens))
+        ours = shift_sigmas(torch.linspace(1.0, 0.0, steps + 1), resolution_shift(tokens))
+        torch.testing.assert_close(ours, scheduler.sigmas.float(), rtol=1e-5, atol=1e-6)

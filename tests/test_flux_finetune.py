@@ -69,11 +69,14 @@ def flux_lora(flux_data, tmp_path):
     return make
 
 
-def test_encoding_in_the_step_equals_precomputed_embeddings(flux_lora, tmp_path):
-    from tests.conftest import assert_close, final_weights
-    assert main(flux_lora(name="precomputed")) == 0
-    assert main(flux_lora("data.text_encoding=on_the_fly", name="on_the_fly")) == 0
-    assert_close(final_weights(tmp_path / "on_the_fly"), final_weights(tmp_path / "precomputed"), atol=1e-6)
+def test_encoding_in_the_step_under_fsdp_equals_precomputed_embeddings(flux_lora, tmp_path):
+    """CLIP-L and T5 run in the step, sharded layer by layer over 2 FSDP ranks with the transformer: the weights of
+    one process on precomputed embeddings (fp32 summation order apart)."""
+    from tests.conftest import assert_close, final_weights, trains
+    assert main(flux_lora("optimizer.eps=1e-3", name="precomputed")) == 0
+    trains(2, flux_lora("optimizer.eps=1e-3", "data.text_encoding=on_the_fly", "parallel.strategy=fsdp",
+                        "training.train_batch_size=2", name="on_the_fly"), tmp_path)
+    assert_close(final_weights(tmp_path / "on_the_fly"), final_weights(tmp_path / "precomputed"), atol=1e-5)
 
 
 def test_mistakes_are_named_before_compute(flux_dir, flux_data, tmp_path, caplog):
@@ -96,3 +99,21 @@ def test_mistakes_are_named_before_compute(flux_dir, flux_data, tmp_path, caplog
                  f"logging.output_dir={tmp_path / 'run'}"]) == 2
     assert f"{flux_data} was encoded by a flux pipeline, and model.family=sd3" in caplog.text
     assert not (tmp_path / "run").exists()
+
+
+def test_dora_rslora_clip_lora_on_a_quantized_base_with_validation(flux_lora, tmp_path):
+    """The fine-tuning features together on FLUX: DoRA and rsLoRA adapters on both block kinds and on CLIP-L (text
+    encoded in the step), an nf4 base, held-out loss and validation images (FLUX's sampler: resolution shift,
+    embedded guidance, no CFG)."""
+    from tests.conftest import final_weights, metric_rows
+    run = flux_lora("lora.use_dora=true", "lora.use_rslora=true", "lora.text_encoders=[clip_l]",
+                    "data.text_encoding=on_the_fly", "lora.base_quantization=nf4", "data.holdout=2",
+                    "validation.every=2", "validation.loss_sigmas=2", "sampling.steps=2", "sampling.cfg_scale=1",
+                    "sampling.resolution_shift=true", "flow.resolution_shift=true")
+    assert main(run) == 0
+    weights = final_weights(tmp_path / "run")
+    for part in ("transformer.transformer_blocks.0.attn.to_q", "transformer.single_transformer_blocks.1.proj_mlp",
+                 "text_encoder.clip_l.encoder.layers.0.self_attn.q_proj"):
+        assert f"{part}.lora_magnitude_vector.default.weight" in weights, sorted(weights)[:5]
+    assert (tmp_path / "run" / "samples" / "step_00000002.png").is_file()
+    assert [r["step"] for r in metric_rows(tmp_path / "run") if "val/loss" in r] == [2]
