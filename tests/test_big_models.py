@@ -10,6 +10,7 @@ from configs.schema import load_config
 from errors import ConfigError
 from models.diffusers_io import WeightReader, load_diffusers_weights
 from models.blocks import initialize
+from models.families import open_weights
 from models.quantized import QuantizedLinear, dequantize, quantize
 from perf.checkpoint import checkpoints
 from perf.parallel import apply_parallelism
@@ -29,7 +30,7 @@ def eager_model(overrides: list[str]) -> torch.nn.Module:
     model = build_model(cfg, dataset, tokenizer)
     initialize(model, cfg.training.seed)
     if cfg.model.init_from:
-        load_diffusers_weights(model.transformer, cfg.model.init_from)
+        load_diffusers_weights(model.transformer, cfg.model.init_from, reader=open_weights(cfg.model.init_from))
     return model
 
 

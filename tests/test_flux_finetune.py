@@ -117,3 +117,26 @@ def test_dora_rslora_clip_lora_on_a_quantized_base_with_validation(flux_lora, tm
         assert f"{part}.lora_magnitude_vector.default.weight" in weights, sorted(weights)[:5]
     assert (tmp_path / "run" / "samples" / "step_00000002.png").is_file()
     assert [r["step"] for r in metric_rows(tmp_path / "run") if "val/loss" in r] == [2]
+
+
+def test_fsdp_ranks_read_only_their_rows_of_the_original_single_file(flux_data, tmp_path):
+    """12B parameters are never whole on one rank: two FSDP ranks build FLUX on the meta device and fill their
+    shards from BFL's single file (`model.init_from=FILE`), each reading about half of it, across its fused and
+    swapped tensors; gathered, the weights equal an eager load of the file, bitwise."""
+    from safetensors.torch import save_file
+
+    from tests.conftest import spawn
+    from tests.test_big_models import shards_against_eager
+    from tests.test_flux_model import bfl_checkpoint
+    config = {"in_channels": 16, "joint_attention_dim": 24, "pooled_projection_dim": 8, "num_layers": 1,
+              "num_single_layers": 2, "num_attention_heads": 2, "attention_head_dim": 8, "guidance_embeds": True}
+    checkpoint = bfl_checkpoint(config)
+    save_file(checkpoint, tmp_path / "flux1-tiny.safetensors")
+    overrides = [*FLUX_RUN, f"data.path={flux_data}", "parallel.strategy=fsdp", "training.seed=5",
+                 f"model.init_from={tmp_path / 'flux1-tiny.safetensors'}", f"logging.output_dir={tmp_path / 'run'}"]
+    ranks = spawn(2, shards_against_eager, overrides, tmp_path=tmp_path)
+    assert all(isinstance(r, dict) for r in ranks), ranks
+    assert [r["different"] for r in ranks] == [[], []] and all(r["keys"] for r in ranks)
+    file_bytes = sum(t.numel() * 4 for t in checkpoint.values())
+    assert sum(r["bytes_read"] for r in ranks) == file_bytes  # every byte read once
+    assert all(0.4 * file_bytes < r["bytes_read"] < 0.6 * file_bytes for r in ranks), ranks
