@@ -160,12 +160,12 @@ def device_batch_speed(row: Row, overrides: list[str]) -> dict:
     """On a GPU, a speed row's columns from benchmarks/train_step.py (see SPEED); nothing elsewhere."""
     if not (row.speed and torch.cuda.is_available()):
         return {}
-    from benchmarks.train_step import Variant, measure
+    from benchmarks.train_step import Row, Variant, measure
     settings = [o for o in overrides if o.split("=")[0] in ("training.dtype", "training.attention_backend",
                                                             "compile.enabled", "training.activation_checkpointing")]
     gc.collect()  # the check's run is over: its model and optimizer go before the benchmark's come
     torch.cuda.empty_cache()
-    m = measure(SPEED["model"], Variant(row.name, [*SPEED["overrides"], *settings]), "real", SPEED["steps"],
+    m = measure(Row(SPEED["model"], Variant(row.name, (*SPEED["overrides"], *settings))), "real", SPEED["steps"],
                 SPEED["warmup"], torch.device("cuda"), SPEED["resolution"])
     if m["status"] != "passed":  # the plugin passed its check; only the speed columns stay the run's own
         return {"speed_from": f"its own run (the device-batch benchmark: {m.get('error') or m.get('reason')})"}
