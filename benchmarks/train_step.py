@@ -64,7 +64,7 @@ A `--size real` table is never overwritten: an existing --out file is continued 
 `--overrides key=value ...` changes every row (e.g. training.train_batch_size=8), `--resolution` the image side.
 `--size tiny` shrinks every model to 2 blocks at 128 px (compile with the aot_eager backend), so the whole table
 runs on a CPU (every row runs, the compiled ones included; rows that need a GPU say why): it checks the
-machinery, its times mean nothing, and its table (benchmarks/train_step_cpu_tiny.json) is rewritten each run.
+machinery, its times mean nothing, and its table (runs/bench/train_step_cpu_tiny.json) is rewritten each run.
 The table is printed and the rows written to benchmarks/train_step_<device>.json (or --out).
 """
 
@@ -83,6 +83,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Callable
 
 import torch
 from omegaconf import OmegaConf
@@ -102,7 +103,7 @@ from optim.ema import EMA  # noqa: E402
 from perf.attention import BACKENDS, SDPA_KERNELS, apply_attention_backend, choose  # noqa: E402
 from perf.parallel import apply_parallelism, unwrap  # noqa: E402
 from perf.precision import autocast, configure_cuda_math, grad_scaler  # noqa: E402
-from plan_memory import RELEASED, SD3_TEXT, planning_config  # noqa: E402
+from plan_memory import SD3_TEXT, planning_config  # noqa: E402
 from runtime.distributed import World  # noqa: E402
 from runtime.host_syncs import HostSyncCounter, cuda_sync_counter  # noqa: E402
 from runtime.nonfinite import NonFiniteGuard  # noqa: E402
@@ -124,7 +125,8 @@ class Variant:
 
 
 def sd3_anchor(cfg, data: SimpleNamespace, device: torch.device):
-    """diffusers' SD3Transformer2DModel with `cfg`'s architecture; its repeated blocks; our call made on it."""
+    """diffusers' SD3Transformer2DModel with `cfg`'s architecture: (the model, its repeated blocks, which compile
+    one by one, and forward(x_t, sigma, text) -> velocity, our model's call made on it)."""
     from diffusers import SD3Transformer2DModel
     m = cfg.model
     with torch.device(device):
@@ -143,13 +145,20 @@ def sd3_anchor(cfg, data: SimpleNamespace, device: torch.device):
     return model, list(model.transformer_blocks), forward
 
 
+# --size tiny: every model 2 blocks of 2 heads x 16 at 128 px (16x16 latents, 8x8 patches), 8 text tokens
+SD3_TINY = {"num_layers": 2, "num_attention_heads": 2, "attention_head_dim": 16, "sample_size": 16,
+            "pos_embed_max_size": 8}
+TINY = {"text": {"tokens": 8, "joint": 32, "pooled": 16}, "resolution": 128}
+
+
 @dataclass(frozen=True)
 class Model:
     config: str  # a fine-tuning config of configs/
     architecture: str  # its released sizes: plan_memory.RELEASED's key
     variants: tuple[Variant, ...]  # besides the config as written (tier 0 for the first model, else 1)
     text: dict = field(default_factory=lambda: SD3_TEXT)  # text embeddings' and latents' shapes
-    anchor: object = None  # diffusers' model of the architecture (sd3_anchor's signature), for anchor variants
+    anchor: Callable | None = None  # diffusers' model of the architecture (as sd3_anchor), for anchor variants
+    tiny: dict = field(default_factory=lambda: SD3_TINY)  # model.* at --size tiny
 
 
 ANCHORS = (Variant("diffusers eager", ("compile.enabled=false",), 0, anchor=True),
@@ -166,17 +175,14 @@ SD3_MEDIUM_SWEEP = (
     *(Variant(f"bf16 compiled, attention {b}", (f"training.attention_backend={b}",))
       for b in BACKENDS if b not in ("auto", "math")),
     FLOAT8)
+SD35_MEDIUM_TINY = {**SD3_TINY, "dual_attention_layers": [0]}  # its first blocks have a second image attention
 MODELS = {
     "sd3-medium": Model("sd3_medium.yaml", "sd3-medium", SD3_MEDIUM_SWEEP, anchor=sd3_anchor),
-    "sd3.5-medium-lora": Model("sd35_medium_lora.yaml", "sd35-medium", ()),
-    "sd3.5-medium-lora-24gb": Model("sd35_medium_lora_24gb.yaml", "sd35-medium", ()),
+    "sd3.5-medium-lora": Model("sd35_medium_lora.yaml", "sd35-medium", (), tiny=SD35_MEDIUM_TINY),
+    "sd3.5-medium-lora-24gb": Model("sd35_medium_lora_24gb.yaml", "sd35-medium", (), tiny=SD35_MEDIUM_TINY),
     "sd3.5-large-lora": Model("sd35_large_lora.yaml", "sd35-large", (FLOAT8,)),
     "sd3.5-large-lora-24gb": Model("sd35_large_lora_24gb.yaml", "sd35-large", ()),
 }
-# --size tiny: the same configs, every model 2 blocks of 2 heads x 16 at 128 px (16x16 latents, 8x8 patches)
-TINY = {"architecture": {"num_layers": 2, "num_attention_heads": 2, "attention_head_dim": 16, "sample_size": 16,
-                         "pos_embed_max_size": 8},
-        "text": {"tokens": 8, "joint": 32, "pooled": 16}, "resolution": 128}
 
 
 @dataclass(frozen=True)
@@ -204,10 +210,8 @@ def all_rows() -> list[Row]:
 def benchmark_config(model: str, overrides: list[str], size: str):
     """The model's fine-tuning config with the released architecture (or the tiny one) and `overrides`."""
     spec = MODELS[model]
-    shrink = [f"model.{k}={v}" for k, v in TINY["architecture"].items()] if size == "tiny" else []
-    if size == "tiny":
-        shrink += ["compile.backend=aot_eager"]  # traces the same graphs without code generation: seconds
-        shrink += ["model.dual_attention_layers=[0]"] if RELEASED[spec.architecture]["dual_attention_layers"] else []
+    # at tiny size, aot_eager traces the same graphs as inductor without generating code: seconds
+    shrink = [*(f"model.{k}={v}" for k, v in spec.tiny.items()), "compile.backend=aot_eager"] if size == "tiny" else []
     cfg, _ = planning_config(str(ROOT / "configs" / spec.config), [], spec.architecture)
     for item in [*shrink, *overrides]:
         key, _, value = item.partition("=")
@@ -395,6 +399,9 @@ def measure(row: Row, size: str, steps: int, warmup: int, device: torch.device, 
         return {**result, "status": "not runnable", "reason": "diffusers is not installed (pip install -e '.[bench]')"}
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
+    if device.type == "cuda":  # what an earlier row's error kept alive is gone by now
+        gc.collect()
+        torch.cuda.empty_cache()
     model = step = batch = None
     started = time.perf_counter()
     try:
@@ -549,8 +556,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--overrides: {e}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     info = machine()
-    out = args.out or args.resume or ROOT / "benchmarks" / f"train_step_{device_slug(info['device'])}" \
-        f"{'_tiny' if args.size == 'tiny' else ''}.json"
+    slug = device_slug(info["device"])
+    out = args.out or args.resume or (ROOT / "benchmarks" / f"train_step_{slug}.json" if args.size == "real" else
+                                      ROOT / "runs" / "bench" / f"train_step_{slug}_tiny.json")
     if not args.resume and args.size == "real" and out.exists():
         parser.error(f"{out} exists: continue its table with --resume {out}, or write another with --out")
     if device.type == "cpu" and args.size == "real":
