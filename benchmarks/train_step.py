@@ -55,7 +55,8 @@ noise level, and decays only matrices (diffusers' loop decays every parameter); 
 
 Long tables (a GPU lent for minutes, in commands of under 10 minutes): the JSON is rewritten after every row;
 `--stop-after S` starts no row after S seconds; `--resume FILE` continues FILE's table (same size, steps,
-resolution, overrides, device and torch), skipping the rows it holds (failed ones too, unless `--redo-failed`);
+resolution, overrides, device and torch; a FILE not there yet starts it, so every command of a series can be the
+same), skipping the rows it holds (failed ones too, unless `--redo-failed`);
 a row whose process was killed mid-row runs once more, then counts as failed. Compiled rows read and write
 inductor's on-disk caches (TORCHINDUCTOR_CACHE_DIR, Triton's under it): a row whose graphs an earlier row or
 command on the same machine compiled loads them instead of compiling (benchmarks/RESULTS.md: the GPU recipe).
@@ -534,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
                         "e.g. training.train_batch_size=8")
     parser.add_argument("--out", type=Path, help="JSON file (default: benchmarks/train_step_<device>.json)")
     parser.add_argument("--resume", type=Path, help="continue this JSON's table (and write it): rows it holds are "
-                        "not measured again")
+                        "not measured again (a file that does not exist yet starts the table)")
     parser.add_argument("--redo-failed", action="store_true", help="with --resume: measure its failed rows again")
     parser.add_argument("--stop-after", type=float, help="start no row after this many seconds (then --resume)")
     args = parser.parse_args(argv)
@@ -567,9 +568,9 @@ def main(argv: list[str] | None = None) -> int:
     header = {"size": args.size, "resolution": args.resolution if args.size == "real" else TINY["resolution"],
               "warmup": args.warmup, "steps": args.steps, "overrides": args.overrides}
     done = {}
-    if args.resume:
-        if not args.resume.is_file():
-            parser.error(f"--resume {args.resume}: no such file")
+    if args.resume and not args.resume.is_file():
+        print(f"{args.resume} does not exist yet: a new table")
+    elif args.resume:
         done, differs = resumed_rows(json.loads(args.resume.read_text()),
                                      {**header, "device": info["device"], "torch": info["torch"]})
         if differs:
