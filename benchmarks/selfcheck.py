@@ -17,10 +17,9 @@ benchmarks/train_step.py's machinery: the real step of SD3-medium at 512 px, mic
 the device, with the row's settings (`SPEED`), where step time means something; the toy model the check trains
 (width 768, 256 image tokens, batches rendered on the host) measured the loader and the launches, not the
 kernels. The other rows (and every row on a CPU) report the timed second half of their own run (on a CPU, a
-compiled row's timed half can include compiling its blocks once more: entering the host-sync counter there changes
-what compiled code guards on). The table is
-printed and written to OUT/selfcheck.json and OUT/selfcheck.md; each row's log is OUT/<row>/log.txt. The command
-exits non-zero when a row failed.
+compiled row's timed half can include compiling its blocks once more: entering the host-sync counter there
+changes what compiled code guards on). The table is printed and written to OUT/selfcheck.json and
+OUT/selfcheck.md; each row's log is OUT/<row>/log.txt. The command exits non-zero when a row failed.
 """
 
 import argparse
