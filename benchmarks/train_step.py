@@ -51,7 +51,7 @@ block and the row says so. Where the numerics differ: our norms (LayerNorm, RMSN
 dtype outside autocast with fp32 statistics, and adaLN modulation is one bf16 multiply-add; under CUDA's autocast
 diffusers' LayerNorms return fp32 and its modulation runs in fp32 (more bytes per block, rounded once more
 later); our step skips a non-finite step on the device (NonFiniteGuard), seeds each step's RNG, keeps the loss by
-noise level, and decays only matrices (diffusers' loop decays every parameter); FLOPs are the same.
+noise level, and decays only Linear and Conv weights (the anchor decays every parameter); FLOPs are the same.
 
 Long tables (a GPU lent for minutes, in commands of under 10 minutes): the JSON is rewritten after every row;
 `--stop-after S` starts no row after S seconds; `--resume FILE` continues FILE's table (same size, steps,
@@ -82,6 +82,7 @@ import time
 import traceback
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
@@ -300,7 +301,7 @@ def diffusers_anchor(cfg, data: SimpleNamespace, device: torch.device, build):
     model.train()
     notes, attention = [], resolved_attention(cfg, device)
     if attention in SDPA_KERNELS:
-        kernel = lambda: sdpa_kernel(SDPA_KERNELS[attention])  # noqa: E731
+        kernel = partial(sdpa_kernel, SDPA_KERNELS[attention])
     else:
         kernel = nullcontext
         if attention != "sdpa":
