@@ -78,7 +78,9 @@ class HostSyncCounter(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():  # dynamo traces through: the graph holds the call as the model made it
-            if args and getattr(type(args[0]), getattr(func, "__name__", ""), None) is func:  # a method of the tensor
+            if args and getattr(type(args[0]), getattr(func, "__name__", ""), None) is func:
+                # a tensor method, called as one: dynamo fails to inline some called as functions (the super() call
+                # in Tensor.unflatten's Python body)
                 return getattr(args[0], func.__name__)(*args[1:], **kwargs)
             return func(*args, **kwargs)
         if func in READS and args and self.on_the_device(args[0]):
