@@ -16,9 +16,10 @@ one-process rows that change how the step computes (precision, attention, compil
 benchmarks/train_step.py's machinery: the real step of SD3-medium at 512 px, micro-batch 4, on batches already on
 the device, with the row's settings (`SPEED`), where step time means something; the toy model the check trains
 (width 768, 256 image tokens, batches rendered on the host) measured the loader and the launches, not the
-kernels. The other rows (and every row on a CPU) report the timed second half of their own run. The table is
-printed and written to OUT/selfcheck.json and OUT/selfcheck.md; each row's log is OUT/<row>/log.txt. The command
-exits non-zero when a row failed.
+kernels. The other rows (and every row on a CPU) report the timed second half of their own run (on a CPU, a
+compiled row's timed half can include compiling its blocks once more: entering the host-sync counter there
+changes what compiled code guards on). The table is printed and written to OUT/selfcheck.json and
+OUT/selfcheck.md; each row's log is OUT/<row>/log.txt. The command exits non-zero when a row failed.
 """
 
 import argparse
@@ -160,12 +161,12 @@ def device_batch_speed(row: Row, overrides: list[str]) -> dict:
     """On a GPU, a speed row's columns from benchmarks/train_step.py (see SPEED); nothing elsewhere."""
     if not (row.speed and torch.cuda.is_available()):
         return {}
-    from benchmarks.train_step import Variant, measure
+    from benchmarks.train_step import Row, Variant, measure
     settings = [o for o in overrides if o.split("=")[0] in ("training.dtype", "training.attention_backend",
                                                             "compile.enabled", "training.activation_checkpointing")]
     gc.collect()  # the check's run is over: its model and optimizer go before the benchmark's come
     torch.cuda.empty_cache()
-    m = measure(SPEED["model"], Variant(row.name, [*SPEED["overrides"], *settings]), "real", SPEED["steps"],
+    m = measure(Row(SPEED["model"], Variant(row.name, (*SPEED["overrides"], *settings))), "real", SPEED["steps"],
                 SPEED["warmup"], torch.device("cuda"), SPEED["resolution"])
     if m["status"] != "passed":  # the plugin passed its check; only the speed columns stay the run's own
         return {"speed_from": f"its own run (the device-batch benchmark: {m.get('error') or m.get('reason')})"}

@@ -1,7 +1,8 @@
 """The training step at real shapes: what one optimizer step of SD3 / SD3.5 fine-tuning costs (`make bench`).
 
-    python benchmarks/train_step.py [--size real|tiny] [--models NAME ...] [--variants NAME ...]
-                                    [--steps 10] [--warmup 3] [--out FILE]
+    python benchmarks/train_step.py [--size real|tiny] [--models NAME ...] [--variants NAME ...] [--list]
+                                    [--steps 10] [--warmup 3] [--out FILE | --resume FILE [--redo-failed]]
+                                    [--stop-after SECONDS] [--overrides KEY=VALUE ...] [--resolution PX]
 
 Each model is a fine-tuning config of configs/ with the released architecture (plan_memory.py's table; random
 weights, nothing downloaded) at 1024 px (128x128 latents, 4096 image tokens + 333 text tokens), the config's
@@ -23,41 +24,77 @@ timed with CUDA events between steps, read after the last (perf_counter on a CPU
   diffusers anchor is counted on this project's model of the same architecture (SD3-medium at 1024 px: 26.7
   TFLOP per sample, 107 per step of 4; SD3.5-large LoRA: 69.6 per sample);
 - peak device memory over the timed steps (CUDA allocator; not measured on a CPU);
-- host syncs per step in one more step (CUDA's sync debug mode; runtime/host_syncs.py's counter on a CPU);
-- graph breaks that torch.compile reported while building the row (dynamo's counters).
+- host syncs per step in one more step (CUDA's sync debug mode; runtime/host_syncs.py's counter on a CPU, under
+  which every step of a row runs there);
+- graph breaks that torch.compile reported while building the row (dynamo's counters), and the graphs that run
+  eagerly because the compiler failed on them (`eager_fallbacks`: a "compiled" row with any is not compiled);
+- seconds spent building the row, in its warm-up steps (compilation, on a cold cache) and in all.
 
-Variants of SD3-medium (the issue's target): fp32+TF32, bf16 eager, bf16 compiled (the config as written),
-each activation-checkpointing choice, each attention backend, float8,
-and in the same run the anchor: diffusers' SD3Transformer2DModel at the same shape, precision, activation
-checkpointing and fused AdamW, eager and compiled per block (diffusers 0.42 lists no `_repeated_blocks` for it),
-with the same loss, clipping and EMA. A row that cannot run here (a CUDA-only kernel, a missing package) is
-listed as "not runnable here" with the reason; one that runs out of memory as failed, with the error.
+The rows, in the order they run (`--list`): first the headline, SD3-medium as configured (bf16, compiled blocks,
+checkpointing every block) and the anchor, diffusers' SD3Transformer2DModel at the same shape, precision,
+activation checkpointing, attention kernel and step, eager and compiled per block (diffusers 0.42 lists no
+`_repeated_blocks` for it); then SD3-medium bf16 eager and fp32+TF32 eager and each other config as written;
+then the rest of SD3-medium's sweep (each activation-checkpointing choice, each attention backend) and float8
+(SD3-medium, and SD3.5-large LoRA: its target is 1.2x bf16 there). A model's rows are entries of MODELS (its
+config, architecture, which variants, its diffusers anchor). Any failure of a row is caught and recorded with
+its error (the traceback goes to stderr) and the table goes on; a row that cannot run here (a CUDA-only kernel,
+a missing package) is "not runnable" with the reason. On a GPU whose CUDA context an error broke, the run stops:
+`--resume` continues in a fresh process.
+
+The anchor: diffusers' model runs the same step (per-sample v-prediction loss, clipping, fused AdamW, the EMA,
+autocast) at the row's kernel: SD3's attention processor in diffusers calls `F.scaled_dot_product_attention`
+itself and ignores `set_attention_backend`, so an SDPA kernel of ours (sdpa_cudnn, ...) is forced around
+diffusers' whole step with `torch.nn.attention.sdpa_kernel`; a flash-attn backend of ours has no counterpart
+there (the row says so and diffusers runs SDPA's own choice). Activation checkpointing: diffusers checkpoints
+every block or none; where ours does something else (every k-th block, MLPs only) diffusers checkpoints every
+block and the row says so. Where the numerics differ: our norms (LayerNorm, RMSNorm) run in the activation's
+dtype outside autocast with fp32 statistics, and adaLN modulation is one bf16 multiply-add; under CUDA's autocast
+diffusers' LayerNorms return fp32 and its modulation runs in fp32 (more bytes per block, rounded once more
+later); our step skips a non-finite step on the device (NonFiniteGuard), seeds each step's RNG, keeps the loss by
+noise level, and decays only Linear and Conv weights (the anchor decays every parameter); FLOPs are the same.
+
+Long tables (a GPU lent for minutes, in commands of under 10 minutes): the JSON is rewritten after every row;
+`--stop-after S` starts no row after S seconds; `--resume FILE` continues FILE's table (same size, steps,
+resolution, overrides, device and torch; a FILE not there yet starts it, so every command of a series can be the
+same), skipping the rows it holds (failed ones too, unless `--redo-failed`);
+a row whose process was killed mid-row runs once more, then counts as failed. Compiled rows read and write
+inductor's on-disk caches (TORCHINDUCTOR_CACHE_DIR, Triton's under it): a row whose graphs an earlier row or
+command on the same machine compiled loads them instead of compiling (benchmarks/RESULTS.md: the GPU recipe).
+A `--size real` table is never overwritten: an existing --out file is continued with --resume or refused.
 
 `--overrides key=value ...` changes every row (e.g. training.train_batch_size=8), `--resolution` the image side.
 `--size tiny` shrinks every model to 2 blocks at 128 px (compile with the aot_eager backend), so the whole table
-runs on a CPU (about 5 minutes on a busy 2-core machine, far less with OMP_NUM_THREADS=1, as threads only
-contend at that size): it checks the machinery, its times mean nothing. The table is printed and the
-rows written to benchmarks/train_step_<device>.json (or --out).
+runs on a CPU (every row runs, the compiled ones included; rows that need a GPU say why): it checks the
+machinery, its times mean nothing, and its table (runs/bench/train_step_cpu_tiny.json) is rewritten each run.
+The table is printed and the rows written to benchmarks/train_step_<device>.json (or --out).
 """
 
 import argparse
 import gc
+import importlib.metadata
+import importlib.util
 import json
 import math
 import os
 import statistics
 import sys
 import time
+import traceback
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Callable
 
 import torch
 from omegaconf import OmegaConf
+from torch.nn.attention import sdpa_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the project folders import by their names
 
+import perf.compile  # noqa: E402
 from configs.build import build_model, build_trained_model  # noqa: E402
 from configs.schema import check_sections  # noqa: E402
 from errors import ConfigError  # noqa: E402
@@ -65,58 +102,108 @@ from models.lora import apply_lora  # noqa: E402
 from models.rectified_flow import interpolate, per_sample_loss  # noqa: E402
 from optim.adamw import build_adamw  # noqa: E402
 from optim.ema import EMA  # noqa: E402
-from perf.attention import BACKENDS, apply_attention_backend  # noqa: E402
+from perf.attention import BACKENDS, SDPA_KERNELS, apply_attention_backend, choose  # noqa: E402
 from perf.parallel import apply_parallelism, unwrap  # noqa: E402
 from perf.precision import autocast, configure_cuda_math, grad_scaler  # noqa: E402
-from plan_memory import RELEASED, SD3_TEXT, planning_config  # noqa: E402
+from plan_memory import SD3_TEXT, planning_config  # noqa: E402
 from runtime.distributed import World  # noqa: E402
 from runtime.host_syncs import HostSyncCounter, cuda_sync_counter  # noqa: E402
 from runtime.nonfinite import NonFiniteGuard  # noqa: E402
 from runtime.step_stats import SigmaBuckets, peak_flops, train_flops_per_sample  # noqa: E402
 from train_mmdit_stable import forward_backward, optimizer_step  # noqa: E402
 
-# name: (config file, released architecture)
-MODELS = {
-    "sd3-medium": ("sd3_medium.yaml", "sd3-medium"),
-    "sd3.5-medium-lora": ("sd35_medium_lora.yaml", "sd35-medium"),
-    "sd3.5-medium-lora-24gb": ("sd35_medium_lora_24gb.yaml", "sd35-medium"),
-    "sd3.5-large-lora": ("sd35_large_lora.yaml", "sd35-large"),
-    "sd3.5-large-lora-24gb": ("sd35_large_lora_24gb.yaml", "sd35-large"),
-}
 RESOLUTION = 1024
-# --size tiny: the same configs, every model 2 blocks of 2 heads x 16 at 128 px (16x16 latents, 8x8 patches)
-TINY = {"architecture": {"num_layers": 2, "num_attention_heads": 2, "attention_head_dim": 16, "sample_size": 16,
-                         "pos_embed_max_size": 8},
-        "text": {"tokens": 8, "joint": 32, "pooled": 16}, "resolution": 128}
 
 
-@dataclass
+# ----------------------------------------------------------------------------------------------- the rows
+
+
+@dataclass(frozen=True)
 class Variant:
     name: str
-    overrides: list[str] = field(default_factory=list)
-    anchor: bool = False  # diffusers' SD3Transformer2DModel instead of this project's model
+    overrides: tuple[str, ...] = ()
+    tier: int = 2  # rows run by tier: 0 the headline, 1 every config as written and the eager baselines, 2 the rest
+    anchor: bool = False  # the model's diffusers anchor instead of this project's model
 
 
-def variants(model: str) -> list[Variant]:
-    """The config as written for every model; the sweep and the diffusers anchor for SD3-medium; float8 for
-    SD3-medium and SD3.5-large (its target: 1.2x bf16 there)."""
-    rows = [Variant("as configured")]
-    float8 = Variant("float8", ["float8.enabled=true"])
-    if model == "sd3-medium":
-        rows[0].name = "bf16 compiled (as configured)"
-        rows += [Variant("fp32+TF32 eager", ["training.dtype=fp32", "compile.enabled=false"]),
-                 Variant("bf16 eager", ["compile.enabled=false"]),
-                 Variant("bf16 compiled, no activation checkpointing", ["training.activation_checkpointing=none"]),
-                 Variant("bf16 compiled, checkpointing the MLPs", ["training.activation_checkpointing=mlp"]),
-                 Variant("bf16 compiled, checkpointing every 2nd block", ["training.activation_checkpointing=full",
-                                                                          "training.activation_checkpointing_every=2"])]
-        rows += [Variant(f"bf16 compiled, attention {b}", [f"training.attention_backend={b}"])
-                 for b in BACKENDS if b not in ("auto", "math")]
-        rows += [float8, Variant("diffusers eager", ["compile.enabled=false"], anchor=True),
-                 Variant("diffusers compiled", [], anchor=True)]
-    elif model == "sd3.5-large-lora":
-        rows.append(float8)
-    return rows
+def sd3_anchor(cfg, data: SimpleNamespace, device: torch.device):
+    """diffusers' SD3Transformer2DModel with `cfg`'s architecture: (the model, its repeated blocks, which compile
+    one by one, and forward(x_t, sigma, text) -> velocity, our model's call made on it)."""
+    from diffusers import SD3Transformer2DModel
+    m = cfg.model
+    with torch.device(device):
+        model = SD3Transformer2DModel(
+            sample_size=m.sample_size, patch_size=m.patch_size, in_channels=data.latent_channels,
+            num_layers=m.num_layers, attention_head_dim=m.attention_head_dim, num_attention_heads=m.num_attention_heads,
+            joint_attention_dim=data.text_dims[0], caption_projection_dim=m.num_attention_heads * m.attention_head_dim,
+            pooled_projection_dim=data.text_dims[1], out_channels=data.latent_channels,
+            pos_embed_max_size=m.pos_embed_max_size, dual_attention_layers=tuple(m.dual_attention_layers),
+            qk_norm=m.qk_norm)
+    model.to(device)  # buffers made from numpy (its position table) ignore the device context
+
+    def forward(x_t: torch.Tensor, sigma: torch.Tensor, text: dict) -> torch.Tensor:
+        return model(hidden_states=x_t, encoder_hidden_states=text["prompt_embeds"],
+                     pooled_projections=text["pooled_prompt_embeds"], timestep=sigma * 1000, return_dict=False)[0]
+    return model, list(model.transformer_blocks), forward
+
+
+# --size tiny: every model 2 blocks of 2 heads x 16 at 128 px (16x16 latents, 8x8 patches), 8 text tokens
+SD3_TINY = {"num_layers": 2, "num_attention_heads": 2, "attention_head_dim": 16, "sample_size": 16,
+            "pos_embed_max_size": 8}
+TINY = {"text": {"tokens": 8, "joint": 32, "pooled": 16}, "resolution": 128}
+
+
+@dataclass(frozen=True)
+class Model:
+    config: str  # a fine-tuning config of configs/
+    architecture: str  # its released sizes: plan_memory.RELEASED's key
+    variants: tuple[Variant, ...]  # besides the config as written (tier 0 for the first model, else 1)
+    text: dict = field(default_factory=lambda: SD3_TEXT)  # text embeddings' and latents' shapes
+    anchor: Callable | None = None  # diffusers' model of the architecture (as sd3_anchor), for anchor variants
+    tiny: dict = field(default_factory=lambda: SD3_TINY)  # model.* at --size tiny
+
+
+ANCHORS = (Variant("diffusers eager", ("compile.enabled=false",), 0, anchor=True),
+           Variant("diffusers compiled", (), 0, anchor=True))
+FLOAT8 = Variant("float8", ("float8.enabled=true",))
+SD3_MEDIUM_SWEEP = (
+    *ANCHORS,
+    Variant("bf16 eager", ("compile.enabled=false",), 1),
+    Variant("fp32+TF32 eager", ("training.dtype=fp32", "compile.enabled=false"), 1),
+    Variant("bf16 compiled, no activation checkpointing", ("training.activation_checkpointing=none",)),
+    Variant("bf16 compiled, checkpointing the MLPs", ("training.activation_checkpointing=mlp",)),
+    Variant("bf16 compiled, checkpointing every 2nd block", ("training.activation_checkpointing=full",
+                                                             "training.activation_checkpointing_every=2")),
+    *(Variant(f"bf16 compiled, attention {b}", (f"training.attention_backend={b}",))
+      for b in BACKENDS if b not in ("auto", "math")),
+    FLOAT8)
+SD35_MEDIUM_TINY = {**SD3_TINY, "dual_attention_layers": [0]}  # its first blocks have a second image attention
+MODELS = {
+    "sd3-medium": Model("sd3_medium.yaml", "sd3-medium", SD3_MEDIUM_SWEEP, anchor=sd3_anchor),
+    "sd3.5-medium-lora": Model("sd35_medium_lora.yaml", "sd35-medium", (), tiny=SD35_MEDIUM_TINY),
+    "sd3.5-medium-lora-24gb": Model("sd35_medium_lora_24gb.yaml", "sd35-medium", (), tiny=SD35_MEDIUM_TINY),
+    "sd3.5-large-lora": Model("sd35_large_lora.yaml", "sd35-large", (FLOAT8,)),
+    "sd3.5-large-lora-24gb": Model("sd35_large_lora_24gb.yaml", "sd35-large", ()),
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    model: str
+    variant: Variant
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}: {self.variant.name}"
+
+
+def all_rows() -> list[Row]:
+    """Every row, in the order they run: by tier, then in MODELS' order and each model's."""
+    rows = []
+    for i, (name, model) in enumerate(MODELS.items()):
+        rows += [Row(name, Variant("as configured", (), 0 if i == 0 else 1))]
+        rows += [Row(name, variant) for variant in model.variants]
+    return sorted(rows, key=lambda row: row.variant.tier)  # stable: MODELS' order within a tier
 
 
 # ----------------------------------------------------------------------------------------------- building
@@ -124,12 +211,10 @@ def variants(model: str) -> list[Variant]:
 
 def benchmark_config(model: str, overrides: list[str], size: str):
     """The model's fine-tuning config with the released architecture (or the tiny one) and `overrides`."""
-    config, architecture = MODELS[model]
-    shrink = [f"model.{k}={v}" for k, v in TINY["architecture"].items()] if size == "tiny" else []
-    if size == "tiny":
-        shrink += ["compile.backend=aot_eager"]  # traces the same graphs without code generation: seconds
-        shrink += ["model.dual_attention_layers=[0]"] if RELEASED[architecture]["dual_attention_layers"] else []
-    cfg, _ = planning_config(str(ROOT / "configs" / config), [], architecture)
+    spec = MODELS[model]
+    # at tiny size, aot_eager traces the same graphs as inductor without generating code: seconds
+    shrink = [*(f"model.{k}={v}" for k, v in spec.tiny.items()), "compile.backend=aot_eager"] if size == "tiny" else []
+    cfg, _ = planning_config(str(ROOT / "configs" / spec.config), [], spec.architecture)
     for item in [*shrink, *overrides]:
         key, _, value = item.partition("=")
         OmegaConf.update(cfg, key, OmegaConf.from_dotlist([f"v={value}"]).v, merge=False)
@@ -137,13 +222,14 @@ def benchmark_config(model: str, overrides: list[str], size: str):
     return cfg
 
 
-def data_shapes(size: str, resolution: int = RESOLUTION) -> SimpleNamespace:
-    """What the model needs to know of the data: SD3 latents and text embeddings at the benchmark's size."""
-    text = TINY["text"] if size == "tiny" else {"tokens": SD3_TEXT["tokens"], "joint": SD3_TEXT["joint"],
-                                                "pooled": SD3_TEXT["pooled"]}
-    side = (TINY["resolution"] if size == "tiny" else resolution) // SD3_TEXT["vae_factor"]
-    return SimpleNamespace(latent_channels=SD3_TEXT["latent_channels"], latent_sizes=[(side, side)],
-                           text_dims=(text["joint"], text["pooled"]), text_tokens=text["tokens"])
+def data_shapes(model: str, size: str, resolution: int = RESOLUTION) -> SimpleNamespace:
+    """What the model needs to know of the data: latents and text embeddings at the benchmark's size."""
+    text = MODELS[model].text
+    tokens, joint, pooled = (TINY["text"][k] for k in ("tokens", "joint", "pooled")) if size == "tiny" else \
+        (text["tokens"], text["joint"], text["pooled"])
+    side = (TINY["resolution"] if size == "tiny" else resolution) // text["vae_factor"]
+    return SimpleNamespace(latent_channels=text["latent_channels"], latent_sizes=[(side, side)],
+                           text_dims=(joint, pooled), text_tokens=tokens)
 
 
 def device_batch(cfg, data: SimpleNamespace, device: torch.device) -> dict:
@@ -180,10 +266,10 @@ def flops_per_sample(cfg, data: SimpleNamespace) -> int:
 
 
 def ours(cfg, data: SimpleNamespace, device: torch.device):
-    """This project's model, optimizer and step as train_mmdit_stable.py builds and runs them."""
+    """This project's model, optimizer and step as train_mmdit_stable.py builds and runs them; the row's facts."""
     t, o = cfg.training, cfg.optimizer
     model = build_trained_model(cfg, data)
-    apply_attention_backend(model, t.attention_backend, device, t.dtype, cfg.model.attention_head_dim)
+    attention = apply_attention_backend(model, t.attention_backend, device, t.dtype, cfg.model.attention_head_dim)
     buffers = dict(model.named_buffers())
     model = apply_parallelism(model, cfg, World(), device, lambda name, offsets, sizes: (
         model.initial_value(name, 0) if name in buffers else torch.zeros(())))  # weights: randomize() below
@@ -197,46 +283,55 @@ def ours(cfg, data: SimpleNamespace, device: torch.device):
         batch["step"] = i
         forward_backward(model, batch, cfg, scaler, sigma_losses, t.train_batch_size)
         optimizer_step(model, optimizer, scaler, ema, guard, i, o.grad_clip_norm)
-    return model, step
+    return model, step, {"attention": attention, "compiler": perf.compile.active, "notes": []}
 
 
-def diffusers_anchor(cfg, data: SimpleNamespace, device: torch.device):
-    """diffusers' SD3Transformer2DModel with the same step: loss, backward, clipping, fused AdamW, EMA."""
-    from diffusers import SD3Transformer2DModel
-    t, o, m = cfg.training, cfg.optimizer, cfg.model
-    width = m.num_attention_heads * m.attention_head_dim
-    with torch.device(device):
-        model = SD3Transformer2DModel(
-            sample_size=m.sample_size, patch_size=m.patch_size, in_channels=data.latent_channels,
-            num_layers=m.num_layers, attention_head_dim=m.attention_head_dim, num_attention_heads=m.num_attention_heads,
-            joint_attention_dim=data.text_dims[0], caption_projection_dim=width,
-            pooled_projection_dim=data.text_dims[1],
-            out_channels=data.latent_channels, pos_embed_max_size=m.pos_embed_max_size,
-            dual_attention_layers=tuple(m.dual_attention_layers), qk_norm=m.qk_norm)
-    model.to(device)  # buffers made from numpy (its position table) ignore the device context
+def resolved_attention(cfg, device: torch.device) -> str:
+    t = cfg.training
+    return choose(device, t.dtype, cfg.model.attention_head_dim)[0] if t.attention_backend == "auto" \
+        else t.attention_backend
+
+
+def diffusers_anchor(cfg, data: SimpleNamespace, device: torch.device, build):
+    """diffusers' model (`build`: sd3_anchor's signature) with our step: loss, backward, clipping, fused AdamW,
+    EMA; at our row's attention kernel and activation checkpointing where diffusers can (else the notes say)."""
+    t, o = cfg.training, cfg.optimizer
+    model, blocks, forward = build(cfg, data, device)
     randomize(model)
     model.train()
+    notes, attention = [], resolved_attention(cfg, device)
+    if attention in SDPA_KERNELS:
+        kernel = partial(sdpa_kernel, SDPA_KERNELS[attention])
+    else:
+        kernel = nullcontext
+        if attention != "sdpa":
+            notes.append(f"attention: ours {attention}, diffusers SDPA's own choice (its SD3 attention calls SDPA "
+                         f"itself)")
+            attention = "sdpa"
     if t.activation_checkpointing != "none":
-        model.enable_gradient_checkpointing()  # every block (diffusers has no every-k-th)
-    if cfg.compile.enabled:
-        for block in model.transformer_blocks:
-            block.compile(backend=cfg.compile.backend)
+        model.enable_gradient_checkpointing()  # every block, whole
+        if t.activation_checkpointing != "full" or t.activation_checkpointing_every != 1:
+            notes.append(f"activation checkpointing: ours {t.activation_checkpointing} every "
+                         f"{t.activation_checkpointing_every}, diffusers every block (its only choice)")
+    compiler = None
+    if cfg.compile.enabled:  # its blocks, as ours; not held to one graph (graph breaks are counted)
+        compiler = perf.compile.compile_modules(blocks, cfg.compile.backend, cfg.compile.mode, fullgraph=False)
     configure_cuda_math(device, t.allow_tf32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                   weight_decay=o.weight_decay, fused=True)
     ema = EMA(model, o.ema_decay)
 
     def step(batch: dict, i: int) -> None:
-        x0, noise, sigma, text = batch["latents"], batch["noise"], batch["sigma"], batch["text"]
-        with autocast(device, t.dtype):
-            v = model(hidden_states=interpolate(x0, noise, sigma), encoder_hidden_states=text["prompt_embeds"],
-                      pooled_projections=text["pooled_prompt_embeds"], timestep=sigma * 1000, return_dict=False)[0]
-        per_sample_loss(v, x0, noise).mean().backward()
+        x0, noise, sigma = batch["latents"], batch["noise"], batch["sigma"]
+        with kernel():  # around the backward too: checkpointing recomputes the forward there
+            with autocast(device, t.dtype):
+                v = forward(interpolate(x0, noise, sigma), sigma, batch["text"])
+            per_sample_loss(v, x0, noise).mean().backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         ema.update(i)
-    return model, step
+    return model, step, {"attention": attention, "compiler": compiler, "notes": notes}
 
 
 # ----------------------------------------------------------------------------------------------- measuring
@@ -261,68 +356,110 @@ def timed(step, batch: dict, device: torch.device, first: int, count: int) -> li
     return [start.elapsed_time(end) / 1000 for start, end in zip(events, events[1:])]
 
 
-def host_syncs(step, model, batch: dict, device: torch.device, i: int) -> int:
-    counts = {}
-    if device.type == "cuda":
+def counted(model, batch: dict, device: torch.device) -> HostSyncCounter | None:
+    """On a CPU, runtime/host_syncs.py's counter, under which every step of the row runs (entering it changes what
+    compiled code guards on: a step under it alone would compile the blocks again); None on a GPU."""
+    return None if device.type == "cuda" else HostSyncCounter([*model.parameters(), batch])
+
+
+def host_syncs(step, batch: dict, device: torch.device, counter: HostSyncCounter | None, i: int) -> int:
+    """The host syncs of one more step: CUDA's sync debug mode, or what `counter` counts in it."""
+    if counter is None:
+        counts = {}
         with cuda_sync_counter(counts):
             step(batch, i)
         return counts["cuda sync"]
-    counter = HostSyncCounter([*model.parameters(), batch])
-    with counter.counting():
-        step(batch, i)
+    counter.counts.clear()
+    step(batch, i)
     return counter.total
 
 
-def measure(model_name: str, variant: Variant, size: str, steps: int, warmup: int, device: torch.device,
-            resolution: int = RESOLUTION) -> dict:
-    """One row: build, warm up, time, count; or why it cannot run / failed."""
-    cfg = benchmark_config(model_name, variant.overrides, size)
-    data = data_shapes(size, resolution)
+def settings(cfg) -> str:
+    t = cfg.training
+    checkpointing = t.activation_checkpointing + (f" every {t.activation_checkpointing_every}"
+                                                  if t.activation_checkpointing_every != 1 else "")
+    return ", ".join([t.dtype + (" float8" if cfg.float8.enabled else ""),
+                      "compiled" if cfg.compile.enabled else "eager", f"checkpointing {checkpointing}"])
+
+
+def measure(row: Row, size: str, steps: int, warmup: int, device: torch.device, resolution: int = RESOLUTION,
+            overrides: tuple[str, ...] = ()) -> dict:
+    """One row: build, warm up, time, count; or why it cannot run here, or the error it failed with."""
+    result = {"model": row.model, "variant": row.variant.name}
+    try:
+        cfg = benchmark_config(row.model, [*row.variant.overrides, *overrides], size)
+    except ConfigError as e:  # the variant's own settings: the table's mistake, not this machine's
+        return {**result, "status": "failed", "error": f"ConfigError: {e}"}
+    data = data_shapes(row.model, size, resolution)
     (h, w), patch = data.latent_sizes[-1], cfg.model.patch_size
     tokens = (h // patch) * (w // patch) + data.text_tokens
     batch_size = cfg.training.train_batch_size
-    row = {"model": model_name, "variant": variant.name, "micro_batch": batch_size, "tokens_per_sample": tokens,
-           "dtype": cfg.training.dtype, "compile": cfg.compile.enabled,
-           "activation_checkpointing": cfg.training.activation_checkpointing,
-           "attention": "diffusers' default" if variant.anchor else cfg.training.attention_backend}
+    result.update(settings=settings(cfg), micro_batch=batch_size, tokens_per_sample=tokens, dtype=cfg.training.dtype,
+                  compile=cfg.compile.enabled, activation_checkpointing=cfg.training.activation_checkpointing,
+                  attention=cfg.training.attention_backend)
+    if row.variant.anchor and importlib.util.find_spec("diffusers") is None:
+        return {**result, "status": "not runnable", "reason": "diffusers is not installed (pip install -e '.[bench]')"}
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    flops = flops_per_sample(cfg, data) * batch_size
+    if device.type == "cuda":  # what an earlier row's error kept alive is gone by now
+        gc.collect()
+        torch.cuda.empty_cache()
     model = step = batch = None
+    started = time.perf_counter()
     try:
-        model, step = (diffusers_anchor if variant.anchor else ours)(cfg, data, device)
+        if row.variant.anchor:
+            model, step, facts = diffusers_anchor(cfg, data, device, MODELS[row.model].anchor)
+        else:
+            model, step, facts = ours(cfg, data, device)
         batch = device_batch(cfg, data, device)
-        timed(step, batch, device, 0, warmup)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        seconds = timed(step, batch, device, warmup, steps)
-        peak_gib = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-        syncs = host_syncs(step, model, batch, device, warmup + steps)
+        flops = flops_per_sample(cfg, data) * batch_size
+        counter = counted(model, batch, device)
+        built = time.perf_counter()
+        with counter.counting() if counter else nullcontext():
+            timed(step, batch, device, 0, warmup)
+            warm = time.perf_counter()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            seconds = timed(step, batch, device, warmup, steps)
+            peak_gib = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+            syncs = host_syncs(step, batch, device, counter, warmup + steps)
+        graph_breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     except ConfigError as e:  # a backend or setting this machine cannot run
-        return {**row, "status": "not runnable", "reason": str(e).split("; use auto")[0]}
+        return {**result, "status": "not runnable", "reason": str(e).split("; use auto")[0]}
     except torch.OutOfMemoryError as e:
-        return {**row, "status": "failed", "error": f"out of memory: {str(e).splitlines()[0][:200]}"}
+        return {**result, "status": "failed", "error": f"out of memory: {str(e).splitlines()[0][:200]}"}
+    except Exception as e:  # the row's failure, whatever it is: the table goes on (the traceback to stderr)
+        traceback.print_exc()
+        return {**result, "status": "failed", "error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"}
     finally:
         del model, step, batch
+        torch._dynamo.reset()  # compiled code holds the row's modules
         gc.collect()
-        if device.type == "cuda":
+        if device.type == "cuda" and not cuda_broken(device):
             torch.cuda.empty_cache()
     median = statistics.median(seconds)
     peak = peak_flops(device, "bf16" if cfg.training.dtype != "fp32" else "fp32", cfg.training.allow_tf32, 0)
-    return {**row, "status": "passed", "step_s": median, "step_s_all": seconds,
-            "images_per_s": batch_size / median, "tokens_per_s": batch_size * tokens / median,
-            "model_tflop_per_step": flops / 1e12, "tflops": flops / median / 1e12,
-            "mfu": flops / median / peak if peak else None, "peak_memory_gib": peak_gib,
-            "host_syncs_per_step": syncs, "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values())}
+    compiler = facts["compiler"]
+    return {**result, "status": "passed", "attention": facts["attention"], "notes": facts["notes"],
+            "step_s": median, "step_s_all": seconds, "images_per_s": batch_size / median,
+            "tokens_per_s": batch_size * tokens / median, "model_tflop_per_step": flops / 1e12,
+            "tflops": flops / median / 1e12, "mfu": flops / median / peak if peak else None,
+            "peak_memory_gib": peak_gib, "host_syncs_per_step": syncs,
+            "graph_breaks": graph_breaks,
+            "eager_fallbacks": len(compiler.fallbacks) if compiler else None,
+            "fallback_errors": compiler.fallbacks[:3] if compiler else [],
+            "build_s": round(built - started, 1), "warmup_s": round(warm - built, 1)}
 
 
-def not_runnable_here(variant: Variant, device: torch.device) -> str | None:
-    if variant.anchor:
-        try:
-            import diffusers  # noqa: F401
-        except ImportError:
-            return "diffusers is not installed (pip install -e '.[test]')"
-    return None
+def cuda_broken(device: torch.device) -> str | None:
+    """Why the CUDA context can no longer run anything (a sticky error such as an illegal address), or None."""
+    if device.type != "cuda":
+        return None
+    try:
+        torch.cuda.synchronize(device)
+        return None
+    except Exception as e:  # the error is sticky: every later call raises it
+        return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
 
 
 # ----------------------------------------------------------------------------------------------- the table
@@ -332,17 +469,19 @@ def table(rows: list[dict]) -> str:
     def number(value, spec: str) -> str:
         return format(value, spec) if isinstance(value, (int, float)) and not math.isnan(value) else "-"
 
-    lines = ["| model | variant | result | step (s) | images/s | tokens/s | TFLOP/s | MFU | peak GiB | syncs/step "
-             "| graph breaks |", "|" + "---|" * 11]
+    lines = ["| model | variant | settings | attention | result | step (s) | images/s | tokens/s | TFLOP/s | MFU | "
+             "peak GiB | syncs/step | graph breaks | eager fallbacks |", "|" + "---|" * 14]
     for r in rows:
-        outcome = {"passed": "passed", "failed": f"FAILED: {r.get('error')}",
+        outcome = {"passed": "passed", "failed": f"FAILED: {r.get('error')}", "running": "did not finish",
                    "not runnable": f"not runnable here: {r.get('reason')}"}[r["status"]]
-        lines.append(f"| {r['model']} | {r['variant']} | {outcome} | {number(r.get('step_s'), '.4f')} | "
-                     f"{number(r.get('images_per_s'), '.2f')} | {number(r.get('tokens_per_s'), '.0f')} | "
-                     f"{number(r.get('tflops'), '.2f')} | {number(r.get('mfu'), '.1%')} | "
-                     f"{number(r.get('peak_memory_gib'), '.1f')} | {number(r.get('host_syncs_per_step'), 'd')} | "
-                     f"{number(r.get('graph_breaks'), 'd')} |")
-    return "\n".join(lines)
+        lines.append(f"| {r['model']} | {r['variant']} | {r.get('settings', '-')} | {r.get('attention', '-')} | "
+                     f"{outcome} | {number(r.get('step_s'), '.4f')} | {number(r.get('images_per_s'), '.2f')} | "
+                     f"{number(r.get('tokens_per_s'), '.0f')} | {number(r.get('tflops'), '.2f')} | "
+                     f"{number(r.get('mfu'), '.1%')} | {number(r.get('peak_memory_gib'), '.1f')} | "
+                     f"{number(r.get('host_syncs_per_step'), 'd')} | {number(r.get('graph_breaks'), 'd')} | "
+                     f"{number(r.get('eager_fallbacks'), 'd')} |")
+    notes = [f"- {r['model']}, {r['variant']}: {note}" for r in rows for note in r.get("notes", [])]
+    return "\n".join(lines + (["", "Notes:", *notes] if notes else []))
 
 
 def machine() -> dict:
@@ -351,6 +490,11 @@ def machine() -> dict:
         info.update(device=torch.cuda.get_device_name(0), cuda=torch.version.cuda,
                     capability=".".join(map(str, torch.cuda.get_device_capability(0))),
                     cudnn=torch.backends.cudnn.version())
+    for package in ("triton", "diffusers", "torchao", "flash-attn", "flash-attn-4"):
+        try:
+            info[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            pass
     return info
 
 
@@ -358,49 +502,128 @@ def device_slug(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name.lower().removeprefix("nvidia ")).strip("_")
 
 
+def write(path: Path, table_json: dict) -> None:
+    """Atomically: a command stopped mid-write leaves the previous table."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(table_json, indent=1))
+    tmp.replace(path)
+
+
+def finished(row: dict | None, redo_failed: bool) -> bool:
+    return row is not None and (row["status"] in ("passed", "not runnable") or
+                                (row["status"] == "failed" and not redo_failed))
+
+
+def resumed_rows(previous: dict, expected: dict) -> tuple[dict[str, dict], list[str]]:
+    """A table's rows by name, and what it was measured with that differs from `expected` (header and machine)."""
+    measured = {**previous["machine"], **{k: v for k, v in previous.items() if k not in ("machine", "rows")}}
+    differs = [f"{key} {measured.get(key)!r} (this run: {value!r})" for key, value in expected.items()
+               if measured.get(key) != value]
+    return {f"{r['model']}: {r['variant']}": r for r in previous["rows"]}, differs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=("real", "tiny"), default="real", help="released sizes, or tiny (CPU check)")
     parser.add_argument("--models", nargs="*", choices=list(MODELS), help="default: all")
-    parser.add_argument("--variants", nargs="*", help="variant names to run (default: all of each model)")
+    parser.add_argument("--variants", nargs="*", help="variant names to run (default: all of each model; --list)")
+    parser.add_argument("--list", action="store_true", help="print the rows in the order they run, and exit")
     parser.add_argument("--resolution", type=int, default=RESOLUTION, help="image side in pixels (latents: /8)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per row (the median is reported)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, allocator)")
     parser.add_argument("--overrides", nargs="*", default=[], help="key=value for every row after its variant's, "
                         "e.g. training.train_batch_size=8")
     parser.add_argument("--out", type=Path, help="JSON file (default: benchmarks/train_step_<device>.json)")
+    parser.add_argument("--resume", type=Path, help="continue this JSON's table (and write it): rows it holds are "
+                        "not measured again (a file that does not exist yet starts the table)")
+    parser.add_argument("--redo-failed", action="store_true", help="with --resume: measure its failed rows again")
+    parser.add_argument("--stop-after", type=float, help="start no row after this many seconds (then --resume)")
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.variants or []) - {row.variant.name for row in all_rows()})
+    if unknown:
+        parser.error(f"unknown variants {unknown}; --list shows the rows")
+    rows = [row for row in all_rows() if (not args.models or row.model in args.models)
+            and (not args.variants or row.variant.name in args.variants)]
+    if not rows:
+        parser.error("no row is of these --models and --variants; --list shows the rows")
+    if args.list:
+        print("\n".join(f"{row.name} (tier {row.variant.tier})" for row in rows))
+        return 0
+    if args.out and args.resume:
+        parser.error("--resume FILE writes FILE: give --out or --resume, not both")
+    try:
+        benchmark_config(rows[0].model, args.overrides, args.size)
+    except ConfigError as e:
+        parser.error(f"--overrides: {e}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    info = machine()
+    slug = device_slug(info["device"])
+    out = args.out or args.resume or (ROOT / "benchmarks" / f"train_step_{slug}.json" if args.size == "real" else
+                                      ROOT / "runs" / "bench" / f"train_step_{slug}_tiny.json")
+    if not args.resume and args.size == "real" and out.exists():
+        parser.error(f"{out} exists: continue its table with --resume {out}, or write another with --out")
     if device.type == "cpu" and args.size == "real":
         parser.error("the released sizes need a CUDA GPU (SD3.5-large is 8B parameters); --size tiny checks the "
                      "benchmark on a CPU")
-    info = machine()
-    out = args.out or ROOT / "benchmarks" / f"train_step_{device_slug(info['device'])}" \
-        f"{'_tiny' if args.size == 'tiny' else ''}.json"
+    header = {"size": args.size, "resolution": args.resolution if args.size == "real" else TINY["resolution"],
+              "warmup": args.warmup, "steps": args.steps, "overrides": args.overrides}
+    done = {}
+    if args.resume and not args.resume.is_file():
+        print(f"{args.resume} does not exist yet: a new table")
+    elif args.resume:
+        done, differs = resumed_rows(json.loads(args.resume.read_text()),
+                                     {**header, "device": info["device"], "torch": info["torch"]})
+        if differs:
+            parser.error(f"--resume {args.resume} was measured with {'; '.join(differs)}: its rows would not "
+                         f"compare with this run's; run with its settings, or start another table with --out")
     print(f"training step on {info['device']} (torch {info['torch']}), size {args.size}, {args.warmup} warm-up + "
-          f"{args.steps} timed steps per row", flush=True)
-    rows = []
-    for model_name in args.models or MODELS:
-        for variant in variants(model_name):
-            if args.variants and variant.name not in args.variants:
-                continue
-            variant.overrides += args.overrides
-            reason, started = not_runnable_here(variant, device), time.perf_counter()
-            row = ({"model": model_name, "variant": variant.name, "status": "not runnable", "reason": reason}
-                   if reason else measure(model_name, variant, args.size, args.steps, args.warmup, device,
-                                          args.resolution))
-            rows.append({**row, "seconds": round(time.perf_counter() - started, 1)})  # building, compiling, all steps
-            print(f"  {model_name}, {variant.name}: {row['status']}"
-                  + (f", {row['step_s']:.4f} s/step" if row["status"] == "passed" else
-                     f": {row.get('reason') or row.get('error')}"), flush=True)
-    text = table(rows)
-    print(text)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    resolution = args.resolution if args.size == "real" else TINY["resolution"]
-    out.write_text(json.dumps({"machine": info, "size": args.size, "resolution": resolution, "warmup": args.warmup,
-                               "steps": args.steps, "rows": rows}, indent=1))
-    print(f"wrote {out}")
-    return 1 if any(r["status"] == "failed" for r in rows) else 0
+          f"{args.steps} timed steps per row, {len(rows)} rows" + (f", resuming {args.resume}" if args.resume else ""),
+          flush=True)
+    left, broken = run_rows(rows, done, args, device, lambda: write(out, {"machine": info, **header,
+                                                                            "rows": in_order(done)}))
+    print(table(in_order(done)))
+    print(f"wrote {out}" + (f"; {len(left)} rows left: continue with --resume {out}" if left else ""))
+    return 1 if broken or any(r["status"] == "failed" for r in done.values()) else 0
+
+
+def in_order(done: dict[str, dict]) -> list[dict]:
+    """A table's rows in the order they run (rows of an older table's variants last)."""
+    order = {row.name: i for i, row in enumerate(all_rows())}
+    return sorted(done.values(), key=lambda r: order.get(f"{r['model']}: {r['variant']}", len(order)))
+
+
+def run_rows(rows: list[Row], done: dict[str, dict], args, device: torch.device, save) -> tuple[list[str], str | None]:
+    """Measure the rows `done` does not hold as finished, saving the table before and after each; returns the rows
+    left (--stop-after, or a broken CUDA context) and why the CUDA context broke."""
+    started, left, broken = time.perf_counter(), [], None
+    for row in rows:
+        prior = done.get(row.name)
+        if finished(prior, args.redo_failed):
+            continue
+        if broken or (args.stop_after is not None and time.perf_counter() - started > args.stop_after):
+            left.append(row.name)
+            continue
+        attempts = (prior or {}).get("attempts", 0) + 1
+        if prior and prior["status"] == "running" and attempts > 2:
+            done[row.name] = {**prior, "status": "failed", "error": "the process was stopped twice during this row "
+                              "(a command's time limit, or a crash); --redo-failed tries it again"}
+            save()
+            continue
+        done[row.name] = {"model": row.model, "variant": row.variant.name, "status": "running", "attempts": attempts}
+        save()  # a process killed during the row leaves this mark
+        row_started = time.perf_counter()
+        result = measure(row, args.size, args.steps, args.warmup, device, args.resolution, tuple(args.overrides))
+        done[row.name] = {**result, "attempts": attempts, "seconds": round(time.perf_counter() - row_started, 1)}
+        save()
+        print(f"  {row.name}: {result['status']}" + (f", {result['step_s']:.4f} s/step" if result["status"] ==
+              "passed" else f": {result.get('reason') or result.get('error')}") +
+              f" ({done[row.name]['seconds']:.0f} s)", flush=True)
+        broken = cuda_broken(device)
+        if broken:
+            print(f"the CUDA context is broken ({broken}): no more rows in this process", flush=True)
+    save()
+    return left, broken
 
 
 if __name__ == "__main__":

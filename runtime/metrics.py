@@ -15,6 +15,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from PIL import Image, ImageDraw
 
+from perf.compile import compile_metrics
 from runtime.distributed import mean_over_ranks
 
 log = logging.getLogger("mmdit")
@@ -85,7 +86,8 @@ class RunLogger:
 class TrainingLog:
     """The metrics row and progress line of every `log_every`-th step and of the last: loss, learning rate,
     gradient norm, throughput (and MFU when the device's peak is known), and what each source reports through
-    `.metrics()` (time per phase, memory, loss by noise level, skipped steps, micro-batch, checkpoint stall).
+    `.metrics()` (time per phase, memory, loss by noise level, skipped steps, micro-batch, checkpoint stall), and
+    in a compiled run the graphs that run eagerly because the compiler failed on them (perf/compile.py).
     Reading the loss is the row's host synchronisation; steps in between read nothing."""
 
     def __init__(self, logger: RunLogger, log_every: int, start_step: int, max_steps: int, throughput, sources: list):
@@ -104,6 +106,7 @@ class TrainingLog:
                   **self.throughput(steps_per_s)}
         for source in self.sources:
             record.update(source.metrics())
+        record.update(compile_metrics())
         self.logger.scalars(done, record)
         mfu = f" MFU {record['mfu']:.1%}" if "mfu" in record else ""
         log.info("%s loss %.4f lr %.2e grad %.3f %.0f img/s%s", self.progress(done), record["loss"], lr,

@@ -1,11 +1,20 @@
 """No host-device synchronisation in the default training step: counted (runtime/host_syncs.py) as the
 difference between a 4-step and a 2-step run, in one process on the shapes data and on latents, and on two
-DDP and two FSDP ranks. The counter sees a synchronisation when there is one."""
+DDP and two FSDP ranks, also with compiled blocks. The counter sees a synchronisation when there is one, also
+of a value that compiled code made."""
 
 import pytest
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import _disable_current_modes
 
 import optim.adamw
 import train_mmdit_stable
+from configs.build import build_model, build_tokenizer
+from configs.schema import load_config
+from data.shapes import ShapesDataset
+from perf.compile import compile_modules
 from runtime.host_syncs import HostSyncCounter
 from tests.conftest import TINY, spawn
 
@@ -59,3 +68,59 @@ def test_two_rank_steps_make_no_host_sync(strategy, tmp_path):
 def test_the_counter_sees_a_sync_where_there_is_one(tiny, tmp_path):
     """Without a fused AdamW the non-finite guard cannot skip a step on the device: it reads the flag."""
     assert per_step(None, 1, tmp_path, tiny("optimizer.fused=false")) == {"__bool__": 1}
+
+
+def below_the_dispatcher(graph, example_inputs):
+    """A compiler whose code, like inductor's kernels, runs out of sight of dispatch modes: the counter's
+    tracker sees none of the ops of the compiled forward and backward, nor what they make."""
+    def run(args):
+        with _disable_current_modes():
+            return graph(*args)
+    run._boxed_call = True  # AOTAutograd calls compiled graphs with one list of arguments
+    return run
+
+
+OPAQUE = aot_autograd(fw_compiler=below_the_dispatcher, bw_compiler=below_the_dispatcher)
+
+
+@pytest.fixture
+def compiling(monkeypatch):
+    """apply_compile's backend is OPAQUE; dynamo's caches and counters start empty and are left empty (the
+    compiled code of one block's forward is limited to 8 versions per process)."""
+    monkeypatch.setattr("perf.compile.torch_backend", lambda name, mode: OPAQUE)
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def test_compiled_steps_make_no_host_sync(tiny, tmp_path, compiling):
+    """Compiled blocks run under the counter (dynamo compiles nothing while a dispatch mode that wants to see
+    every op is active): the step is counted, and makes none."""
+    assert per_step(None, 1, tmp_path, tiny("compile.enabled=true")) == {}
+    assert counters["stats"]["unique_graphs"] >= 2 and not counters["graph_break"]  # it ran compiled
+
+
+def test_a_read_of_a_compiled_blocks_output_or_gradient_is_counted(compiling):
+    """Reads outside a compiled block of what it computed, forward and backward, are counted."""
+    cfg = load_config(overrides=["model.num_layers=2", "text_encoder.dim=32", "text_encoder.num_heads=2"])
+    block = build_model(cfg, ShapesDataset, build_tokenizer()).transformer.transformer_blocks[0]
+    width = block.attn.to_q.in_features
+    x, c, temb = torch.randn(2, 5, width), torch.randn(2, 3, width), torch.randn(2, width)
+
+    def reads(compiled) -> dict:
+        counter = HostSyncCounter([*block.parameters(), x, c, temb])
+        with counter.counting():
+            out_x, out_c = compiled(x, c, temb)
+            out_x.sum().item()  # a read outside the compiled block
+            (out_x.square().mean() + out_c.square().mean()).backward()
+            bool(block.attn.to_q.weight.grad.norm() > 0)  # a gradient the compiled backward made
+            torch.randn(()).item()  # a host value: no sync
+        block.zero_grad(set_to_none=True)
+        return counter.counts
+
+    # the test's compiler hides what it computes from the counter's tracker, as inductor's kernels do: its output
+    # is not known as a device value (the gradients are: the counter marks the parameters' as they accumulate)
+    assert reads(torch.compile(block, backend=OPAQUE, fullgraph=True)) == {"__bool__": 1}
+    compile_modules([block], "inductor", "default", fullgraph=True)  # its backend: OPAQUE (patched above)
+    assert reads(block) == {"item": 1, "__bool__": 1}  # apply_compile's backend marks what it makes

@@ -40,6 +40,7 @@ def test_compiled_training_matches_eager(tiny, tmp_path):
     counters.clear()
     assert main(tiny(*steps, "compile.enabled=true", "compile.backend=aot_eager", run="compiled")) == 0
     assert counters["stats"]["unique_graphs"] >= 2  # it really compiled: both kinds of block
+    assert {r["compile/eager_fallbacks"] for r in metric_rows(tmp_path / "compiled") if "loss" in r} == {0}
     assert losses(tmp_path / "compiled") == pytest.approx(losses(tmp_path / "eager"), rel=1e-4)
     assert_close(final_weights(tmp_path / "compiled"), final_weights(tmp_path / "eager"), atol=1e-5)
 
@@ -60,6 +61,9 @@ def test_deterministic_kernels_train_like_the_default_and_are_switched_per_run(t
 
 
 def test_a_failed_compilation_falls_back_to_eager(tiny, tmp_path, monkeypatch, caplog):
+    """The graphs the backend failed on run eagerly (the eager run's numbers, bit for bit), and the run says how
+    many: a warning, and `compile/eager_fallbacks` in every metrics line of a compiled run (an eager run has no such
+    key; test_compiled_training_matches_eager: 0 where every graph compiled)."""
     calls = []
 
     def broken_backend(graph, example_inputs, **kwargs):
@@ -73,6 +77,9 @@ def test_a_failed_compilation_falls_back_to_eager(tiny, tmp_path, monkeypatch, c
     assert "backend failed on a graph (RuntimeError: injected compiler failure); it runs eagerly" in caplog.text
     assert losses(tmp_path / "broken") == losses(tmp_path / "eager")  # then ran eagerly, bit for bit
     assert_close(final_weights(tmp_path / "broken"), final_weights(tmp_path / "eager"))
+    fallbacks = {run: [r.get("compile/eager_fallbacks") for r in metric_rows(tmp_path / run) if "loss" in r]
+                 for run in ("eager", "broken")}
+    assert fallbacks == {"eager": [None] * 3, "broken": [len(calls)] * 3} and len(calls) >= 2  # both block kinds
 
 
 def checkpointing_model(mode: str, every: int):

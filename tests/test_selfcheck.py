@@ -39,8 +39,8 @@ def test_on_a_gpu_speed_rows_are_measured_on_device_batches_at_a_real_size(monke
     from benchmarks import train_step
     asked = []
 
-    def measure(model, variant, size, steps, warmup, device, resolution):
-        asked.append((model, variant.overrides, size, resolution))
+    def measure(row, size, steps, warmup, device, resolution):
+        asked.append((row.model, list(row.variant.overrides), size, resolution))
         return {"status": "passed", "step_s": 0.5, "images_per_s": 8.0, "mfu": 0.4, "peak_memory_gib": 30.0,
                 "host_syncs_per_step": 0, "micro_batch": 4}
 

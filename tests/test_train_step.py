@@ -1,43 +1,154 @@
-"""benchmarks/train_step.py at --size tiny on a CPU: the real step runs for our model (bf16 and fp32, a LoRA run
-on a quantized base) and for diffusers' anchor, every measured column is filled, and rows this machine cannot
-run are listed with the reason, not dropped. (The whole tiny table, every variant, is `make bench ARGS="--size
-tiny"`: minutes on a loaded 2-core machine, too long for the suite.)"""
+"""benchmarks/train_step.py (`make bench`). At --size tiny on this CPU every row of the table runs to its end, the
+compiled ones included (one test per row, one step each: the whole table is `make bench ARGS="--size tiny"`), and
+every measured column is filled; rows this machine cannot run are listed with the reason. A row's failure is
+recorded and the table goes on; the table is saved row by row and resumed; a compiled row that ran eagerly says
+so; diffusers' anchor runs the row's attention kernel."""
 
 import json
 
 import pytest
+import torch
+from torch.nn.attention import SDPBackend
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks import train_step
 
 pytest.importorskip("diffusers")
 
+GPU_ONLY = ("it needs a CUDA GPU, not cpu", "needs a GPU with float8 tensor cores")  # why a row cannot run here
 
-def test_the_tiny_benchmark_measures_rows_and_names_what_it_cannot_run(tmp_path):
-    # eager rows only: compiling costs more than the test's budget (the compiled rows are `make bench ARGS="--size
-    # tiny"`; compile itself is tested in tests/test_plugins.py)
-    variants = ["bf16 eager", "fp32+TF32 eager", "bf16 compiled, attention sdpa_cudnn", "float8", "diffusers eager"]
-    common = ["--size", "tiny", "--steps", "2", "--warmup", "1"]
-    assert train_step.main([*common, "--models", "sd3-medium", "--variants", *variants,
-                            "--out", str(tmp_path / "a.json")]) == 0
-    # the LoRA run on an int8 base
-    assert train_step.main([*common, "--models", "sd3.5-large-lora-24gb", "--overrides", "compile.enabled=false",
-                            "--out", str(tmp_path / "b.json")]) == 0
-    rows = {(r["model"], r["variant"]): r for name in ("a", "b")
-            for r in json.loads((tmp_path / f"{name}.json").read_text())["rows"]}
-    measured = [("sd3-medium", "bf16 eager"), ("sd3-medium", "fp32+TF32 eager"),
-                ("sd3-medium", "diffusers eager"), ("sd3.5-large-lora-24gb", "as configured")]
-    for key in measured:
-        row = rows[key]
-        assert row["status"] == "passed", row
-        assert row["step_s"] > 0 and len(row["step_s_all"]) == 2 and row["images_per_s"] > 0
-        assert row["tokens_per_s"] == pytest.approx(row["images_per_s"] * (64 + 8))  # 8x8 patches + 8 text tokens
-        assert row["model_tflop_per_step"] > 0 and row["host_syncs_per_step"] == 0 and row["graph_breaks"] == 0
-        assert row["mfu"] is None and row["peak_memory_gib"] is None  # no known peak, no device allocator on a CPU
-    # model FLOPs are the architecture's: the same in any precision, and for diffusers' model (counted on ours)
-    flops = [rows[key]["model_tflop_per_step"] for key in measured[:3]]
-    assert flops[0] == flops[1] == pytest.approx(flops[2], rel=1e-3)
-    cudnn = rows[("sd3-medium", "bf16 compiled, attention sdpa_cudnn")]
-    assert cudnn["status"] == "not runnable" and cudnn["reason"] == ("training.attention_backend=sdpa_cudnn cannot "
-                                                                     "run here: it needs a CUDA GPU, not cpu")
-    float8 = rows[("sd3-medium", "float8")]
-    assert float8["status"] == "not runnable" and ("float8" in float8["reason"])
+
+@pytest.mark.parametrize("row", train_step.all_rows(), ids=lambda row: row.name)
+def test_every_row_of_the_tiny_table_runs(row, tmp_path):
+    out = tmp_path / "table.json"
+    assert train_step.main(["--size", "tiny", "--steps", "1", "--warmup", "0", "--models", row.model,
+                            "--variants", row.variant.name, "--out", str(out)]) == 0
+    [result] = json.loads(out.read_text())["rows"]
+    if result["status"] == "not runnable":
+        assert any(reason in result["reason"] for reason in GPU_ONLY), result
+        return
+    assert result["status"] == "passed", result
+    assert result["step_s"] > 0 and len(result["step_s_all"]) == 1 and result["model_tflop_per_step"] > 0
+    assert result["tokens_per_s"] == pytest.approx(result["images_per_s"] * (64 + 8))  # 8x8 patches + 8 text tokens
+    assert result["host_syncs_per_step"] == 0 and result["graph_breaks"] == 0 and result["notes"] == []
+    assert result["eager_fallbacks"] == (0 if result["compile"] else None)  # compiled rows really compiled
+    assert result["mfu"] is None and result["peak_memory_gib"] is None  # no known peak, no device allocator on a CPU
+
+
+def fake_measure(failing: set[str], out, seen: list):
+    """measure() without compute: records which rows ran and what the saved table held when each began."""
+    def measure(row, size, steps, warmup, device, resolution, overrides):
+        seen.append((row.variant.name, {r["variant"]: r["status"] for r in json.loads(out.read_text())["rows"]}))
+        if row.variant.name in failing:
+            return {"model": row.model, "variant": row.variant.name, "status": "failed", "error": "RuntimeError: x"}
+        return {"model": row.model, "variant": row.variant.name, "status": "passed", "step_s": 1.0}
+    return measure
+
+
+def test_the_table_is_saved_row_by_row_and_resumed(tmp_path, monkeypatch):
+    out, seen = tmp_path / "table.json", []
+    monkeypatch.setattr(train_step, "measure", fake_measure({"fp32+TF32 eager"}, out, seen))
+    rows = ["--models", "sd3-medium", "--variants", "bf16 eager", "fp32+TF32 eager", "diffusers eager"]
+    common = ["--size", "tiny", "--steps", "1", "--warmup", "0", *rows]
+
+    def statuses() -> dict:
+        return {r["variant"]: r["status"] for r in json.loads(out.read_text())["rows"]}
+
+    assert train_step.main([*common, "--out", str(out)]) == 1  # a row failed; the others were measured after it
+    assert seen == [("diffusers eager", {"diffusers eager": "running"}),  # the headline's anchor first
+                    ("bf16 eager", {"diffusers eager": "passed", "bf16 eager": "running"}),
+                    ("fp32+TF32 eager", {"diffusers eager": "passed", "bf16 eager": "passed",
+                                         "fp32+TF32 eager": "running"})]
+    assert statuses() == {"diffusers eager": "passed", "bf16 eager": "passed", "fp32+TF32 eager": "failed"}
+    seen.clear()
+    assert train_step.main([*common, "--resume", str(out)]) == 1 and seen == []  # nothing left to measure
+    assert train_step.main([*common, "--resume", str(out), "--redo-failed"]) == 1
+    assert [name for name, _ in seen] == ["fp32+TF32 eager"]
+
+    # a process killed during a row: measured once more, then failed without another try
+    table = json.loads(out.read_text())
+    killed = next(r for r in table["rows"] if r["variant"] == "bf16 eager")
+    for attempts, measured in ((1, ["bf16 eager"]), (2, [])):
+        killed.clear()
+        killed.update(model="sd3-medium", variant="bf16 eager", status="running", attempts=attempts)
+        out.write_text(json.dumps(table))
+        seen.clear()
+        train_step.main([*common, "--resume", str(out)])
+        assert [name for name, _ in seen] == measured
+    assert "stopped twice" in next(r for r in json.loads(out.read_text())["rows"]
+                                   if r["variant"] == "bf16 eager")["error"]
+
+    # --stop-after: no row starts after it; the rest is left for --resume
+    seen.clear()
+    assert train_step.main([*common, "--out", str(tmp_path / "later.json"), "--stop-after", "0"]) == 0
+    assert seen == [] and json.loads((tmp_path / "later.json").read_text())["rows"] == []
+
+
+def test_a_table_is_resumed_only_with_its_own_settings(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "table.json"
+    monkeypatch.setattr(train_step, "measure", fake_measure(set(), out, []))
+    common = ["--size", "tiny", "--models", "sd3-medium", "--variants", "bf16 eager"]
+    assert train_step.main([*common, "--steps", "1", "--out", str(out)]) == 0
+    with pytest.raises(SystemExit) as exit_:
+        train_step.main([*common, "--steps", "2", "--resume", str(out)])
+    assert exit_.value.code == 2 and "was measured with steps 1 (this run: 2)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # a real table is never overwritten
+        train_step.main(["--models", "sd3-medium", "--variants", "bf16 eager", "--out", str(out)])
+    assert exit_.value.code == 2 and f"{out} exists: continue its table with --resume" in capsys.readouterr().err
+
+
+def test_a_rows_failure_is_recorded_and_a_compiled_row_that_ran_eagerly_says_so(monkeypatch):
+    def broken(*args):
+        raise RuntimeError("injected failure\nsecond line")
+
+    monkeypatch.setattr(train_step, "ours", broken)
+    row = train_step.Row("sd3-medium", train_step.Variant("bf16 eager", ("compile.enabled=false",)))
+    result = train_step.measure(row, "tiny", 1, 0, torch.device("cpu"))
+    assert result["status"] == "failed" and result["error"] == "RuntimeError: injected failure"
+    monkeypatch.undo()
+
+    def broken_backend(graph, example_inputs, **kwargs):
+        raise RuntimeError("injected compiler failure")
+
+    monkeypatch.setattr("perf.compile.torch_backend", lambda name, mode: broken_backend)
+    result = train_step.measure(train_step.Row("sd3-medium", train_step.Variant("as configured")), "tiny", 1, 0,
+                                torch.device("cpu"))
+    assert result["status"] == "passed" and result["compile"] and result["eager_fallbacks"] == 2  # both block kinds
+    assert result["fallback_errors"] == ["RuntimeError: injected compiler failure"] * 2
+    assert "| sd3-medium | as configured | bf16, compiled, checkpointing full | sdpa | passed |" in \
+        train_step.table([result]) and train_step.table([result]).splitlines()[2].endswith("| 0 | 0 | 2 |")
+
+
+class AttentionOps(TorchDispatchMode):
+    """The SDPA kernels that run."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "scaled_dot_product" in str(func):
+            self.ops.add(str(func).split(".")[1])
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_anchor_runs_the_rows_attention_kernel_and_says_where_it_differs(monkeypatch):
+    """SD3 in diffusers calls SDPA itself: the row's SDPA kernel is forced around its whole step (forward, and its
+    recompute by activation checkpointing in the backward); what diffusers cannot match is in the row's notes."""
+    device, data = torch.device("cpu"), train_step.data_shapes("sd3-medium", "tiny")
+
+    def kernels(*overrides: str) -> tuple[set, list]:
+        cfg = train_step.benchmark_config("sd3-medium", ["compile.enabled=false", *overrides], "tiny")
+        _, step, facts = train_step.diffusers_anchor(cfg, data, device, train_step.sd3_anchor)
+        with AttentionOps() as recorded:
+            step(train_step.device_batch(cfg, data, device), 0)
+        return recorded.ops, facts["notes"]
+
+    assert kernels("training.attention_backend=sdpa") == ({"_scaled_dot_product_flash_attention_for_cpu",
+                                                           "_scaled_dot_product_flash_attention_for_cpu_backward"}, [])
+    # a kernel SDPA would not pick on this CPU by itself: the math one (its ops decompose into matmuls)
+    monkeypatch.setitem(train_step.SDPA_KERNELS, "sdpa_flash", SDPBackend.MATH)
+    assert kernels("training.attention_backend=sdpa_flash") == (set(), [])
+    ops, notes = kernels("training.attention_backend=flash_attn_2", "training.activation_checkpointing_every=2")
+    assert notes == ["attention: ours flash_attn_2, diffusers SDPA's own choice (its SD3 attention calls SDPA itself)",
+                     "activation checkpointing: ours full every 2, diffusers every block (its only choice)"]
