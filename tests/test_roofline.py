@@ -209,3 +209,5 @@ def test_what_is_not_modelled_is_refused(sd3):
         roofline.predict(sd3.census, "eager", "cudnn", 1, "mlp")
     with pytest.raises(ValueError, match="'math'"):
         roofline.predict(sd3.census, "eager", "math", 1)
+    with pytest.raises(ValueError, match="float8"):
+        roofline.predict_step(tiny("float8.enabled=true"), DATA)
