@@ -52,6 +52,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
@@ -61,6 +62,7 @@ sys.path.insert(0, str(ROOT))  # the project folders import by their names
 
 from configs.build import build_trained_model  # noqa: E402
 from configs.schema import Config, family_defaults  # noqa: E402
+from errors import ConfigError, InputError  # noqa: E402
 from models.families import FAMILIES  # noqa: E402
 from models.flux.model import SingleTransformerBlock  # noqa: E402
 from models.rectified_flow import interpolate, per_sample_loss  # noqa: E402
@@ -742,8 +744,7 @@ def recompute_seconds(kernels: list[Kernel], path: str, attention: str, checkpoi
     """What the backward of a checkpointed block runs again: its whole forward (full), or the forward's kernels
     other than matmuls and attention, whose outputs selective checkpointing keeps (norms, modulation, activations,
     casts, copies)."""
-    if checkpointing not in CHECKPOINTING:
-        raise ValueError(f"activation checkpointing {checkpointing!r} is not modelled: expected one of {CHECKPOINTING}")
+    check_modelled(checkpointing)
     forward = [k for k in kernels if k.phase == "forward"]
     if checkpointing == "selective":
         forward = [k for k in forward if k.cls not in HEAVY]
@@ -753,13 +754,19 @@ def recompute_seconds(kernels: list[Kernel], path: str, attention: str, checkpoi
 CHECKPOINTING = ("none", "selective", "full")
 
 
+def check_modelled(checkpointing: str) -> None:
+    if checkpointing not in CHECKPOINTING:
+        raise ConfigError(f"training.activation_checkpointing={checkpointing} is not modelled here: expected one of "
+                          f"{', '.join(CHECKPOINTING)}")
+
+
 def rates_of(backend: str) -> str:
     """The attention rates (ATTENTION_RATES) of a training.attention_backend value, or of a rates name."""
     if backend in ATTENTION_RATES:
         return backend
     if backend not in CONFIG_BACKENDS:
-        raise ValueError(f"attention backend {backend!r}: no published H100 rates here; expected one of "
-                         f"{', '.join([*ATTENTION_RATES, *CONFIG_BACKENDS])}")
+        raise ConfigError(f"training.attention_backend={backend}: no published H100 rates here; expected one of "
+                          f"{', '.join([*ATTENTION_RATES, *CONFIG_BACKENDS])}")
     return CONFIG_BACKENDS[backend]
 
 
@@ -925,11 +932,15 @@ def predict_step(cfg, data: SimpleNamespace | None = None, attention: str | None
     attention backend, LoRA, optimizer), predicted on one H100 SXM for `data` (latent_channels, latent_sizes,
     text_dims, text_tokens, as build_model takes it; default `data_like(cfg)`: 1024 px, the family's text).
     `attention` (fa2, cudnn, fa3, or a training.attention_backend value) and `micro_steps` override the config's.
-    A census per model, micro-batch and path is made once per process (seconds to a minute on a CPU). Not modelled,
-    and refused (ValueError): float8 matmuls. Not counted: communication between GPUs."""
+    A census per model, micro-batch and path is made once per process (seconds to a minute on a CPU). Refused
+    (ConfigError, a ValueError) before any census: what is not modelled (float8 matmuls, attention backends without
+    published rates, activation checkpointing other than none, selective or full). Not counted: communication."""
     if cfg.float8.enabled:
-        raise ValueError("float8.enabled: float8 matmuls are not modelled (their rates by shape are not known here)")
+        raise ConfigError("float8.enabled=true: float8 matmuls are not modelled (their rates by shape are not known "
+                          "here)")
     t = cfg.training
+    rates_of(attention or t.attention_backend)
+    check_modelled(t.activation_checkpointing)
     path = "compiled" if cfg.compile.enabled else "eager"
     data = data or data_like(cfg)
     key = (OmegaConf.to_yaml(cfg.model), OmegaConf.to_yaml(cfg.lora), t.train_batch_size, t.dtype, str(vars(data)),
@@ -982,7 +993,10 @@ def preset_config(name: str, overrides: list[str] = ()) -> tuple:
     else:
         base, source = OmegaConf.from_dotlist(preset.assumed), f"{preset.config} (not written yet; assumed: " \
                                                               f"{' '.join(preset.assumed)})"
-    cfg = OmegaConf.merge(OmegaConf.structured(Config), base, OmegaConf.from_dotlist(list(overrides)))
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), base, OmegaConf.from_dotlist(list(overrides)))
+    except OmegaConfBaseException as e:  # an unknown key, a wrong type or value
+        raise ConfigError(f"{preset.config}: {e}".split("\n")[0]) from None
     for key in OmegaConf.missing_keys(cfg):
         OmegaConf.update(cfg, key, None)
     for key, value in preset.architecture.items():
@@ -1067,9 +1081,8 @@ def print_report(name: str, source: str, census: StepCensus, configured: StepPre
               f"{term} {t * 1e3:.1f} ms ({t / configured.seconds:.0%})" for term, t in configured.terms.items()))
 
 
-def run_preset(name: str, overrides: list[str], checkpointing: str | None, attention: str | None,
+def run_preset(name: str, cfg, source: str, checkpointing: str | None, attention: str | None,
                resolution: int) -> dict:
-    cfg, source = preset_config(name, overrides)
     t = cfg.training
     path = "compiled" if cfg.compile.enabled else "eager"
     census = count_step(cfg, data_like(cfg, resolution))
@@ -1104,12 +1117,20 @@ def main(argv=None) -> int:
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = p.parse_args(argv)
     overrides = [*args.overrides, *([f"training.train_batch_size={args.batch}"] if args.batch else [])]
+    try:  # the user's input, all of it before any census: one line, exit 2
+        configs = {name: preset_config(name, overrides) for name in args.preset or PRESETS}
+        for cfg, _ in configs.values():
+            rates_of(args.attention or cfg.training.attention_backend)
+            check_modelled(args.checkpointing or cfg.training.activation_checkpointing)
+    except InputError as e:
+        print(f"roofline: {e}", file=sys.stderr)
+        return 2
     print("Assumptions (every figure below is a prediction made on a CPU, not a measurement):")
     for what, value, source in ASSUMPTIONS:
         print(f"- {what}: {value} ({source})")
     runs = json.loads(args.json.read_text()) if str(args.json) != "-" and args.json.exists() else {}
-    for name in args.preset or PRESETS:
-        result = run_preset(name, overrides, args.checkpointing, args.attention, args.resolution)
+    for name, (cfg, source) in configs.items():
+        result = run_preset(name, cfg, source, args.checkpointing, args.attention, args.resolution)
         flags = [*overrides, *(f"--{k} {getattr(args, k)}" for k in ("checkpointing", "attention") if getattr(args, k)),
                  *([f"--resolution {args.resolution}"] if args.resolution != 1024 else [])]
         runs[" ".join([name, *flags])] = {**result, "assumptions": ASSUMPTIONS}

@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from configs.build import build_model, build_trained_model
 from configs.schema import Config, family_defaults
+from errors import ConfigError
 from models.lora import apply_lora
 from runtime.step_stats import train_flops_per_sample
 from tests.conftest import ROOT
@@ -204,10 +205,15 @@ def test_the_step_adds_every_term(sd3):
     assert roofline.peak_memory(census, "none") > activations["none"] + 20 * census.trained  # weights, AdamW, EMA
 
 
-def test_what_is_not_modelled_is_refused(sd3):
-    with pytest.raises(ValueError, match="'mlp'"):
+def test_what_is_not_modelled_is_refused(sd3, capsys):
+    """A setting without rates is a config error (one line, exit 2 from the command, before any census)."""
+    with pytest.raises(ConfigError, match="activation_checkpointing=mlp"):
         roofline.predict(sd3.census, "eager", "cudnn", 1, "mlp")
-    with pytest.raises(ValueError, match="'math'"):
+    with pytest.raises(ConfigError, match="attention_backend=math"):
         roofline.predict(sd3.census, "eager", "math", 1)
-    with pytest.raises(ValueError, match="float8"):
+    with pytest.raises(ConfigError, match="float8"):
         roofline.predict_step(tiny("float8.enabled=true"), DATA)
+    assert roofline.main(["--preset", "sd3-medium", "training.attention_backend=math", "--json", "-"]) == 2
+    assert roofline.main(["--preset", "sd3-medium", "training.no_such_key=1", "--json", "-"]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 2 and "attention_backend=math" in errors[0] and "no_such_key" in errors[1]
