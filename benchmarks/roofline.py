@@ -1,10 +1,19 @@
-"""Op census and roofline of one MMDiT joint block-step (forward + backward), without a GPU.
+"""The training step on one H100, predicted on a CPU: an op census of each kind of block (forward and backward), of
+the rest of the model, and of the optimizer, EMA, clipping and gradient accumulation, timed by a roofline whose
+every rate is printed with its source.
 
-    python benchmarks/roofline.py                       # SD3-medium block, 1024 px, batch 4, bf16: table + JSON
-    python benchmarks/roofline.py --preset sd3.5-large  # or sd3.5-medium; --width/--heads/... for other shapes
+    python benchmarks/roofline.py                          # every preset: block and step tables, JSON
+    python benchmarks/roofline.py --preset sd3-medium      # the step configs/sd3_medium.yaml configures
+    python benchmarks/roofline.py --preset flux-dev-lora --batch 2 --checkpointing selective --attention fa3
+    python benchmarks/roofline.py --preset sd3-medium training.gradient_accumulation_steps=1   # any key=value
 
-The block runs on fake tensors (no memory, no GPU: torch's FakeTensorMode) under bf16 autocast with CUDA's
-autocast policy (`cuda_autocast_policy`), so autocast inserts the casts it inserts on a GPU. Two paths:
+The model is the one training builds (`build_trained_model` on the meta device: LoRA adapters, the frozen base in
+the compute dtype), with the released architecture of the preset, at 1024 px (128x128 latents: 4096 image tokens;
+SD3's 333 text tokens, FLUX.1's 512). Each distinct kind of block (SD3's joint block and its last, text-pre-only
+one; SD3.5-medium's dual-attention blocks; FLUX's double- and single-stream blocks; under LoRA the first block,
+whose inputs need no gradient) runs once on fake tensors (no
+memory, no GPU: torch's FakeTensorMode) under bf16 autocast with CUDA's autocast policy (`cuda_autocast_policy`),
+so autocast inserts the casts it inserts on a GPU. Two paths:
 
 - eager: every aten op the forward and backward dispatch, recorded below autograd (a TorchDispatchMode), with
   its FLOPs (torch's flop counter formulas) and the bytes it reads and writes (the memory its tensors span;
@@ -16,23 +25,34 @@ autocast policy (`cuda_autocast_policy`), so autocast inserts the casts it inser
   (`get_read_write_buffers_sizes`, what `torch._inductor.metrics.num_bytes_accessed` sums). Default mode:
   matmuls are cuBLAS calls (extern kernels), nothing is fused into them.
 
-The time a path implies on an H100 SXM: each kernel takes the longest of its FLOPs at its rate, its bytes at
-the measured memory rate, and a floor per launch; the block-step time is their sum (no overlap between
-kernels). MFU = model FLOPs (matmuls and attention) / (time x dense bf16 peak).
+What runs outside the blocks (embedders, final layer, the loss and its backward) is counted the same way, eager
+(compile wraps the blocks only), with the blocks cut out. Each kernel takes the longest of its FLOPs at its rate,
+its bytes at the measured memory rate, and a floor per launch; kernels run one after another. The step adds,
+per optimizer step: the micro-steps, activation checkpointing's recompute, gradient accumulation, clipping,
+AdamW and the EMA (`StepPrediction.terms`). MFU = model FLOPs (matmuls and attention, no recompute, as
+benchmarks/train_step.py counts them) / (time x dense peak). `ASSUMPTIONS` lists every rate with its source.
+
+For other scripts: `predict_step(cfg)` predicts the step a config describes (for benchmarks/train_step.py to print
+beside the step it measures).
 """
 
 import argparse
+import copy
 import json
 import math
 import sys
 import warnings
-from collections import defaultdict
+from collections import Counter, defaultdict
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
@@ -40,7 +60,14 @@ from torch.utils.flop_counter import flop_registry
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the project folders import by their names
 
-from models.blocks import JointTransformerBlock  # noqa: E402
+from configs.build import build_trained_model  # noqa: E402
+from configs.schema import Config, family_defaults  # noqa: E402
+from errors import ConfigError, InputError  # noqa: E402
+from models.families import FAMILIES  # noqa: E402
+from models.flux.model import SingleTransformerBlock  # noqa: E402
+from models.rectified_flow import interpolate, per_sample_loss  # noqa: E402
+from plan_memory import RELEASED, SD3_TEXT  # noqa: E402
+from runtime.memory_plan import CUDA_CONTEXT, FRAGMENTATION, GIB  # noqa: E402
 
 aten = torch.ops.aten
 
@@ -48,25 +75,103 @@ aten = torch.ops.aten
 
 PEAK_BF16 = 989e12  # H100 SXM dense bf16 FLOP/s (NVIDIA datasheet; the 1979 figure is with sparsity)
 PEAK_TF32 = 495e12  # H100 SXM dense TF32 FLOP/s (datasheet): fp32 matmuls with allow_tf32
-MATMUL_RATE = 800e12  # bf16 matmul FLOP/s reached: ~798 measured on an 8192^3 matmul (H100 80GB HBM3, torch 2.11)
-MEMORY_RATE = 3.0e12  # bytes/s read + written: measured device-to-device copy on the same H100 (datasheet 3.35)
-# attention FLOP/s at head dim 64, sequence ~4k, non-causal (FlashAttention-3 paper, forward; the backward is
-# assumed to run at the same rate): FA2 321-330, cuDNN 408 (up to 630 at head dim 128), FA3 476
-ATTENTION_RATES = {"fa2": 330e12, "cudnn": 410e12, "fa3": 476e12}
+MEMORY_RATE = 3.0e12  # bytes/s read + written: measured device-to-device copy on an H100 80GB HBM3 (datasheet 3.35)
 # the shortest a kernel takes on the GPU timeline: eager PyTorch spends ~5 us of host time dispatching and
 # launching each op (assumed; a GPU kernel shorter than that leaves the GPU idle), inductor's generated
 # wrapper ~2 us per kernel (assumed)
 LAUNCH_FLOOR_S = {"eager": 5e-6, "compiled": 2e-6}
-
 # fp32 attention (SDPA's memory-efficient kernel; flash needs 16-bit inputs) runs without tensor cores: H100 SXM's
 # fp32 peak is 67 TFLOP/s; assumed 50
 FP32_ATTENTION_RATE = 50e12
 
-PRESETS = {  # one joint block of each released architecture (dual attention: SD3.5-medium's first 13 blocks)
-    "sd3-medium": dict(width=1536, heads=24, qk_norm=False, dual_attention=False),
-    "sd3.5-medium": dict(width=1536, heads=24, qk_norm=True, dual_attention=True),
-    "sd3.5-large": dict(width=2432, heads=38, qk_norm=True, dual_attention=False),
+# GEMMs, a model (not a measurement): cuBLAS computes the output in tiles of 128 x 256 (either orientation, the
+# tile of its large Hopper bf16 kernels), one tile per SM at a time, in waves of 132 tiles; the idle SMs of the
+# last wave and a tile's part past M or N are lost (tile and wave quantization: NVIDIA's "Matrix Multiplication
+# Background User's Guide"). Rate = the rate of full waves x the useful share of the tiles the waves compute. The
+# full-wave rate is calibrated on the one measured matmul (8192^3 bf16 on an H100 80GB HBM3, torch 2.11: ~800
+# TFLOP/s); the model gives 807 for the best shape of ml-engineering's MAMF table (6144x17920x2816, 792.1
+# measured on an H100 SXM, CUDA 12.1). A matmul with fewer than 128 rows or columns (LoRA's rank-16 products, adaLN's
+# per-sample ones) runs narrow tiles and is memory-bound: no quantization is modelled for it. Not modelled: K (the
+# depth of the product), split-K and stream-K schedules and the smaller tiles cuBLAS may pick for partial waves
+# (all would raise the rate of a partial wave: the model is pessimistic there, `benchmarks/RESULTS.md` says by how
+# much).
+MEASURED_MATMUL = (8192, 8192, 800e12)  # M, N, FLOP/s
+SMS = 132
+GEMM_TILES = ((128, 256), (256, 128))
+
+
+def wave_efficiency(m: int, n: int, batch: int = 1) -> float:
+    """The share of the tiles' work that is an m x n output (`batch` of them), in the better tile orientation."""
+    if min(m, n) < min(min(tile) for tile in GEMM_TILES):
+        return 1.0
+
+    def share(tm, tn):
+        tiles = batch * math.ceil(m / tm) * math.ceil(n / tn)
+        return batch * m * n / (math.ceil(tiles / SMS) * SMS * tm * tn)
+    return max(share(tm, tn) for tm, tn in GEMM_TILES)
+
+
+FULL_WAVE_RATE = MEASURED_MATMUL[2] / wave_efficiency(*MEASURED_MATMUL[:2])
+
+
+def gemm_rate(m: int, n: int, batch: int = 1, dtype: str = "bf16") -> float:
+    """FLOP/s of an m x n (x k) matmul, `batch` of them at once; fp32 inputs run as TF32 (allow_tf32)."""
+    return FULL_WAVE_RATE * wave_efficiency(m, n, batch) * (PEAK_TF32 / PEAK_BF16 if dtype == "fp32" else 1.0)
+
+
+# Attention FLOP/s on an H100 SXM5, non-causal, sequence 4k (16k tokens per batch): the FlashAttention-3 paper
+# (Shah et al. 2024, arXiv 2407.08608), figure 5 (forward) and figure 6 (backward). The image sequences here are
+# near 4k (SD3 4429 tokens, FLUX.1 4608); head dims other than 64 and 128 take the nearer.
+ATTENTION_RATES = {  # backend: {head dim: (forward, backward)}
+    "fa2": {64: (321e12, 279e12), 128: (368e12, 310e12)},
+    "cudnn": {64: (408e12, 417e12), 128: (609e12, 499e12)},
+    "fa3": {64: (476e12, 453e12), 128: (638e12, 542e12)},
 }
+# The papers count an attention backward as 2.5 forwards (five matmuls: the scores are recomputed; flash-attention's
+# benchmark `flops()`); model FLOPs count 2 (the math formula's four, as torch's flop counter counts
+# benchmarks/train_step.py's MFU). So a backward of F model FLOPs takes 1.25 F at the paper's rate.
+ATTENTION_BACKWARD_WORK = 2.5 / 2
+# training.attention_backend -> the rates above. auto on an H100 takes FA3 where flash_attn_interface is installed,
+# else cuDNN (perf/attention.py's FASTEST_FIRST): cuDNN here, which every PyTorch install has; sdpa's own pick on
+# Hopper has been flash-2 or cuDNN by release: FA2 here
+CONFIG_BACKENDS = {"auto": "cudnn", "sdpa": "fa2", "sdpa_flash": "fa2", "flash_attn_2": "fa2", "sdpa_cudnn": "cudnn",
+                   "flash_attn_3": "fa3"}
+
+# Bytes per trained parameter of the memory-bound work after the backward, all fp32 tensors
+ADAMW_FUSED_BYTES = 28  # torch's fused AdamW: reads param, grad, exp_avg, exp_avg_sq (16), writes param and both (12)
+# torch's foreach AdamW (optimizer.fused=false): 7 passes (lerp, mul, addcmul, sqrt, div, add, addcdiv), 8 more with
+# weight decay (torch/optim/adam.py `_multi_tensor_adam`)
+ADAMW_FOREACH_BYTES = 72
+WEIGHT_DECAY_FOREACH_BYTES = 8
+EMA_BYTES = 12  # optim/ema.py: one _foreach_lerp_: reads the average and the weight, writes the average
+CLIP_BYTES = 12  # clip_grad_norm_: reads the gradients for the norm, then reads and writes them to scale (always)
+ACCUMULATE_BYTES = 12  # every micro-step after the first: autograd's AccumulateGrad, grad += new (2 reads, 1 write)
+
+ASSUMPTIONS = [  # (what, value, source), printed with every table
+    ("dense peak", "bf16 989 TFLOP/s, TF32 495", "NVIDIA H100 SXM datasheet (1979 bf16 is with sparsity)"),
+    ("memory", "3.0 TB/s read + written", "measured device-to-device copy, H100 80GB HBM3 (datasheet 3.35)"),
+    ("GEMM rate", f"{FULL_WAVE_RATE / 1e12:.0f} TFLOP/s per full wave x tile and wave quantization (128x256 tiles, "
+                  f"132 SMs)", "a model (NVIDIA's Matrix Multiplication Background guide), calibrated on the measured "
+                               "8192^3 bf16 matmul (800 TFLOP/s); gives 807 for the best shape of ml-engineering's "
+                               "MAMF table, 792 measured"),
+    ("attention forward / backward", "hd 64: FA2 321/279, cuDNN 408/417, FA3 476/453; hd 128: FA2 368/310, cuDNN "
+                                     "609/499, FA3 638/542 TFLOP/s", "FlashAttention-3 paper, figs. 5-6 (H100 SXM5, "
+                                                                      "seq 4k, non-causal)"),
+    ("attention backward work", "2.5 forwards at the paper's rates, 2 in model FLOPs", "flash-attention's benchmark "
+                                                                                      "flops(); torch's flop counter"),
+    ("launch floor", "5 us per eager op, 2 us per compiled kernel", "assumed"),
+    ("fp32 attention", "50 TFLOP/s", "assumed (67 TFLOP/s fp32 peak, no tensor cores)"),
+    ("overlap", "none: kernels one after another, each reading from and writing to HBM", "assumed"),
+    ("AdamW", f"fused {ADAMW_FUSED_BYTES} B, foreach {ADAMW_FOREACH_BYTES} B (+{WEIGHT_DECAY_FOREACH_BYTES} with "
+              f"weight decay) per trained parameter", "torch's fused kernel; torch/optim/adam.py _multi_tensor_adam"),
+    ("EMA, clipping", f"{EMA_BYTES} B, {CLIP_BYTES} B per trained parameter", "optim/ema.py (_foreach_lerp_); "
+                                                                              "torch.nn.utils.clip_grad_norm_"),
+    ("gradient accumulation", f"{ACCUMULATE_BYTES} B per trained parameter per extra micro-step", "AccumulateGrad"),
+    ("recompute", "full: one more forward of each checkpointed block; selective: its forward's kernels other than "
+                  "matmuls and attention", "torchtitan's op-level policy saves matmul and attention outputs"),
+    ("not counted", "host work, data loading, communication, text encoders run in the step", "one GPU, precomputed "
+                                                                                             "text, no host syncs"),
+]
 
 # ----------------------------------------------------------------------------------------------- op classes
 
@@ -84,6 +189,7 @@ FILLS = {aten.zeros, aten.ones, aten.full, aten.zeros_like, aten.ones_like, aten
          aten.zero_, aten.new_zeros, aten.new_ones, aten.new_full, aten.scalar_tensor}
 NO_KERNEL = {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.new_empty_strided,
              aten.detach, aten.lift_fresh, aten._unsafe_view, aten._local_scalar_dense, aten.sym_size, aten.sym_stride, aten.sym_numel}
+HEAVY = ("matmul", "attention")  # the model FLOPs; every other kernel is memory-bound
 
 
 def op_class(packet) -> str:
@@ -118,7 +224,7 @@ def tensors(tree) -> list[torch.Tensor]:
 
 def flops_of(packet, args, kwargs, out) -> int:
     if packet in (aten._scaled_dot_product_flash_attention_for_cpu,
-                  aten._scaled_dot_product_flash_attention_for_cpu_backward):  # as the CUDA flash kernels count
+                  aten._scaled_dot_product_flash_attention_for_cpu_backward):  # model FLOPs: the math formula's
         q, k = args[0], args[1]
         if packet is aten._scaled_dot_product_flash_attention_for_cpu_backward:
             q, k = args[1], args[2]
@@ -128,26 +234,63 @@ def flops_of(packet, args, kwargs, out) -> int:
     return int(formula(*args, **kwargs, out_val=out)) if formula else 0
 
 
+def gemm_shape(packet, args, out) -> tuple[int, int, int, int]:
+    """(batch, M, N, K) of a matmul: its output is batch x M x N, each entry a K-long dot product; a convolution as
+    the implicit GEMM of its forward (M = output pixels, N = output channels, K = input channels x kernel)."""
+    if packet in (aten.convolution, aten.convolution_backward):
+        grid = out if packet is aten.convolution else args[0]  # [B, O, H', W']
+        weight = args[1] if packet is aten.convolution else args[2]
+        return 1, grid.shape[0] * math.prod(grid.shape[2:]), weight.shape[0], math.prod(weight.shape[1:])
+    a, b = (args[1], args[2]) if packet in (aten.addmm, aten.baddbmm) else (args[0], args[1])
+    return (a.shape[0] if a.dim() == 3 else 1), a.shape[-2], b.shape[-1], a.shape[-1]
+
+
 @dataclass
 class Kernel:
     cls: str
     op: str
     flops: int
     bytes: int
+    phase: str = "forward"  # or "backward"
+    gemm: tuple[int, int, int, int] | None = None  # matmuls: (batch, M, N, K)
+    dtype: str = "bf16"  # matmuls and attention: of their inputs (fp32 matmuls run as TF32)
+    head_dim: int = 0  # attention
+
+
+def heavy_details(kernel: Kernel, packet, args, out) -> Kernel:
+    """A matmul's shape and an attention's head dim, and the dtype of their inputs."""
+    if kernel.cls == "matmul":
+        kernel.gemm = gemm_shape(packet, args, out)
+        kernel.dtype = "fp32" if tensors(args)[0].dtype == torch.float32 else "bf16"
+    elif kernel.cls == "attention":
+        q = args[1] if "backward" in packet.__name__ else args[0]
+        kernel.head_dim, kernel.dtype = q.shape[-1], "fp32" if q.dtype == torch.float32 else "bf16"
+    return kernel
 
 
 class OpCensus(TorchDispatchMode):
-    """Records every aten op that launches a kernel: its class, FLOPs, and bytes read + written."""
+    """Records every aten op that launches a kernel: its class, FLOPs, bytes read + written, and the phase (set
+    `phase` to "backward" before the backward). In the forward it also notes which op made each tensor
+    (`made_by`: matmul, attention, a cast of one of `params`, or other), for `saved_activations`, and the bytes the
+    matmuls and attention write (`heavy_outputs`)."""
 
-    def __init__(self):
+    def __init__(self, params=()):
         super().__init__()
         self.kernels: list[Kernel] = []
+        self.phase = "forward"
+        self.params = {id(p) for p in params}
+        self.made_by: dict[int, str] = {}
+        self.alive: list[torch.Tensor] = []  # the tensors `made_by` names, kept so that their ids stay theirs
+        self.heavy_outputs = 0  # bytes the forward's matmuls and attention write: what selective checkpointing keeps
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         packet = func.overloadpacket
-        if func.namespace not in ("aten", "roofline") or func.is_view or packet in NO_KERNEL:
+        no_kernel = func.namespace not in ("aten", "roofline") or func.is_view or packet in NO_KERNEL
+        if self.phase == "forward":
+            self.note_maker(packet, args, out, no_kernel)
+        if no_kernel:
             return out
         if packet is aten._to_copy and args[0].dtype == kwargs.get("dtype", args[0].dtype) \
                 and args[0].device == kwargs.get("device", args[0].device):
@@ -156,41 +299,48 @@ class OpCensus(TorchDispatchMode):
         written = sum(footprint(t) for t in tensors(out))
         if packet is aten.copy_:  # writes its first argument without reading it
             read -= footprint(args[0])
-        self.kernels.append(Kernel(op_class(packet), packet.__name__, flops_of(packet, args, kwargs, out),
-                                   read + written))
+        kernel = Kernel(op_class(packet), packet.__name__, flops_of(packet, args, kwargs, out), read + written,
+                        self.phase)
+        self.kernels.append(heavy_details(kernel, packet, args, out))
+        if self.phase == "forward" and kernel.cls in HEAVY:
+            self.heavy_outputs += written
         return out
 
+    def note_maker(self, packet, args, out, no_kernel: bool) -> None:
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if no_kernel:  # a view (or a reshape without a copy) is of what its input is
+            maker = self.made_by.get(id(first)) if first is not None else None
+        elif packet in MATMULS or packet in ATTENTION:
+            maker = op_class(packet)
+        elif packet is aten._to_copy and id(first) in self.params:
+            maker = "weight copy"
+        else:
+            maker = "other"
+        for t in tensors(out):
+            if maker is not None:
+                self.made_by[id(t)] = maker
+                self.alive.append(t)
 
-# ----------------------------------------------------------------------------------------------- the block
 
+@contextmanager
+def saved_activations(census: OpCensus, inputs: list[torch.Tensor], into: Counter):
+    """Inside: the bytes of each tensor autograd saves for the backward, counted once (a view as its base), by what
+    made it (`OpCensus.made_by`; "input" for `inputs`) into `into`; parameters are not activations."""
+    seen, given = set(), {id(t) for t in inputs}
 
-@dataclass
-class Shape:
-    width: int = 1536
-    heads: int = 24
-    qk_norm: bool = False
-    dual_attention: bool = False
-    image_tokens: int = 4096  # 1024 px: 128x128 latents, patch 2
-    text_tokens: int = 333  # CLIP-L + CLIP-G (77) and T5 (256) tokens
-    batch: int = 4
-    dtype: str = "bf16"  # autocast dtype, or fp32 (no autocast)
+    def pack(t):
+        base = t._base if t._base is not None else t
+        if id(base) not in seen and id(base) not in census.params:
+            seen.add(id(base))
+            census.alive.append(base)
+            maker = "input" if id(base) in given else census.made_by.get(id(base), "other")
+            into[maker] += base.numel() * base.element_size()
+        return t
 
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield
 
-def block_and_inputs(shape: Shape):
-    """One joint block with fp32 (master) weights, and its inputs as the model hands them to a block under
-    autocast: the residual streams in the autocast dtype (outputs of linears), temb too. Call under a
-    FakeTensorMode: nothing is allocated."""
-    with torch.device("meta"):
-        block = JointTransformerBlock(shape.width, shape.heads, shape.qk_norm, context_pre_only=False,
-                                      dual_attention=shape.dual_attention)
-    for module in block.modules():  # to_empty's swap refuses fake tensors
-        for name, param in module.named_parameters(recurse=False):
-            setattr(module, name, torch.nn.Parameter(torch.empty(param.shape)))
-    act = torch.float32 if shape.dtype == "fp32" else torch.bfloat16
-    x = torch.empty(shape.batch, shape.image_tokens, shape.width, dtype=act, requires_grad=True)
-    c = torch.empty(shape.batch, shape.text_tokens, shape.width, dtype=act, requires_grad=True)
-    temb = torch.empty(shape.batch, shape.width, dtype=act, requires_grad=True)
-    return block, (x, c, temb)
+# ----------------------------------------------------------------------------------------------- autocast
 
 
 # CUDA's autocast on CPU tensors. Fake CUDA tensors cannot run autograd in a CPU build of torch, and CPU
@@ -289,29 +439,108 @@ def cuda_autocast_policy(fused_rms_norm_kernel: bool = False):
         library._destroy()
 
 
-def autocast(shape: Shape):
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=shape.dtype != "fp32")
+def autocast(dtype: str):
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype != "fp32")
 
 
-def step(block, inputs, shape: Shape):
-    with autocast(shape):
-        x, c = block(*inputs)
-    torch.autograd.backward([x, c], [torch.empty_like(x), torch.empty_like(c)])
+# ----------------------------------------------------------------------------------------------- blocks
 
 
-def eager_census(shape: Shape) -> list[Kernel]:
+FLUX_TEXT = {"tokens": FAMILIES["flux"].max_sequence_length, "joint": 4096, "pooled": 768}  # T5-XXL; CLIP-L pooled
+
+
+def data_like(cfg, resolution: int = 1024) -> SimpleNamespace:
+    """What the model needs to know of the data (as plan_memory.py and benchmarks/train_step.py describe it): the
+    family's latents and text embeddings at `resolution` (SD3: CLIP-L + CLIP-G and T5, 333 tokens; FLUX.1-dev: T5,
+    512 tokens)."""
+    text = FLUX_TEXT if cfg.model.family == "flux" else SD3_TEXT
+    side = resolution // SD3_TEXT["vae_factor"]
+    return SimpleNamespace(latent_channels=SD3_TEXT["latent_channels"], latent_sizes=[(side, side)],
+                           text_dims=(text["joint"], text["pooled"]), text_tokens=text["tokens"])
+
+
+@dataclass
+class BlockShape:
+    batch: int
+    image_tokens: int
+    text_tokens: int
+    width: int
+    head_dim: int
+    dtype: str = "bf16"  # autocast dtype, or fp32 (no autocast)
+    temb_grad: bool = True  # the conditioning vector needs a gradient (its embedders train: not under LoRA)
+    stream_grad: bool = True  # the streams need a gradient (not into the first block when the embedders are frozen)
+
+
+def block_kind(block: nn.Module) -> str:
+    if isinstance(block, SingleTransformerBlock):
+        return "single"
+    if block.attn.text_first:
+        return "double"
+    return ("joint" + (" + attn2" if block.dual_attention else "")
+            + (", last (text pre-only)" if block.context_pre_only else ""))
+
+
+def rotary(block: nn.Module) -> bool:
+    return isinstance(block, SingleTransformerBlock) or block.attn.text_first
+
+
+def block_tensors(block: nn.Module, s: BlockShape) -> list[torch.Tensor]:
+    """A block's inputs as the model hands them under autocast (outputs of linears, in the autocast dtype): the
+    streams (FLUX's single blocks: the joint sequence), the conditioning vector, and FLUX's rotary tables."""
+    act = torch.float32 if s.dtype == "fp32" else torch.bfloat16
+    tokens = s.image_tokens + s.text_tokens
+    temb = torch.empty(s.batch, s.width, dtype=act, requires_grad=s.temb_grad)
+    rope = [torch.empty(tokens, s.head_dim), torch.empty(tokens, s.head_dim)] if rotary(block) else []
+    if isinstance(block, SingleTransformerBlock):
+        return [torch.empty(s.batch, tokens, s.width, dtype=act, requires_grad=s.stream_grad), temb, *rope]
+    x = torch.empty(s.batch, s.image_tokens, s.width, dtype=act, requires_grad=s.stream_grad)
+    c = torch.empty(s.batch, s.text_tokens, s.width, dtype=act, requires_grad=s.stream_grad)
+    return [x, c, temb, *rope]
+
+
+def arguments(block: nn.Module, inputs: list[torch.Tensor]) -> tuple:
+    rope = (inputs[-2], inputs[-1]) if rotary(block) else None
+    if isinstance(block, SingleTransformerBlock):
+        return inputs[0], inputs[1], rope
+    return inputs[0], inputs[1], inputs[2], rope
+
+
+def outputs(result) -> list[torch.Tensor]:
+    return [o for o in (result if isinstance(result, tuple) else (result,)) if o is not None]
+
+
+def fake_parameters(module: nn.Module) -> nn.Module:
+    """`module` (a meta-device copy) with fake tensors of its parameters' and buffers' shapes, dtypes and
+    requires_grad. Call under a FakeTensorMode: nothing is allocated."""
+    for m in module.modules():  # to_empty's swap refuses fake tensors
+        for name, p in list(m.named_parameters(recurse=False)):
+            setattr(m, name, nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad))
+        for name, b in list(m.named_buffers(recurse=False)):
+            setattr(m, name, torch.empty(b.shape, dtype=b.dtype))
+    return module
+
+
+def eager_census(block: nn.Module, shape: BlockShape) -> tuple[list[Kernel], Counter, int]:
+    """The kernels of one forward and backward of `block` (a meta-device module, as training builds it), the
+    bytes its forward saves for the backward, by what made them (`saved_activations`), and the bytes its matmuls
+    and attention write in the forward."""
+    block, saved = copy.deepcopy(block), Counter()
     with FakeTensorMode(), cuda_autocast_policy(fused_rms_norm_kernel=True):
-        block, inputs = block_and_inputs(shape)
-        census = OpCensus()
+        fake_parameters(block)
+        inputs = block_tensors(block, shape)
+        census = OpCensus(block.parameters())
         with census:
-            step(block, inputs, shape)
-    return census.kernels
+            with saved_activations(census, inputs, saved), autocast(shape.dtype):
+                out = outputs(block(*arguments(block, inputs)))
+            census.phase = "backward"
+            torch.autograd.backward(out, [torch.empty_like(o) for o in out])
+    return census.kernels, saved, census.heavy_outputs
 
 
 # ----------------------------------------------------------------------------------------------- compiled
 
 
-def compiled_graphs(shape: Shape) -> tuple[FakeTensorMode, dict[str, torch.fx.GraphModule]]:
+def compiled_graphs(block: nn.Module, shape: BlockShape) -> tuple[FakeTensorMode, dict[str, torch.fx.GraphModule]]:
     """The forward and backward graphs inductor receives for the block: AOTAutograd's joint graph with
     inductor's decompositions, split by the min-cut partitioner (what is saved, what the backward
     recomputes), as `torch.compile(block)` makes them."""
@@ -327,19 +556,20 @@ def compiled_graphs(shape: Shape) -> tuple[FakeTensorMode, dict[str, torch.fx.Gr
             return make_boxed_func(gm.forward)  # run on the fake tensors, for the backward to be traced
         return compiler
 
-    mode = FakeTensorMode()
+    block, mode = copy.deepcopy(block), FakeTensorMode()
     with mode, cuda_autocast_policy():
-        block, inputs = block_and_inputs(shape)
+        fake_parameters(block)
+        inputs = block_tensors(block, shape)
         params = dict(block.named_parameters())
 
-        def forward(params, x, c, temb):
-            with autocast(shape):
-                return torch.func.functional_call(block, params, (x, c, temb))
+        def forward(params, *inputs):
+            with autocast(shape.dtype):
+                return tuple(outputs(torch.func.functional_call(block, params, arguments(block, list(inputs)))))
 
         compiled = aot_function(forward, fw_compiler=capture("forward"), bw_compiler=capture("backward"),
                                 partition_fn=partition_fn, decompositions=select_decomp_table())
-        x, c = compiled(params, *inputs)
-        torch.autograd.backward([x, c], [torch.empty_like(x), torch.empty_like(c)])
+        out = compiled(params, *inputs)
+        torch.autograd.backward(out, [torch.empty_like(o) for o in out])
     return mode, graphs
 
 
@@ -353,17 +583,24 @@ def on_gpu(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return gm
 
 
-def inductor_without_gpu() -> None:
-    """Lets inductor lower and schedule CUDA graphs on a machine without CUDA or Triton: H100 properties where
-    it asks the device, and Triton taken as present (nothing is generated or compiled)."""
+@contextmanager
+def inductor_without_gpu():
+    """Inside, inductor lowers and schedules CUDA graphs on a machine without CUDA or Triton: H100 properties where
+    it asks the device, and Triton taken as present (nothing is generated or compiled). Put back on exit, so that
+    a process that compiles for its real GPU afterwards (benchmarks/train_step.py) is not misled."""
     import torch._inductor.scheduler as scheduler
     from torch._inductor.runtime.hints import DeviceProperties
 
-    h100 = DeviceProperties(type="cuda", index=0, multi_processor_count=132, cc=90, major=9,
+    h100 = DeviceProperties(type="cuda", index=0, multi_processor_count=SMS, cc=90, major=9,
                             regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048,
                             max_threads_per_block=1024, warp_size=32)
+    create, has_triton = DeviceProperties.__dict__["create"], scheduler.has_triton
     DeviceProperties.create = classmethod(lambda cls, device: h100)
     scheduler.has_triton = lambda: True
+    try:
+        yield
+    finally:
+        DeviceProperties.create, scheduler.has_triton = create, has_triton
 
 
 def scheduled_kernels(gm: torch.fx.GraphModule, mode: FakeTensorMode, backward: bool) -> list[Kernel]:
@@ -376,13 +613,13 @@ def scheduled_kernels(gm: torch.fx.GraphModule, mode: FakeTensorMode, backward: 
     from torch._inductor.scheduler import ExternKernelSchedulerNode, NopKernelSchedulerNode
     from torch._inductor.virtualized import V
 
-    inductor_without_gpu()
+    phase = "backward" if backward else "forward"
     gm = on_gpu(gm)
     with mode:
         inputs = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="cuda:0")
                   for v in (n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder")]
     kernels = []
-    with V.set_fake_mode(mode), mode, DebugContext():
+    with inductor_without_gpu(), V.set_fake_mode(mode), mode, DebugContext():
         _recursive_post_grad_passes(gm, is_inference=False)
         graph = GraphLowering(gm, example_inputs=inputs, is_inference=False, is_backward=backward)
         with V.set_graph_handler(graph):
@@ -393,17 +630,24 @@ def scheduled_kernels(gm: torch.fx.GraphModule, mode: FakeTensorMode, backward: 
                 if isinstance(node, NopKernelSchedulerNode) or size == 0:
                     continue  # views, and the outputs an extern kernel already wrote
                 if isinstance(node, ExternKernelSchedulerNode):
-                    origins = [o for o in node.node.origins if o.op == "call_function"]
-                    packet = next((o.target.overloadpacket for o in origins if hasattr(o.target, "overloadpacket")
-                                   and o.target.overloadpacket in MATMULS | ATTENTION), None)
-                    cls = op_class(packet) if packet else "extern"
-                    flops = sum(flops_of(o.target.overloadpacket, *fx_values(o), o.meta["val"]) for o in origins
-                                if hasattr(o.target, "overloadpacket") and o.target.overloadpacket in MATMULS | ATTENTION)
-                    kernels.append(Kernel(cls, str(packet), flops, size))
+                    kernels.append(extern_kernel(node, size, phase))
                 else:
                     kind = "fused reduction" if node.is_reduction() else "fused pointwise"
-                    kernels.append(Kernel(kind, node.get_name(), 0, size))
+                    kernels.append(Kernel(kind, node.get_name(), 0, size, phase))
     return kernels
+
+
+def extern_kernel(node, size: int, phase: str) -> Kernel:
+    """A kernel inductor calls (a cuBLAS matmul, the attention op): its FLOPs and shape from the graph nodes it
+    came from."""
+    heavy = [o for o in node.node.origins if o.op == "call_function" and hasattr(o.target, "overloadpacket")
+             and o.target.overloadpacket in MATMULS | ATTENTION]
+    if not heavy:
+        return Kernel("extern", "None", 0, size, phase)
+    packet = heavy[0].target.overloadpacket
+    flops = sum(flops_of(o.target.overloadpacket, *fx_values(o), o.meta["val"]) for o in heavy)
+    kernel = Kernel(op_class(packet), str(packet), flops, size, phase)
+    return heavy_details(kernel, packet, fx_values(heavy[0])[0], heavy[0].meta["val"])
 
 
 def fx_values(node: torch.fx.Node) -> tuple[tuple, dict]:
@@ -411,95 +655,486 @@ def fx_values(node: torch.fx.Node) -> tuple[tuple, dict]:
     return torch.utils._pytree.tree_map(value, (node.args, node.kwargs))
 
 
-def compiled_census(shape: Shape) -> list[Kernel]:
-    mode, graphs = compiled_graphs(shape)
+def compiled_census(block: nn.Module, shape: BlockShape) -> list[Kernel]:
+    mode, graphs = compiled_graphs(block, shape)
     return [k for name, gm in graphs.items() for k in scheduled_kernels(gm, mode, backward=name == "backward")]
+
+
+# ----------------------------------------------------------------------------------------------- outside the blocks
+
+
+class Cut(nn.Module):
+    """Stands in for the blocks while what runs outside them is counted: keeps their inputs, returns new leaves
+    (so the final layer's backward stops where the blocks' would start)."""
+
+    def forward(self, x, c, temb, rope=None):
+        self.inputs = [x, c]
+        return torch.empty_like(x, requires_grad=True), torch.empty_like(c, requires_grad=True)
+
+
+def outside_census(model: nn.Module, data: SimpleNamespace, batch: int, dtype: str) -> tuple[list[Kernel], Counter]:
+    """The kernels of one micro-step's work outside the blocks, as train_mmdit_stable.forward_backward runs it (the
+    noisy input, embedders, final layer, loss, and their backward), and the bytes it saves for the backward."""
+    transformer = model.transformer
+    singles = getattr(transformer, "single_transformer_blocks", None)
+    memo = {id(transformer.transformer_blocks): nn.ModuleList([Cut()])}
+    if singles is not None:
+        memo[id(singles)] = nn.ModuleList()
+    model, saved, (h, w), (joint, pooled) = copy.deepcopy(model, memo), Counter(), data.latent_sizes[-1], data.text_dims
+    with FakeTensorMode(), cuda_autocast_policy(fused_rms_norm_kernel=True):
+        fake_parameters(model)
+        if singles is not None:  # FLUX's rotary tables: made once per shape and kept, not per step
+            p = model.transformer.packing(data.latent_channels)
+            model.transformer.rope(data.text_tokens, h // p, w // p, torch.device("cpu"))
+        x0, noise = (torch.empty(batch, data.latent_channels, h, w) for _ in range(2))
+        sigma = torch.empty(batch)
+        text = {"prompt_embeds": torch.empty(batch, data.text_tokens, joint),
+                "pooled_prompt_embeds": torch.empty(batch, pooled)}
+        census = OpCensus(model.parameters())
+        with census:
+            with saved_activations(census, [], saved):
+                with autocast(dtype):
+                    v_pred = model(interpolate(x0, noise, sigma), sigma, text)
+                loss = per_sample_loss(v_pred, x0, noise).sum() / batch
+            census.phase = "backward"
+            loss.backward()
+            needed = [t for t in model.transformer.transformer_blocks[0].inputs if t.requires_grad]
+            torch.autograd.backward(needed, [torch.empty_like(t) for t in needed])
+    return census.kernels, saved
 
 
 # ----------------------------------------------------------------------------------------------- time
 
 
-def predicted_time(kernels: list[Kernel], path: str, attention: str, dtype: str) -> float:
-    """Seconds for the kernels one after the other on an H100: each at the slowest of its FLOPs at its rate,
-    its bytes at the memory rate, and the launch floor."""
-    matmul_rate = MATMUL_RATE if dtype == "bf16" else MATMUL_RATE * PEAK_TF32 / PEAK_BF16
-    attention_rate = ATTENTION_RATES[attention] if dtype == "bf16" else FP32_ATTENTION_RATE
-    total = 0.0
-    for k in kernels:
-        rate = matmul_rate if k.cls == "matmul" else attention_rate if k.cls == "attention" else math.inf
-        total += max(k.flops / rate, k.bytes / MEMORY_RATE, LAUNCH_FLOOR_S[path])
-    return total
+def attention_rate(backend: str, kernel: Kernel) -> float:
+    if kernel.dtype == "fp32":
+        return FP32_ATTENTION_RATE
+    rates = ATTENTION_RATES[backend]
+    head_dim = min(rates, key=lambda d: abs(d - kernel.head_dim))
+    return rates[head_dim][kernel.phase == "backward"]
+
+
+def kernel_seconds(kernel: Kernel, path: str, attention: str, flat_gemms: bool = False) -> float:
+    """The slowest of its FLOPs at its rate (a matmul's by its shape; with `flat_gemms` every matmul at the measured
+    large-matmul rate instead, to show what the GEMM model costs), its bytes at the memory rate, and the launch
+    floor."""
+    compute = 0.0
+    if kernel.cls == "matmul":
+        batch, m, n, _ = kernel.gemm
+        rate = MEASURED_MATMUL[2] * (PEAK_TF32 / PEAK_BF16 if kernel.dtype == "fp32" else 1.0) if flat_gemms \
+            else gemm_rate(m, n, batch, kernel.dtype)
+        compute = kernel.flops / rate
+    elif kernel.cls == "attention":
+        work = ATTENTION_BACKWARD_WORK if kernel.phase == "backward" else 1.0
+        compute = kernel.flops * work / attention_rate(attention, kernel)
+    return max(compute, kernel.bytes / MEMORY_RATE, LAUNCH_FLOOR_S[path])
+
+
+def seconds(kernels: list[Kernel], path: str, attention: str, flat_gemms: bool = False) -> float:
+    """The kernels one after the other on an H100."""
+    return sum(kernel_seconds(k, path, attention, flat_gemms) for k in kernels)
+
+
+def model_flops(kernels: list[Kernel]) -> int:
+    return sum(k.flops for k in kernels if k.cls in HEAVY)
+
+
+def recompute_seconds(kernels: list[Kernel], path: str, attention: str, checkpointing: str,
+                      flat_gemms: bool = False) -> float:
+    """What the backward of a checkpointed block runs again: its whole forward (full), or the forward's kernels
+    other than matmuls and attention, whose outputs selective checkpointing keeps (norms, modulation, activations,
+    casts, copies)."""
+    check_modelled(checkpointing)
+    forward = [k for k in kernels if k.phase == "forward"]
+    if checkpointing == "selective":
+        forward = [k for k in forward if k.cls not in HEAVY]
+    return seconds(forward, path, attention, flat_gemms) if checkpointing != "none" else 0.0
+
+
+CHECKPOINTING = ("none", "selective", "full")
+
+
+def check_modelled(checkpointing: str) -> None:
+    if checkpointing not in CHECKPOINTING:
+        raise ConfigError(f"training.activation_checkpointing={checkpointing} is not modelled here: expected one of "
+                          f"{', '.join(CHECKPOINTING)}")
+
+
+def rates_of(backend: str) -> str:
+    """The attention rates (ATTENTION_RATES) of a training.attention_backend value, or of a rates name."""
+    if backend in ATTENTION_RATES:
+        return backend
+    if backend not in CONFIG_BACKENDS:
+        raise ConfigError(f"training.attention_backend={backend}: no published H100 rates here; expected one of "
+                          f"{', '.join([*ATTENTION_RATES, *CONFIG_BACKENDS])}")
+    return CONFIG_BACKENDS[backend]
+
+
+# ----------------------------------------------------------------------------------------------- the step
+
+
+@dataclass
+class BlockCensus:
+    kind: str
+    indices: list[int]  # its places among the model's blocks
+    kernels: dict[str, list[Kernel]]  # by path: eager, compiled
+    saved: Counter  # bytes its forward saves for the backward, by what made them (eager census)
+    input_bytes: int  # what it keeps when fully checkpointed: its inputs
+    heavy_outputs: int  # what its matmuls and attention write in the forward: selective checkpointing keeps them
+
+    @property
+    def count(self) -> int:
+        return len(self.indices)
+
+
+@dataclass
+class StepCensus:
+    """What one micro-step runs, counted once per kind of block, and what the optimizer updates."""
+    micro_batch: int
+    dtype: str
+    blocks: list[BlockCensus]
+    kinds: list[str]  # the kind of each block, in the model's order
+    outside: list[Kernel]  # eager (compile wraps the blocks only)
+    outside_saved: Counter
+    trained: int  # parameters the optimizer, the EMA, clipping and accumulation touch (fp32)
+    stored_bytes: int  # parameters as stored (trained fp32, a frozen base in the compute dtype) and buffers
+    tokens: int  # image + text tokens per sample
+
+
+def count_step(cfg, data: SimpleNamespace, paths=("eager", "compiled")) -> StepCensus:
+    """Census of the model `cfg` builds (on the meta device, as training builds it) for `data` (`data_like`): each
+    kind of block on `paths` (eager always: it also gives the saved bytes), and the work outside the blocks."""
+    model = build_trained_model(cfg, data, None)
+    transformer, m, batch = model.transformer, cfg.model, cfg.training.train_batch_size
+    dtype = "fp32" if cfg.training.dtype == "fp32" else "bf16"  # fp16 moves and multiplies as bf16 does
+    h, w = data.latent_sizes[-1]
+    image_tokens = (h // m.patch_size) * (w // m.patch_size)
+    shape = BlockShape(batch, image_tokens, data.text_tokens, m.num_attention_heads * m.attention_head_dim,
+                       m.attention_head_dim, dtype,
+                       temb_grad=any(p.requires_grad for p in transformer.time_text_embed.parameters()))
+    # with the embedders frozen (LoRA), nothing before the first block needs a gradient: its backward stops inside it
+    embedders_trained = any(p.requires_grad for name, p in transformer.named_parameters()
+                            if name.split(".")[0] in ("pos_embed", "x_embedder", "context_embedder"))
+    kinds = [block_kind(b) + ("" if i or embedders_trained else ", first (no input gradient)")
+             for i, b in enumerate(transformer.blocks)]
+    blocks = []
+    for kind in dict.fromkeys(kinds):
+        indices = [i for i, k in enumerate(kinds) if k == kind]
+        block, shape.stream_grad = transformer.blocks[indices[0]], indices[0] > 0 or embedders_trained
+        kernels = {}
+        kernels["eager"], saved, heavy_outputs = eager_census(block, shape)
+        if "compiled" in paths:
+            kernels["compiled"] = compiled_census(block, shape)
+        act_bytes = 4 if dtype == "fp32" else 2
+        input_bytes = act_bytes * batch * (image_tokens + data.text_tokens + 1) * shape.width
+        blocks.append(BlockCensus(kind, indices, kernels, saved, input_bytes, heavy_outputs))
+    outside, outside_saved = outside_census(model, data, batch, dtype)
+    stored = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    return StepCensus(batch, dtype, blocks, kinds, outside, outside_saved,
+                      trained=sum(p.numel() for p in model.parameters() if p.requires_grad), stored_bytes=stored,
+                      tokens=image_tokens + data.text_tokens)
+
+
+@dataclass
+class StepPrediction:
+    seconds: float  # one optimizer step on one H100
+    mfu: float
+    model_flops: int  # per optimizer step (no recompute)
+    terms: dict[str, float]  # seconds per optimizer step, by term; they sum to `seconds`
+    blocks: dict[str, dict]  # per kind of block: its count and one block-step's ms, MFU and where its time goes
+    memory_gib: float  # estimated peak (`peak_memory`)
+    settings: dict
+
+
+def predict(census: StepCensus, path: str, attention: str, micro_steps: int, checkpointing: str = "none",
+            every: int = 1, fused_optimizer: bool = True, weight_decay: bool = False, fp16_scaler: bool = False,
+            flat_gemms: bool = False) -> StepPrediction:
+    """One optimizer step: `micro_steps` forward + backward passes of the census' micro-batch, with activation
+    checkpointing's recompute in blocks 0, every, 2*every, ..., then the gradient's clipping, AdamW and the EMA.
+    `flat_gemms`: every matmul at the measured large-matmul rate (what the GEMM model costs)."""
+    attention = rates_of(attention)
+    kinds = {b.kind: b for b in census.blocks}
+    checkpointed = range(0, len(census.kinds), every) if checkpointing != "none" else range(0)
+    recompute = {b.kind: recompute_seconds(b.kernels[path], path, attention, checkpointing, flat_gemms)
+                 for b in census.blocks}
+    adamw = ADAMW_FUSED_BYTES if fused_optimizer else ADAMW_FOREACH_BYTES + WEIGHT_DECAY_FOREACH_BYTES * weight_decay
+    per_parameter = census.trained / MEMORY_RATE
+    terms = {
+        "blocks": micro_steps * sum(b.count * seconds(b.kernels[path], path, attention, flat_gemms)
+                                    for b in census.blocks),
+        "outside the blocks": micro_steps * seconds(census.outside, "eager", attention, flat_gemms),
+        "checkpoint recompute": micro_steps * sum(recompute[census.kinds[i]] for i in checkpointed),
+        "gradient accumulation": (micro_steps - 1) * ACCUMULATE_BYTES * per_parameter,
+        "clipping": CLIP_BYTES * per_parameter,
+        "AdamW": adamw * per_parameter,
+        "EMA": EMA_BYTES * per_parameter,
+    }
+    if fp16_scaler:  # GradScaler.unscale_: reads and writes every gradient
+        terms["fp16 unscale"] = 8 * per_parameter
+    flops = micro_steps * (sum(b.count * model_flops(b.kernels["eager"]) for b in census.blocks)
+                           + model_flops(census.outside))
+    total = sum(terms.values())
+    peak = PEAK_TF32 if census.dtype == "fp32" else PEAK_BF16
+    blocks = {}
+    for b in census.blocks:
+        split = defaultdict(float)
+        for k in b.kernels[path]:
+            split[k.cls if k.cls in HEAVY else "other"] += kernel_seconds(k, path, attention, flat_gemms)
+        block_s = sum(split.values())
+        blocks[b.kind] = {"count": b.count, "ms": block_s * 1e3,
+                          "mfu": model_flops(b.kernels["eager"]) / block_s / peak,
+                          **{f"{part} ms": split[part] * 1e3 for part in ("matmul", "attention", "other")},
+                          "recompute ms": recompute[b.kind] * 1e3}
+    settings = {"path": path, "attention": attention, "micro_batch": census.micro_batch, "micro_steps": micro_steps,
+                "checkpointing": checkpointing, "every": every, "fused_optimizer": fused_optimizer,
+                "gemm_rates": "flat" if flat_gemms else "waves"}
+    return StepPrediction(total, flops / total / peak, flops, terms, blocks,
+                          peak_memory(census, checkpointing, every) / GIB, settings)
+
+
+def peak_memory(census: StepCensus, checkpointing: str, every: int = 1) -> float:
+    """Bytes at the peak on the GPU, estimated by runtime/memory_plan.py's rule (weights, AdamW's moments, the EMA,
+    the larger of the activations and the gradients, plus fragmentation and the CUDA context) with this census'
+    `activation_bytes`. plan_memory.py is the reference where it plans the setting; this estimate is here for
+    those it does not (selective, FLUX's single blocks)."""
+    state = census.stored_bytes + 12 * census.trained  # the weights and buffers; AdamW's two moments and the EMA
+    peak = state + max(activation_bytes(census, checkpointing, every), 4 * census.trained)  # the gradients grow
+    return peak + FRAGMENTATION * peak + CUDA_CONTEXT  # as the activations are freed
+
+
+def activation_bytes(census: StepCensus, checkpointing: str, every: int = 1) -> int:
+    """The most the activations hold: what each block's forward saved (eager; autocast's bf16 copies of its
+    weights included), or for a checkpointed block its inputs (full) or its inputs and every output of its matmuls
+    and attention (selective, whether autograd needs them or not), while the block the backward is in holds all
+    it saved; plus what the rest of the model saved."""
+    kinds = {b.kind: b for b in census.blocks}
+    checkpointed = set(range(0, len(census.kinds), every)) if checkpointing != "none" else set()
+    kept, everything = [], []
+    for i, kind in enumerate(census.kinds):
+        b = kinds[kind]
+        everything.append(sum(b.saved.values()))
+        if i not in checkpointed:
+            kept.append(everything[-1])
+        elif checkpointing == "full":
+            kept.append(b.input_bytes)
+        else:
+            kept.append(b.input_bytes + b.heavy_outputs)
+    held = max([sum(kept)] + [sum(kept[:i]) + everything[i] for i in range(len(kept))])
+    return held + sum(census.outside_saved.values())
+
+
+_CENSUSES: dict[tuple, StepCensus] = {}
+
+
+def predict_step(cfg, data: SimpleNamespace | None = None, attention: str | None = None,
+                 micro_steps: int | None = None) -> StepPrediction:
+    """The optimizer step `cfg` configures (model, micro-batch, precision, activation checkpointing, compile,
+    attention backend, LoRA, optimizer), predicted on one H100 SXM for `data` (latent_channels, latent_sizes,
+    text_dims, text_tokens, as build_model takes it; default `data_like(cfg)`: 1024 px, the family's text).
+    `attention` (fa2, cudnn, fa3, or a training.attention_backend value) and `micro_steps` override the config's.
+    A census per model, micro-batch and path is made once per process (seconds to a minute on a CPU). Refused
+    (ConfigError, a ValueError) before any census: what is not modelled (float8 matmuls, attention backends without
+    published rates, activation checkpointing other than none, selective or full). Not counted: communication."""
+    if cfg.float8.enabled:
+        raise ConfigError("float8.enabled=true: float8 matmuls are not modelled (their rates by shape are not known "
+                          "here)")
+    t = cfg.training
+    rates_of(attention or t.attention_backend)
+    check_modelled(t.activation_checkpointing)
+    path = "compiled" if cfg.compile.enabled else "eager"
+    data = data or data_like(cfg)
+    key = (OmegaConf.to_yaml(cfg.model), OmegaConf.to_yaml(cfg.lora), t.train_batch_size, t.dtype, str(vars(data)),
+           path)
+    if key not in _CENSUSES:
+        _CENSUSES[key] = count_step(cfg, data, (path,))
+    return predict(_CENSUSES[key], path, attention or t.attention_backend, micro_steps or t.gradient_accumulation_steps,
+                   t.activation_checkpointing, t.activation_checkpointing_every, cfg.optimizer.fused,
+                   cfg.optimizer.weight_decay > 0, t.dtype == "fp16")
+
+
+# ----------------------------------------------------------------------------------------------- presets
+
+
+@dataclass
+class Preset:
+    config: str  # the fine-tuning config, relative to the repository
+    architecture: dict  # the released model's sizes (in training, model.init_from's config.json gives them)
+    assumed: list[str] = field(default_factory=list)  # its settings while the config file does not exist
+
+
+FLUX_DEV = {"family": "flux", "num_layers": 19, "num_single_layers": 38, "num_attention_heads": 24,
+            "attention_head_dim": 128, "patch_size": 2, "qk_norm": "rms_norm", "axes_dims_rope": [16, 56, 56],
+            "guidance_embeds": True}
+PRESETS = {
+    "sd3-medium": Preset("configs/sd3_medium.yaml", RELEASED["sd3-medium"]),
+    "sd3.5-medium": Preset("configs/sd35_medium.yaml", RELEASED["sd35-medium"]),
+    "sd3.5-large": Preset("configs/sd35_large.yaml", RELEASED["sd35-large"]),
+    "sd3.5-large-lora": Preset("configs/sd35_large_lora.yaml", RELEASED["sd35-large"]),
+    # until configs/flux_dev_lora.yaml exists: configs/sd35_large_lora.yaml's choices at micro-batch 1
+    "flux-dev-lora": Preset("configs/flux_dev_lora.yaml", FLUX_DEV,
+                            ["lora.enabled=true", "lora.rank=16", "lora.alpha=16", "training.train_batch_size=1",
+                             "training.gradient_accumulation_steps=8", "training.dtype=bf16",
+                             "training.activation_checkpointing=full", "compile.enabled=true"]),
+    # until configs/flux_dev.yaml exists: configs/sd35_large.yaml's choices (FSDP over 8 GPUs) at micro-batch 1
+    "flux-dev": Preset("configs/flux_dev.yaml", FLUX_DEV,
+                       ["parallel.strategy=fsdp", "training.train_batch_size=1", "training.gradient_accumulation_steps=1",
+                        "training.dtype=bf16", "training.activation_checkpointing=full", "compile.enabled=true",
+                        "optimizer.weight_decay=0.01"]),
+}
+
+
+def preset_config(name: str, overrides: list[str] = ()) -> tuple:
+    """The preset's config as training reads it (schema <- its YAML <- overrides) with the released architecture,
+    and where its settings came from."""
+    preset = PRESETS[name]
+    path = ROOT / preset.config
+    if path.is_file():
+        base, source = OmegaConf.load(path), preset.config
+    else:
+        base, source = OmegaConf.from_dotlist(preset.assumed), f"{preset.config} (not written yet; assumed: " \
+                                                              f"{' '.join(preset.assumed)})"
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), base, OmegaConf.from_dotlist(list(overrides)))
+    except OmegaConfBaseException as e:  # an unknown key, a wrong type or value
+        raise ConfigError(f"{preset.config}: {e}".split("\n")[0]) from None
+    for key in OmegaConf.missing_keys(cfg):
+        OmegaConf.update(cfg, key, None)
+    for key, value in preset.architecture.items():
+        OmegaConf.update(cfg, f"model.{key}", value, merge=False)
+    family_defaults(cfg)
+    return cfg, source
 
 
 # ----------------------------------------------------------------------------------------------- report
 
 
-def summarize(kernels: list[Kernel]) -> dict:
-    by_class = defaultdict(lambda: {"kernels": 0, "flops": 0, "bytes": 0})
-    for k in kernels:
-        row = by_class[k.cls]
-        row["kernels"] += 1
-        row["flops"] += k.flops
-        row["bytes"] += k.bytes
-    heavy = [k for k in kernels if k.cls in ("matmul", "attention")]
-    return {"kernels": len(kernels),
-            "model_flops": sum(k.flops for k in heavy),
-            "matmul_flops": sum(k.flops for k in heavy if k.cls == "matmul"),
-            "attention_flops": sum(k.flops for k in heavy if k.cls == "attention"),
-            "bytes_outside_matmul_attention": sum(k.bytes for k in kernels if k.cls not in ("matmul", "attention")),
-            "by_class": dict(sorted(by_class.items(), key=lambda kv: -kv[1]["bytes"]))}
+def block_rows(census: StepCensus) -> list[dict]:
+    rows = []
+    for b in census.blocks:
+        for path, kernels in b.kernels.items():
+            row = {"block": b.kind, "count": b.count, "path": path, "kernels": len(kernels),
+                   "model_tflop": model_flops(kernels) / 1e12,
+                   "gb_outside_matmul_attention": sum(k.bytes for k in kernels if k.cls not in HEAVY) / 1e9}
+            for attention in ATTENTION_RATES:
+                s = seconds(kernels, path, attention)
+                row[attention] = {"ms": s * 1e3, "mfu": model_flops(b.kernels["eager"]) / s / PEAK_BF16}
+            rows.append(row)
+    return rows
 
 
-def census(shape: Shape, kernels: dict[str, list[Kernel]] | None = None) -> dict:
-    """Both paths of one block-step (their `kernels`, counted here if not given): counts per op class and the
-    H100 time and MFU they imply."""
-    kernels = kernels or {"eager": eager_census(shape), "compiled": compiled_census(shape)}
-    result = {"shape": asdict(shape), "rates": {"peak_bf16": PEAK_BF16, "matmul": MATMUL_RATE, "memory": MEMORY_RATE,
-                                                "attention": ATTENTION_RATES, "launch_floor_s": LAUNCH_FLOOR_S}}
-    for path in ("eager", "compiled"):
-        row = summarize(kernels[path])
-        peak = PEAK_BF16 if shape.dtype == "bf16" else PEAK_TF32
-        row["h100"] = {}
-        for attention in ATTENTION_RATES:
-            seconds = predicted_time(kernels[path], path, attention, shape.dtype)
-            row["h100"][attention] = {"ms": round(seconds * 1e3, 3), "mfu": round(row["model_flops"] / seconds / peak, 3)}
-        result[path] = row
-    return result
+def gemm_rows(census: StepCensus, path: str) -> list[dict]:
+    """The matmul shapes of each kind of block that take 2 % or more of its matmul time, with the FLOP/s the GEMM
+    model gives them and the FLOP/s they run at in the prediction (their bytes and launches included)."""
+    rows = []
+    for b in census.blocks:
+        shapes = defaultdict(lambda: [0, 0.0])
+        for k in b.kernels[path]:
+            if k.cls == "matmul":
+                shapes[(k.gemm, k.dtype)][0] += k.flops
+                shapes[(k.gemm, k.dtype)][1] += kernel_seconds(k, path, "fa3")
+        total = sum(s for _, s in shapes.values())
+        for ((batch, m, n, k), dtype), (flops, s) in sorted(shapes.items(), key=lambda kv: -kv[1][1]):
+            if s >= 0.02 * total:
+                rows.append({"block": b.kind, "batch": batch, "m": m, "n": n, "k": k, "dtype": dtype,
+                             "time_share": s / total, "model_tflops": gemm_rate(m, n, batch, dtype) / 1e12,
+                             "effective_tflops": flops / s / 1e12})
+    return rows
 
 
-def table(result: dict) -> str:
-    lines = ["| path | kernels | matmul + attention TFLOP | GB outside them | largest classes (GB) | H100 ms (MFU) "
-             "FA2 / cuDNN / FA3 |", "|---|---|---|---|---|---|"]
-    for path in ("eager", "compiled"):
-        r = result[path]
-        classes = ", ".join(f"{name} {v['bytes'] / 1e9:.2f}" for name, v in r["by_class"].items()
-                            if name not in ("matmul", "attention"))
-        times = " / ".join(f"{t['ms']:.2f} ({t['mfu']:.0%})" for t in r["h100"].values())
-        lines.append(f"| {path} | {r['kernels']} | {r['model_flops'] / 1e12:.2f} | "
-                     f"{r['bytes_outside_matmul_attention'] / 1e9:.2f} | {classes} | {times} |")
-    return "\n".join(lines)
+def print_report(name: str, source: str, census: StepCensus, configured: StepPrediction, steps: list[dict],
+                 gemms: list[dict], sharded: bool) -> None:
+    s = configured.settings
+    print(f"\n## {name}: {source}")
+    if sharded:
+        print("A sharded config (FSDP/HSDP): each GPU runs the micro-steps as predicted; clipping, AdamW and the EMA act "
+              "on its shard only (their terms here are for all parameters), communication is not counted, and the "
+              "memory column is for one unsharded GPU (plan_memory.py plans the sharded run).")
+    print(f"micro-batch {s['micro_batch']} x {s['micro_steps']} micro-steps, {census.dtype}, {s['path']}, activation "
+          f"checkpointing {s['checkpointing']}" + (f" every {s['every']}" if s["every"] > 1 else "")
+          + f", attention at {s['attention']} rates, {census.trained / 1e9:.3g} B trained parameters, "
+          f"{census.tokens} tokens per sample")
+    print("\nBlock-step (forward + backward of one block at the micro-batch):\n")
+    print("| block (count) | path | kernels | model TFLOP | GB outside matmul + attention | "
+          "ms, MFU: FA2 / cuDNN / FA3 |")
+    print("|---|---|---|---|---|---|")
+    for r in block_rows(census):
+        times = " / ".join(f"{r[a]['ms']:.2f}, {r[a]['mfu']:.0%}" for a in ATTENTION_RATES)
+        print(f"| {r['block']} ({r['count']}) | {r['path']} | {r['kernels']} | {r['model_tflop']:.2f} | "
+              f"{r['gb_outside_matmul_attention']:.2f} | {times} |")
+    print(f"\nWhere a block-step's time goes ({s['path']}, {s['attention']}): " + "; ".join(
+        f"{kind}: matmul {b['matmul ms']:.2f}, attention {b['attention ms']:.2f}, other {b['other ms']:.2f} ms, "
+        f"recompute {b['recompute ms']:.2f} ms ({s['checkpointing']})" for kind, b in configured.blocks.items()))
+    print(f"\nMatmul shapes M x N x K ({s['path']}; share of the block's matmul time; TFLOP/s by the GEMM model, and "
+          f"as predicted with bytes and launches): " + "; ".join(
+              f"{g['block']} {'%d x ' % g['batch'] if g['batch'] > 1 else ''}{g['m']}x{g['n']}x{g['k']}"
+              f"{' fp32' if g['dtype'] == 'fp32' else ''} {g['time_share']:.0%} {g['model_tflops']:.0f}/"
+              f"{g['effective_tflops']:.0f}" for g in gemms))
+    print(f"\nOptimizer step ({s['path']}, micro-batch {s['micro_batch']} x {s['micro_steps']}): s and MFU by "
+          f"attention; memory estimated (`peak_memory`)\n")
+    print("| activation checkpointing | memory GiB | FA2 | cuDNN | FA3 | FA3, every GEMM at 800 TFLOP/s |")
+    print("|---|---|---|---|---|---|")
+    for row in steps:
+        cells = " | ".join(f"{row[a]['seconds']:.3f} s, {row[a]['mfu']:.1%}" for a in (*ATTENTION_RATES, "fa3 flat"))
+        print(f"| {row['checkpointing']} | {row['memory_gib']:.1f} | {cells} |")
+    print(f"\nAs configured: {configured.seconds:.3f} s, MFU {configured.mfu:.1%} "
+          f"({configured.model_flops / 1e12:.1f} model TFLOP per step); by term: " + ", ".join(
+              f"{term} {t * 1e3:.1f} ms ({t / configured.seconds:.0%})" for term, t in configured.terms.items()))
+
+
+def run_preset(name: str, cfg, source: str, checkpointing: str | None, attention: str | None,
+               resolution: int) -> dict:
+    t = cfg.training
+    path = "compiled" if cfg.compile.enabled else "eager"
+    census = count_step(cfg, data_like(cfg, resolution))
+    common = dict(micro_steps=t.gradient_accumulation_steps, fused_optimizer=cfg.optimizer.fused,
+                  weight_decay=cfg.optimizer.weight_decay > 0, fp16_scaler=t.dtype == "fp16")
+    checkpointing = checkpointing or t.activation_checkpointing
+    every = t.activation_checkpointing_every if checkpointing == t.activation_checkpointing else 1
+    configured = predict(census, path, attention or t.attention_backend, checkpointing=checkpointing, every=every,
+                         **common)
+    steps = []
+    for mode in CHECKPOINTING:
+        row = {"checkpointing": mode, "memory_gib": peak_memory(census, mode) / GIB}
+        for column, backend, flat in [*((a, a, False) for a in ATTENTION_RATES), ("fa3 flat", "fa3", True)]:
+            p = predict(census, path, backend, checkpointing=mode, flat_gemms=flat, **common)
+            row[column] = {"seconds": p.seconds, "mfu": p.mfu, "terms": p.terms}
+        steps.append(row)
+    gemms = gemm_rows(census, path)
+    print_report(name, source, census, configured, steps, gemms, cfg.parallel.strategy != "ddp")
+    return {"config": source, "dtype": census.dtype, "trained_parameters": census.trained,
+            "tokens_per_sample": census.tokens, "blocks": block_rows(census), "gemm_rates": gemms, "step": steps,
+            "as_configured": asdict(configured)}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=sorted(PRESETS), default="sd3-medium")
-    for name in ("width", "heads", "image_tokens", "text_tokens", "batch"):
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, help="overrides the preset")
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--preset", choices=sorted(PRESETS), action="append", help="default: every preset")
+    p.add_argument("--batch", type=int, help="micro-batch (training.train_batch_size)")
+    p.add_argument("--checkpointing", choices=CHECKPOINTING, help="instead of the config's")
+    p.add_argument("--attention", choices=sorted(ATTENTION_RATES), help="instead of the config's backend")
+    p.add_argument("--resolution", type=int, default=1024, help="image side in pixels")
     p.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "roofline.json", help="'-': none")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = p.parse_args(argv)
-    shape = Shape(**PRESETS[args.preset], dtype=args.dtype)
-    for name in ("width", "heads", "image_tokens", "text_tokens", "batch"):
-        if getattr(args, name) is not None:
-            setattr(shape, name, getattr(args, name))
-    result = census(shape)
-    print(f"{args.preset}: {asdict(shape)}")
-    print(table(result))
+    overrides = [*args.overrides, *([f"training.train_batch_size={args.batch}"] if args.batch else [])]
+    try:  # the user's input, all of it before any census: one line, exit 2
+        configs = {name: preset_config(name, overrides) for name in args.preset or PRESETS}
+        for cfg, _ in configs.values():
+            rates_of(args.attention or cfg.training.attention_backend)
+            check_modelled(args.checkpointing or cfg.training.activation_checkpointing)
+    except InputError as e:
+        print(f"roofline: {e}", file=sys.stderr)
+        return 2
+    print("Assumptions (every figure below is a prediction made on a CPU, not a measurement):")
+    for what, value, source in ASSUMPTIONS:
+        print(f"- {what}: {value} ({source})")
+    runs = json.loads(args.json.read_text()) if str(args.json) != "-" and args.json.exists() else {}
+    for name, (cfg, source) in configs.items():
+        result = run_preset(name, cfg, source, args.checkpointing, args.attention, args.resolution)
+        flags = [*overrides, *(f"--{k} {getattr(args, k)}" for k in ("checkpointing", "attention") if getattr(args, k)),
+                 *([f"--resolution {args.resolution}"] if args.resolution != 1024 else [])]
+        runs[" ".join([name, *flags])] = {**result, "assumptions": ASSUMPTIONS}
     if str(args.json) != "-":
-        runs = json.loads(args.json.read_text()) if args.json.exists() else {}
-        preset = asdict(Shape(**PRESETS[args.preset]))
-        key = " ".join([args.preset, *(f"{k}={v}" for k, v in asdict(shape).items() if v != preset[k])])
-        runs[key] = result
         args.json.write_text(json.dumps(runs, indent=1) + "\n")
     return 0
 

@@ -1,20 +1,44 @@
-"""The op census (benchmarks/roofline.py) on a tiny joint block: CUDA's autocast reproduced on CPU, FLOPs equal
-to the block's arithmetic on both paths, the compiled path moving fewer bytes in fewer kernels, and no cast
-of an activation around the norms or the modulation."""
+"""The step prediction (benchmarks/roofline.py) on tiny models: CUDA's autocast reproduced on CPU; every model FLOP
+of the step found (the census against torch's flop counter on the whole model, full fine-tune, LoRA and FLUX);
+both paths counting the block's arithmetic, the compiled one moving fewer bytes in fewer kernels; no cast of an
+activation around the norms or the modulation; frozen LoRA weights without weight gradients; the GEMM model by
+shape; and every term of the optimizer step."""
 
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from configs.build import build_model, build_trained_model
+from configs.schema import Config, family_defaults
+from errors import ConfigError
+from models.lora import apply_lora
+from runtime.step_stats import train_flops_per_sample
 from tests.conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import roofline  # noqa: E402
 
-TINY = roofline.Shape(width=64, heads=4, qk_norm=True, image_tokens=16, text_tokens=8, batch=2)
+DATA = SimpleNamespace(latent_channels=16, latent_sizes=[(8, 8)], text_dims=(32, 16), text_tokens=8)  # 16 + 8 tokens
+WIDTH, BATCH, IMAGE_TOKENS = 64, 2, 16
+
+
+def tiny(*overrides: str):
+    """A tiny config: 2 blocks of 4 heads x 16 (SD3: a joint block and the last, text-pre-only one), micro-batch 2."""
+    cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist([
+        "model.num_layers=2", "model.num_attention_heads=4", "model.attention_head_dim=16", "model.patch_size=2",
+        "model.sample_size=8", "model.pos_embed_max_size=8", f"training.train_batch_size={BATCH}",
+        "training.dtype=bf16", *overrides]))
+    family_defaults(cfg)
+    return cfg
+
+
+LORA = ["lora.enabled=true", "lora.rank=4", "lora.alpha=4"]
+FLUX = ["model.family=flux", "model.num_layers=1", "model.num_single_layers=1", "model.guidance_embeds=true"]
 
 OPS = {"layer_norm": lambda x, w: F.layer_norm(x, x.shape[-1:]), "rms_norm": lambda x, w: F.rms_norm(x, x.shape[-1:]),
        "sum": lambda x, w: x.sum(), "sum_dim": lambda x, w: x.sum(0), "pow": lambda x, w: x.pow(2),
@@ -46,43 +70,150 @@ def test_cpu_autocast_follows_cuda_autocast_inside_the_census_only():
 
 
 @pytest.fixture(scope="module")
-def census():
-    kernels = {"eager": roofline.eager_census(TINY), "compiled": roofline.compiled_census(TINY)}
-    return {**roofline.census(TINY, kernels), "eager kernels": kernels["eager"]}
+def sd3():
+    """The eager census of a tiny SD3 step of 6 blocks (5 joint ones and the last), and the compiled census of its
+    first block."""
+    cfg = tiny("model.num_layers=6")
+    census = roofline.count_step(cfg, DATA, ("eager",))
+    block = build_trained_model(cfg, DATA).transformer.blocks[0]
+    shape = roofline.BlockShape(BATCH, IMAGE_TOKENS, DATA.text_tokens, WIDTH, 16)
+    return SimpleNamespace(cfg=cfg, census=census, block=block,
+                           eager=census.blocks[0].kernels["eager"], compiled=roofline.compiled_census(block, shape))
 
 
-def test_both_paths_count_the_block_flops(census):
+def heavy_flops(kernels, cls: str) -> int:
+    return sum(k.flops for k in kernels if k.cls == cls)
+
+
+def test_both_paths_count_the_block_flops(sd3):
     """Forward and backward of every matmul (inputs and weights need gradients: 3x the forward) and of the
     attention (forward 2 matmuls, backward 4)."""
-    d, b, tokens = TINY.width, TINY.batch, TINY.image_tokens + TINY.text_tokens
+    d, b, tokens = WIDTH, BATCH, IMAGE_TOKENS + DATA.text_tokens
     per_token = 2 * 2 * 12 * d * d  # two streams' q, k, v, out (4 D^2) and MLP (8 D^2), 2 FLOPs per MAC
     adaln = 2 * 2 * 6 * d * d * b  # once per sample: two streams' 6 D x D modulation
     matmul = 3 * (per_token * b * tokens // 2 + adaln)  # each token passes through one stream's weights
     attention = 3 * 4 * b * tokens * tokens * d
-    for path in ("eager", "compiled"):
-        assert (census[path]["matmul_flops"], census[path]["attention_flops"]) == (matmul, attention), path
+    assert sd3.census.kinds == ["joint"] * 5 + ["joint, last (text pre-only)"]
+    for kernels in (sd3.eager, sd3.compiled):
+        assert (heavy_flops(kernels, "matmul"), heavy_flops(kernels, "attention")) == (matmul, attention)
 
 
-def test_compiled_moves_fewer_bytes_in_fewer_kernels(census):
-    eager, compiled = census["eager"], census["compiled"]
-    assert compiled["kernels"] < eager["kernels"]
-    assert compiled["bytes_outside_matmul_attention"] < eager["bytes_outside_matmul_attention"]
-    assert set(compiled["by_class"]) <= {"matmul", "attention", "fused pointwise", "fused reduction"}
-    assert all(t["ms"] > 0 for t in compiled["h100"].values())
+@pytest.mark.parametrize("overrides", [[], LORA, FLUX], ids=["full", "lora", "flux"])
+def test_the_census_finds_every_model_flop_of_the_step(overrides):
+    """Blocks x their counts + what runs outside them = torch's flop counter on the whole model's forward and
+    backward (benchmarks/train_step.py's MFU numerator): no block, embedder, final layer or weight gradient is
+    missed or counted twice; under LoRA the frozen weights get no weight gradient."""
+    cfg = tiny(*overrides)
+    census = roofline.count_step(cfg, DATA, ("eager",))
+    prediction = roofline.predict(census, "eager", "fa3", micro_steps=1)
+    joint, pooled = DATA.text_dims
+
+    def inputs():
+        text = {"prompt_embeds": torch.zeros(1, DATA.text_tokens, joint),
+                "pooled_prompt_embeds": torch.zeros(1, pooled)}
+        return torch.zeros(1, DATA.latent_channels, *DATA.latent_sizes[-1]), torch.full((1,), 0.5), text
+    per_sample = train_flops_per_sample(lambda: apply_lora(build_model(cfg, DATA), cfg.lora), inputs)
+    assert prediction.model_flops == BATCH * per_sample
+    assert len(census.kinds) == 2 and census.outside
 
 
-def test_eager_block_casts_no_activation_and_runs_fused_norms(census):
+def test_frozen_lora_weights_get_no_weight_gradient_matmul():
+    """A weight gradient of a D x D linear is a matmul with a D x D output in the backward: the full fine-tune has
+    them, the LoRA step none (its adapters' are rank x D)."""
+    def weight_gradients(*overrides):
+        kernels = roofline.count_step(tiny(*overrides), DATA, ("eager",)).blocks[0].kernels["eager"]
+        return [k for k in kernels if k.cls == "matmul" and k.phase == "backward" and k.gemm[1:3] == (WIDTH, WIDTH)]
+    assert weight_gradients()
+    assert not weight_gradients(*LORA)
+
+
+def test_compiled_moves_fewer_bytes_in_fewer_kernels(sd3):
+    outside = lambda kernels: sum(k.bytes for k in kernels if k.cls not in roofline.HEAVY)  # noqa: E731
+    assert len(sd3.compiled) < len(sd3.eager)
+    assert outside(sd3.compiled) < outside(sd3.eager)
+    assert {k.cls for k in sd3.compiled} <= {"matmul", "attention", "fused pointwise", "fused reduction"}
+    assert {k.phase for k in sd3.compiled} == {"forward", "backward"}
+
+
+def test_eager_block_casts_no_activation_and_runs_fused_norms(sd3):
     """Under autocast the casts are the matmuls' weights and biases and the RMSNorm weights (fp32 -> bf16 and
     their gradients back, 6 bytes per element each way) and per-sample [B, D] vectors (the modulation's
     input, shifts, scales, gates): no activation is cast around a norm, the modulation or a residual update,
     and the RMSNorm is one kernel each way, not pow/mean/rsqrt."""
-    with torch.device("meta"):
-        block = roofline.JointTransformerBlock(TINY.width, TINY.heads, TINY.qk_norm, False, False)
-    cast_weights = [p for name, p in block.named_parameters() if not name.startswith("norm1")]  # not adaLN's
-    allowed = {6 * p.numel() for p in cast_weights} | {6 * TINY.batch * TINY.width}
-    casts = [k.bytes for k in census["eager kernels"] if k.cls == "cast"]
+    cast_weights = [p for name, p in sd3.block.named_parameters() if not name.startswith("norm1")]  # not adaLN's
+    allowed = {6 * p.numel() for p in cast_weights} | {6 * BATCH * WIDTH}
+    casts = [k.bytes for k in sd3.eager if k.cls == "cast"]
     assert casts and set(casts) <= allowed, sorted(set(casts) - allowed)
     assert sum(casts) >= 2 * sum(6 * p.numel() for p in cast_weights)  # each weight forward, its gradient back
-    classes = census["eager"]["by_class"]
-    assert classes["norm"]["kernels"] == 16  # 4 layer norms and 4 RMSNorms, forward and backward
-    assert not {"pow", "rsqrt", "mean"} & set(classes)
+    assert sum(k.cls == "norm" for k in sd3.eager) == 16  # 4 layer norms and 4 RMSNorms, forward and backward
+    assert not {"pow", "rsqrt", "mean"} & {k.cls for k in sd3.eager}
+
+
+def test_gemm_rate_follows_the_shape():
+    """Calibrated on the measured 8192^3 matmul; the SD3 text stream's M = 1332 GEMM fills half a wave and runs at
+    half the image stream's rate; a rank-16 product is memory-bound, not quantized."""
+    assert roofline.gemm_rate(8192, 8192) == pytest.approx(800e12)
+    assert roofline.gemm_rate(1332, 1536) < 0.5 * roofline.gemm_rate(16384, 1536)
+    assert roofline.gemm_rate(16384, 1536) == pytest.approx(800e12, rel=0.01)
+    assert roofline.wave_efficiency(16384, 16) == 1.0
+    assert roofline.gemm_rate(8192, 8192, dtype="fp32") == pytest.approx(800e12 * 495 / 989)
+
+
+def test_kernel_time_takes_the_rate_of_its_shape_and_phase():
+    text = roofline.Kernel("matmul", "addmm", 2 * 1332 * 1536 * 1536, 10, gemm=(1, 1332, 1536, 1536))
+    text_rate = roofline.gemm_rate(1332, 1536)
+    assert roofline.kernel_seconds(text, "compiled", "fa3") == pytest.approx(text.flops / text_rate)
+    assert roofline.kernel_seconds(text, "compiled", "fa3") > 1.9 * text.flops / 800e12
+    assert roofline.kernel_seconds(text, "compiled", "fa3", flat_gemms=True) == pytest.approx(text.flops / 800e12)
+    backward = roofline.Kernel("attention", "sdpa_backward", 10**12, 10, "backward", head_dim=64)
+    assert roofline.kernel_seconds(backward, "eager", "fa3") == pytest.approx(1.25e12 / 453e12)
+    forward = roofline.Kernel("attention", "sdpa", 10**12, 10, "forward", head_dim=128)
+    assert roofline.kernel_seconds(forward, "eager", "cudnn") == pytest.approx(1e12 / 609e12)
+    assert roofline.kernel_seconds(roofline.Kernel("add", "add", 0, 3000), "eager", "fa3") == 5e-6  # launch floor
+
+
+def test_the_step_adds_every_term(sd3):
+    """Blocks x counts x micro-steps, the rest of the model, recompute (none < selective < full = one more forward
+    of every block), gradient accumulation, clipping, fused AdamW and the EMA by their bytes per trained parameter;
+    nothing else, and they sum to the step. Checkpointing holds fewer activations: selective than none, full than
+    selective."""
+    census, steps = sd3.census, 3
+    per_parameter = census.trained / roofline.MEMORY_RATE
+    predictions = {mode: roofline.predict(census, "eager", "cudnn", steps, mode) for mode in roofline.CHECKPOINTING}
+    for p in predictions.values():
+        assert p.seconds == pytest.approx(sum(p.terms.values()))
+        assert set(p.terms) == {"blocks", "outside the blocks", "checkpoint recompute", "gradient accumulation",
+                                "clipping", "AdamW", "EMA"}
+        blocks = sum(b.count * roofline.seconds(b.kernels["eager"], "eager", "cudnn") for b in census.blocks)
+        assert p.terms["blocks"] == pytest.approx(steps * blocks)
+        assert p.terms["outside the blocks"] > 0
+        assert p.terms["gradient accumulation"] == pytest.approx((steps - 1) * 12 * per_parameter)
+        assert p.terms["clipping"] == pytest.approx(12 * per_parameter)
+        assert p.terms["AdamW"] == pytest.approx(28 * per_parameter)
+        assert p.terms["EMA"] == pytest.approx(12 * per_parameter)
+        assert p.mfu == pytest.approx(p.model_flops / p.seconds / roofline.PEAK_BF16)
+    recompute = {mode: p.terms["checkpoint recompute"] for mode, p in predictions.items()}
+    forwards = sum(b.count * roofline.seconds([k for k in b.kernels["eager"] if k.phase == "forward"], "eager",
+                                              "cudnn") for b in census.blocks)
+    assert recompute["none"] == 0 < recompute["selective"] < recompute["full"] == pytest.approx(steps * forwards)
+    every_other = roofline.predict(census, "eager", "cudnn", steps, "full", every=2).terms["checkpoint recompute"]
+    assert every_other < recompute["full"]
+    foreach = roofline.predict(census, "eager", "cudnn", steps, fused_optimizer=False).terms["AdamW"]
+    assert foreach == pytest.approx(72 * per_parameter)
+    activations = {mode: roofline.activation_bytes(census, mode) for mode in roofline.CHECKPOINTING}
+    assert activations["none"] > activations["selective"] > activations["full"]
+    assert roofline.peak_memory(census, "none") > activations["none"] + 20 * census.trained  # weights, AdamW, EMA
+
+
+def test_what_is_not_modelled_is_refused(sd3, capsys):
+    """A setting without rates is a config error (one line, exit 2 from the command, before any census)."""
+    with pytest.raises(ConfigError, match="activation_checkpointing=mlp"):
+        roofline.predict(sd3.census, "eager", "cudnn", 1, "mlp")
+    with pytest.raises(ConfigError, match="attention_backend=math"):
+        roofline.predict(sd3.census, "eager", "math", 1)
+    with pytest.raises(ConfigError, match="float8"):
+        roofline.predict_step(tiny("float8.enabled=true"), DATA)
+    assert roofline.main(["--preset", "sd3-medium", "training.attention_backend=math", "--json", "-"]) == 2
+    assert roofline.main(["--preset", "sd3-medium", "training.no_such_key=1", "--json", "-"]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 2 and "attention_backend=math" in errors[0] and "no_such_key" in errors[1]
