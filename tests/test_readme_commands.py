@@ -7,10 +7,10 @@ Run, in a fresh clone of this checkout (its committed state), in the environment
   train rule without creating .venv (no package index here; this environment stands for it) and with 3 steps, so
   that a later command reusing runs/shapes would meet a checkpoint beyond its own steps, as after the real 1500.
   Every training command runs with the README's quick-try suffix `QUICK` appended (inside ARGS for make); a
-  command that asks for more than 2 processes or several nodes, names a placeholder this test does not bind
-  (an upper-case name such as `FLUX_DIR`), or whose config is still `PENDING` is checked only (below), and so are
-  `make test` (this suite),
-  `make selfcheck` and `pip install` (no package index here; this environment has the extras).
+  command that asks for more than 2 processes or several nodes, names a placeholder this test does not bind (an
+  upper-case name such as `FLUX_DIR`), or whose config is still `PENDING` is checked only (below), and so are
+  `make test` (this suite), `make selfcheck` and `pip install` (no package index here; this environment has the
+  extras).
 - then the fine-tuning guide's flow (docs/fine-tuning.md, up to its first `## ` heading) in the same clone: the
   commands the README already ran are not run again, its short LoRA run must be the full one plus `QUICK`, its
   LoRA export runs, and its diffusers snippet runs on the exported adapter and on the base transformer standing in
