@@ -77,16 +77,18 @@ def field_comments(source: str) -> tuple[dict[str, str], dict[tuple[str, str], s
 
 def type_name(annotation) -> str:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin is typing.Union and type(None) in args:
-        inner = [a for a in args if a is not type(None)]
-        return f"{type_name(inner[0])}, or null"
+    if origin is typing.Union:
+        inner = " or ".join(type_name(a) for a in args if a is not type(None))
+        return f"{inner}, or null" if type(None) in args else inner
     if origin is typing.Literal:
         return "one of " + ", ".join(f"`{a}`" for a in args)
     if origin in (list, typing.List):
         return f"list of {type_name(args[0])}"
+    if origin in (dict, typing.Dict):
+        return f"mapping of {type_name(args[0])} to {type_name(args[1])}"
     if dataclasses.is_dataclass(annotation):
         return "entries (below)"
-    return annotation.__name__
+    return getattr(annotation, "__name__", str(annotation).replace("typing.", ""))
 
 
 def default_of(f: dataclasses.Field) -> str:

@@ -73,6 +73,8 @@ def test_types_and_defaults_read_as_yaml():
     assert reference.type_name(Optional[Literal["rms_norm"]]) == "one of `rms_norm`, or null"
     assert reference.type_name(List[float]) == "list of float"
     assert reference.type_name(typing.Optional[str]) == "str, or null"
+    assert reference.type_name(typing.Union[int, str, None]) == "int or str, or null"
+    assert reference.type_name(typing.Dict[str, float]) == "mapping of str to float"
     f = {x.name: x for x in dataclasses.fields(schema.SamplingConfig)}
     assert reference.default_of(f["guidance_interval"]) == "`[0.0, 1.0]`"
     assert reference.default_of(dataclasses.fields(schema.ModelConfig)[2]) == "`null`"
