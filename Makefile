@@ -29,7 +29,7 @@ test: $(TEST)
 	$(PY) -m pytest -q -n 2 --dist worksteal $(PYTEST_ARGS)
 
 # Each plugin in a short real run on this machine's GPUs (or CPU): a table of passed / failed / not runnable,
-# with step time, images/s, MFU, peak memory and host syncs per step (README: "Checking a GPU machine").
+# with step time, images/s, MFU, peak memory and host syncs per step (docs/gpu-check.md).
 selfcheck: $(BASE)
 	$(PY) benchmarks/selfcheck.py $(ARGS)
 

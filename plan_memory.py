@@ -1,7 +1,7 @@
 """Will this config fit on these GPUs? A memory plan per rank, before renting them.
 
     python plan_memory.py --config configs/sd35_large_lora.yaml --gpus 1 --gpu-gib 24 [key=value ...]
-    python plan_memory.py --table      # the README's table: SD3-medium, SD3.5-medium, SD3.5-large on 24/48/80 GB
+    python plan_memory.py --table      # docs/sd3.md's table: SD3-medium, SD3.5-medium, SD3.5-large on 24/48/80 GB
 
 For the config as given and for the choices near it (activation checkpointing, a quantized base, FSDP over the
 GPUs, CPU offload, another micro-batch) it prints, per rank, the weights, gradients, optimizer state, EMA,
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-gib", type=float, default=80.0, help="memory of one GPU")
     parser.add_argument("--model", choices=list(RELEASED), help="the architecture, when model.init_from is not here")
     parser.add_argument("--resolution", type=int, default=1024, help="image side in pixels (latents: /8)")
-    parser.add_argument("--table", action="store_true", help="print the README's table of released models")
+    parser.add_argument("--table", action="store_true", help="print docs/sd3.md's table of released models")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args(argv)
     if args.table:

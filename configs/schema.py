@@ -186,7 +186,7 @@ class LoraConfig:
     # ~1/4 of their fp32 memory, at a small output error (benchmarks/RESULTS.md); adapters train in full precision
     base_quantization: Literal["none", "nf4", "int8"] = "none"
     # DoRA (peft's use_dora): each adapted weight also learns a per-row magnitude; closer to a full fine-tune at the
-    # same rank, for a weight norm in each forward and two more layer outputs kept for the backward (README: cost)
+    # same rank, for a weight norm in each forward and two more layer outputs kept for the backward (docs/fine-tuning.md: cost)
     use_dora: bool = False
     # rsLoRA (peft's use_rslora): scale the adapter by alpha / sqrt(rank) instead of alpha / rank, so higher ranks
     # keep learning instead of being damped; same cost

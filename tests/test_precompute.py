@@ -233,7 +233,7 @@ FINETUNE = ["data.name=latents", "model.patch_size=2", "model.num_layers=2", "mo
 
 
 def test_image_folder_to_diffusers_full_and_lora(sd3_dir, tmp_path):
-    """The README's worked example on tiny local models: the exported transformer, and the exported adapter
+    """docs/fine-tuning.md's worked example on tiny local models: the exported transformer, and the exported adapter
     loaded by the SD3 pipeline, give the outputs of this project's fine-tuned model."""
     images = image_folder(tmp_path / "images", [(16, 16), (20, 18), (16, 16), (24, 24)] * 2)
     assert run_precompute(sd3_dir, images, tmp_path / "data") == 0
@@ -266,7 +266,7 @@ def test_image_folder_to_diffusers_full_and_lora(sd3_dir, tmp_path):
 
 
 def test_lora_walkthrough_from_another_directory_validates_and_resumes(sd3_dir, tmp_path):
-    """The README's path as a user runs it: precompute with validation prompts, then a LoRA fine-tune started
+    """docs/fine-tuning.md's path as a user runs it: precompute with validation prompts, then a LoRA fine-tune started
     from another working directory with relative paths, the architecture taken from model.init_from (no model.*
     keys), held-out items and periodic validation; then the same command again resumes."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

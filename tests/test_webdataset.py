@@ -164,7 +164,7 @@ def test_a_precompute_killed_with_sigkill_reruns_to_the_same_dataset(sd3_dir, ta
 
 
 def launch(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
-    """NPROC_PER_NODE=nproc ./launch.sh precompute_latents.py ARGS, as the README runs it."""
+    """NPROC_PER_NODE=nproc ./launch.sh precompute_latents.py ARGS, as docs/data.md runs it."""
     env = {**UNBUFFERED, "PYTHON": sys.executable, "NPROC_PER_NODE": str(nproc), "MASTER_PORT": str(free_port())}
     return subprocess.run([str(ROOT / "launch.sh"), "precompute_latents.py", *args], env=env, cwd=ROOT,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
