@@ -20,7 +20,7 @@ import torch
 from errors import InputError
 from formats import DTYPES
 from models.diffusers_io import (CheckpointFormatError, check_state_dict, export_diffusers_lora,
-                                 export_diffusers_transformer)
+                                 export_diffusers_transformer, transformers4_clip_names)
 from models.families import FAMILIES, transformer_of_record
 from perf.checkpoint import find_checkpoint, read_checkpoint
 
@@ -40,7 +40,8 @@ def export(checkpoint: Path, out: Path, use_ema: bool = True, dtype: torch.dtype
     if meta["lora"]:
         adapters = {"transformer": (transformer, meta["lora"])}
         for encoder, settings in meta.get("text_encoder_lora", {}).items():  # lora.text_encoders
-            adapters[family.text_encoders.PARTS[encoder][0]] = (part(f"text_encoder.{encoder}."), settings)
+            clip = transformers4_clip_names(part(f"text_encoder.{encoder}."))
+            adapters[family.text_encoders.PARTS[encoder][0]] = (clip, settings)
         return export_diffusers_lora(adapters, out, dtype)
     model = transformer_of_record(family.name, meta["mmdit"])
     check_state_dict(model.state_dict(), transformer, checkpoint)
