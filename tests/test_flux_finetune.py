@@ -306,3 +306,96 @@ def test_diffusers_converter_splits_fused_adapters_of_flux1_width_into_the_separ
     assert converted.keys() == expected.keys()
     for key, tensor in expected.items():
         assert torch.equal(converted[key], tensor), key
+
+
+def test_dora_exports_in_diffusers_format_with_equal_outputs_and_kohya_is_refused(pipeline_lora, flux_dir, tmp_path,
+                                                                                   caplog):
+    """DoRA on the transformer and CLIP-L: FluxPipeline.load_lora_weights loads the magnitudes of the PEFT file
+    (lora_magnitude_vector) and gives this project's outputs; the kohya format, whose dora_scale diffusers drops,
+    is refused in one line naming the checkpoint and the reason, and nothing is written. An existing folder is
+    never written into."""
+    import export_mmdit
+    from tests.conftest import assert_close
+    assert main(pipeline_lora("lora.use_dora=true")) == 0
+    run, out = tmp_path / "run", tmp_path / "lora"
+    assert export_mmdit.main(["--checkpoint", str(run), "--out", str(out)]) == 0
+    pipe = fresh_pipeline(flux_dir, out)
+    assert any("lora_magnitude_vector" in n for n, _ in pipe.transformer.named_parameters())
+    assert any("lora_magnitude_vector" in n for n, _ in pipe.text_encoder.named_parameters())
+    assert_close(theirs(pipe), ours(run), atol=1e-5)
+
+    caplog.clear()
+    assert export_mmdit.main(["--checkpoint", str(run), "--out", str(tmp_path / "comfy"), "--format", "kohya"]) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "\n" not in errors[0] and "trained with DoRA (lora.use_dora=true)" in errors[0]
+    assert "drops its dora_scale keys" in errors[0] and str(run / "checkpoints") in errors[0]
+    assert not (tmp_path / "comfy").exists() and not list(tmp_path.glob(".comfy*"))
+    before = (out / "pytorch_lora_weights.safetensors").read_bytes()
+    assert export_mmdit.main(["--checkpoint", str(run), "--out", str(out)]) == 2
+    assert f"{out} exists; export into a new directory (nothing was overwritten)" in caplog.text
+    assert (out / "pytorch_lora_weights.safetensors").read_bytes() == before and len(list(out.iterdir())) == 1
+
+
+def packed_output(model, x: dict, p: int) -> torch.Tensor:
+    """diffusers' FluxTransformer2DModel on latents packed p x p (FluxPipeline packs 2 x 2)."""
+    from models.flux.model import pack, position_ids, unpack
+    h, w = x["latents"].shape[-2:]
+    ids = position_ids(0, h // p, w // p, torch.device("cpu"))
+    out = model(hidden_states=pack(x["latents"], p), encoder_hidden_states=x["text"], pooled_projections=x["pooled"],
+                timestep=x["sigma"], img_ids=ids, txt_ids=torch.zeros(x["text"].shape[1], 3), guidance=x["guidance"],
+                return_dict=False)[0]
+    return unpack(out, h, w, p)
+
+
+@pytest.mark.parametrize("packing", [2, 4])
+def test_full_fine_tune_exports_a_flux_transformer(packing, flux_data, tmp_path, caplog):
+    """A FLUX full fine-tune becomes a FluxTransformer2DModel folder with this project's outputs (1e-5). Trained
+    on latents packed 4 x 4 (model.patch_size=4), it is still exported, with a warning: FluxPipeline packs 2 x 2
+    and cannot drive it. --format kohya is refused: there are no adapters."""
+    import export_mmdit
+    from perf.checkpoint import checkpoints
+    from sample_mmdit import load_trained
+    from tests.test_flux_model import ours_output
+    assert main([*FLUX_RUN, f"data.path={flux_data}", f"model.patch_size={packing}", "training.max_steps=1",
+                 f"logging.output_dir={tmp_path / 'run'}"]) == 0
+    out = tmp_path / "transformer"
+    assert export_mmdit.main(["--checkpoint", str(tmp_path / "run"), "--out", str(out)]) == 0
+    warned = f"packs 4x4 latents into a token (model.patch_size=4): FluxTransformer2DModel loads it, FluxPipeline " \
+             f"(which packs 2x2) cannot drive it"
+    assert (warned in caplog.text) == (packing == 4)
+    loaded = diffusers.FluxTransformer2DModel.from_pretrained(out).eval()
+    model = load_trained(checkpoints(tmp_path / "run")[-1])[0].transformer
+    x = flux_inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(packed_output(loaded, x, packing), ours_output(model, x), rtol=0, atol=1e-5)
+    if packing == 2:
+        assert export_mmdit.main(["--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "k"),
+                                  "--format", "kohya"]) == 2
+        assert "--format kohya writes a FLUX.1 LoRA, and" in caplog.text and "is a full fine-tune" in caplog.text
+        assert not (tmp_path / "k").exists()
+
+
+def test_kohya_format_of_an_sd3_run_is_refused(lora_run, tmp_path, caplog):
+    import export_mmdit
+    assert main(lora_run("training.max_steps=1")) == 0
+    assert export_mmdit.main(["--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "k"), "--format",
+                              "kohya"]) == 2
+    assert "is of model.family=sd3: export it in the default format (--format peft)" in caplog.text
+    assert not (tmp_path / "k").exists()
+
+
+def test_kohya_file_keeps_alpha_exact_at_any_dtype(tmp_path):
+    """alpha is the fused rank, stored in fp32 whatever --dtype: in bf16 a rank of 3 x 87 = 261 would round to
+    260, and every loader would scale the adapter by 260 / 261."""
+    from safetensors.torch import load_file
+
+    from models.flux.kohya import export_kohya_lora
+    weights = {f"transformer_blocks.0.attn.to_{p}.lora_{ab}.default.weight": torch.randn(shape)
+               for p in "qkv" for ab, shape in (("A", (87, 16)), ("B", (16, 87)))}
+    settings = {"r": 87, "lora_alpha": 87, "use_rslora": False, "use_dora": False}
+    file = export_kohya_lora({"transformer": (weights, settings)}, (16, 1, 0), tmp_path / "bf16", torch.bfloat16)
+    assert file == tmp_path / "bf16" / "bf16.safetensors"
+    tensors = load_file(file)
+    assert torch.tensor(261.0).bfloat16().item() == 260
+    assert tensors["lora_unet_double_blocks_0_img_attn_qkv.alpha"].item() == 261
+    assert tensors["lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight"].dtype == torch.bfloat16
