@@ -1,4 +1,4 @@
-"""Export a trained MMDiT in the format diffusers loads.
+"""Export a trained MMDiT for diffusers (and a FLUX.1 LoRA for ComfyUI and Forge too).
 
     python export_mmdit.py --checkpoint PATH --out DIR [--weights ema|trained] [--dtype fp32|bf16|fp16]
                            [--format peft|kohya]
@@ -13,7 +13,8 @@ A full fine-tune becomes a transformer directory of the run's family (`SD3Transf
                   (`text_encoder.*` for CLIP-L, `text_encoder_2.*` for SD3's CLIP-G) beside the transformer's.
   kohya           FLUX.1 only: DIR/<DIR's name>.safetensors in the kohya / ComfyUI layout (`lora_unet_...`,
                   `lora_te1_...` for CLIP-L; lora_down / lora_up / alpha) for ComfyUI and Forge (models/flux/kohya.py).
-                  Not for DoRA runs.
+                  Not for DoRA runs. diffusers loads it too but drops the adapters outside the blocks (the final
+                  proj_out, which the default targets adapt): in diffusers, load the peft file.
 """
 
 import argparse
@@ -38,14 +39,14 @@ FORMATS = ("peft", "kohya")
 
 
 def export(checkpoint: Path, out: Path, use_ema: bool = True, dtype: torch.dtype = torch.float32,
-           format: str = "peft") -> Path:
+           lora_format: str = "peft") -> Path:
     """Write the export of `checkpoint` to `out`; returns what was written (the directory, or the kohya file)."""
     tensors, meta = read_checkpoint(checkpoint)
     if "mmdit" not in meta:
         raise CheckpointFormatError(f"{checkpoint} predates export support (no 'mmdit' in state.json); "
                                     f"resume it for one step to write a new checkpoint")
     family = FAMILIES[meta.get("family", "sd3")]  # recorded since FLUX.1
-    if format == "kohya" and (family.name != "flux" or not meta["lora"]):
+    if lora_format == "kohya" and (family.name != "flux" or not meta["lora"]):
         what = "a full fine-tune (no adapters)" if family.name == "flux" else f"of model.family={family.name}"
         raise InputError(f"--format kohya writes a FLUX.1 LoRA, and {checkpoint} is {what}: export it in the "
                          f"default format (--format peft)")
@@ -57,7 +58,7 @@ def export(checkpoint: Path, out: Path, use_ema: bool = True, dtype: torch.dtype
         for encoder, settings in meta.get("text_encoder_lora", {}).items():  # lora.text_encoders
             clip = transformers4_clip_names(part(f"text_encoder.{encoder}."))
             adapters[family.text_encoders.PARTS[encoder][0]] = (clip, settings)
-        if format == "peft":
+        if lora_format == "peft":
             return export_diffusers_lora(adapters, out, dtype)
         config = family.config(**meta["mmdit"])
         written = export_kohya_lora(adapters, (config.hidden_size, config.num_layers, config.num_single_layers),

@@ -1,13 +1,29 @@
 """FLUX.1 fine-tuning on a tiny random FluxPipeline saved by diffusers (tests/conftest.py: flux_dir): precompute
 stores what the pipeline computes (FLUX's VAE constants, T5 tokens and CLIP-L's pooled output), text encoded in the
-step equals precomputed, and mistakes are named before compute."""
+step equals precomputed, and mistakes are named before compute. Export: a LoRA run on the pipeline's transformer
+folder, interrupted by SIGINT and SIGKILL, loads into FluxPipeline with this project's outputs; its kohya / ComfyUI
+file loads through diffusers' converter as the PEFT file does; DoRA, full fine-tunes and refusals."""
+
+import logging
+import os
+import signal
+import time
+import types
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+import export_mmdit
 import precompute_latents
+from configs.build import build_data
 from data.latents import LatentDataset
-from tests.conftest import T5_TOKENS, image_folder
+from models.flux.kohya import export_kohya_lora, kohya_lora
+from models.flux.model import pack, position_ids, unpack
+from perf.checkpoint import checkpoints
+from sample_mmdit import load_trained
+from tests.conftest import TIMEOUT_S, assert_close, final_weights, forkserver, image_folder, train
+from tests.test_flux_model import diffusers_output, inputs, ours_output
 from train_mmdit_stable import main
 
 diffusers = pytest.importorskip("diffusers")
@@ -70,7 +86,6 @@ def flux_lora(flux_data, tmp_path):
 
 
 def test_encoding_in_the_step_equals_precomputed_embeddings(flux_lora, tmp_path):
-    from tests.conftest import assert_close, final_weights
     assert main(flux_lora(name="precomputed")) == 0
     assert main(flux_lora("data.text_encoding=on_the_fly", name="on_the_fly")) == 0
     assert_close(final_weights(tmp_path / "on_the_fly"), final_weights(tmp_path / "precomputed"), atol=1e-6)
@@ -96,10 +111,6 @@ def pipeline_lora(flux_dir, flux_data, tmp_path):
 def sigint_at_first_step(overrides: list[str]) -> int:
     """main() in this process, sent SIGINT (Ctrl-C, a scheduler's pre-emption) as it logs its first step: the
     run must checkpoint at that step's end and return 0."""
-    import logging
-    import os
-    import signal
-
     class Interrupt(logging.Handler):
         def emit(self, record):
             if " loss " in record.getMessage() and not self.sent:
@@ -120,10 +131,6 @@ def sigkill_after_checkpoint(overrides: list[str], run_dir, step: int) -> None:
     """main() in a process forked from the tests' fork server (its imports done once: a fresh interpreter spent
     most of this test's time importing), SIGKILLed as soon as the checkpoint of `step` is complete (its folder
     appears by a rename): somewhere in the steps that follow."""
-    import signal
-    import time
-
-    from tests.conftest import TIMEOUT_S, forkserver, train
     proc = forkserver().Process(target=train, args=(overrides,))
     proc.start()
     done, deadline = run_dir / "checkpoints" / f"step_{step:08d}", time.monotonic() + TIMEOUT_S
@@ -134,19 +141,14 @@ def sigkill_after_checkpoint(overrides: list[str], run_dir, step: int) -> None:
     assert proc.exitcode == -signal.SIGKILL and done.exists(), f"the run ended ({proc.exitcode}) before {done}"
 
 
-def flux_inputs(seed: int = 0) -> dict:
+def flux_inputs() -> dict:
     """Inputs of the tiny pipeline's transformer (4-channel 8x8 latents, T5 width 24, CLIP-L width 8, guidance)."""
-    from tests.test_flux_model import inputs
     return inputs({"in_channels": 16, "joint_attention_dim": 24, "pooled_projection_dim": 8, "guidance_embeds": True},
-                  8, 8, text=7, seed=seed)
+                  8, 8, text=7)
 
 
 def ours(run_dir, use_ema: bool = True):
     """This project's adapted model of the run's last checkpoint: transformer output and CLIP-L's pooled output."""
-    from configs.build import build_data
-    from perf.checkpoint import checkpoints
-    from sample_mmdit import load_trained
-    from tests.test_flux_model import ours_output
     model, cfg = load_trained(checkpoints(run_dir)[-1], use_ema)
     with torch.no_grad():
         return ours_output(model.transformer, flux_inputs()), model.text_encoder(**build_data(cfg)[1](CAPTIONS))[1]
@@ -154,7 +156,6 @@ def ours(run_dir, use_ema: bool = True):
 
 def theirs(pipe):
     """The same of a FluxPipeline."""
-    from tests.test_flux_model import diffusers_output
     with torch.no_grad():
         return diffusers_output(pipe.transformer, flux_inputs()), pipe.encode_prompt(CAPTIONS, None)[1]
 
@@ -169,9 +170,6 @@ def test_lora_run_resumes_after_sigint_and_sigkill_and_loads_into_the_flux_pipel
     """precompute (flux_data) -> LoRA run on a released transformer folder, SIGINT (checkpoint, exit 0) then
     resume, SIGKILL then resume: bit for bit the uninterrupted run -> export -> FluxPipeline.load_lora_weights
     gives this project's transformer output and CLIP-L pooled output -> one image."""
-    import export_mmdit
-    from perf.checkpoint import checkpoints
-    from tests.conftest import assert_close, final_weights
     common = ["training.max_steps=8", "checkpoint.every=3"]
     assert main(pipeline_lora(*common, name="straight")) == 0
     interrupted = pipeline_lora(*common, name="interrupted")
@@ -198,8 +196,6 @@ def test_lora_run_resumes_after_sigint_and_sigkill_and_loads_into_the_flux_pipel
 def kohya_converter(width: int):
     """diffusers' own kohya -> diffusers FLUX LoRA converter, with the rows of linear1's parts it hard-codes for
     FLUX.1 (3072 x 3 + 12288) set to a transformer of hidden size `width`'s."""
-    import types
-
     from diffusers.loaders.lora_conversion_utils import _convert_kohya_flux_lora_to_diffusers as convert
     flux1, replaced = (3072, 3072, 3072, 12288), []
 
@@ -239,10 +235,6 @@ def test_kohya_export_loads_through_diffusers_converter_as_the_peft_file(pipelin
     pipeline, give the same transformer output, CLIP-L output and image, but for what diffusers drops
     from a kohya file: the adapters outside the blocks (its converter names them without the transformer. prefix),
     which ComfyUI and Forge apply and which the file holds as they expect."""
-    import export_mmdit
-    from safetensors.torch import load_file
-
-    from tests.conftest import assert_close
     assert main(pipeline_lora(f"lora.target_modules={PARTIAL}", "lora.use_rslora=true")) == 0
     run = tmp_path / "run"
     assert export_mmdit.main(["--checkpoint", str(run), "--out", str(tmp_path / "peft")]) == 0
@@ -284,7 +276,6 @@ def test_diffusers_converter_splits_fused_adapters_of_flux1_width_into_the_separ
     each module's A and scale x B, and zero adapters for the parts that had none."""
     from diffusers.loaders.lora_pipeline import FluxLoraLoaderMixin
 
-    from models.flux.kohya import kohya_lora
     gen, rank, width = torch.Generator().manual_seed(0), 4, 3072
     modules = {"transformer_blocks.0.attn.to_q": width, "transformer_blocks.0.attn.to_k": width,
                "transformer_blocks.0.attn.to_v": width, "transformer_blocks.0.attn.add_v_proj": width,
@@ -314,8 +305,6 @@ def test_dora_exports_in_diffusers_format_with_equal_outputs_and_kohya_is_refuse
     (lora_magnitude_vector) and gives this project's outputs; the kohya format, whose dora_scale diffusers drops,
     is refused in one line naming the checkpoint and the reason, and nothing is written. An existing folder is
     never written into."""
-    import export_mmdit
-    from tests.conftest import assert_close
     assert main(pipeline_lora("lora.use_dora=true")) == 0
     run, out = tmp_path / "run", tmp_path / "lora"
     assert export_mmdit.main(["--checkpoint", str(run), "--out", str(out)]) == 0
@@ -338,7 +327,6 @@ def test_dora_exports_in_diffusers_format_with_equal_outputs_and_kohya_is_refuse
 
 def packed_output(model, x: dict, p: int) -> torch.Tensor:
     """diffusers' FluxTransformer2DModel on latents packed p x p (FluxPipeline packs 2 x 2)."""
-    from models.flux.model import pack, position_ids, unpack
     h, w = x["latents"].shape[-2:]
     ids = position_ids(0, h // p, w // p, torch.device("cpu"))
     out = model(hidden_states=pack(x["latents"], p), encoder_hidden_states=x["text"], pooled_projections=x["pooled"],
@@ -352,10 +340,6 @@ def test_full_fine_tune_exports_a_flux_transformer(packing, flux_data, tmp_path,
     """A FLUX full fine-tune becomes a FluxTransformer2DModel folder with this project's outputs (1e-5). Trained
     on latents packed 4 x 4 (model.patch_size=4), it is still exported, with a warning: FluxPipeline packs 2 x 2
     and cannot drive it. --format kohya is refused: there are no adapters."""
-    import export_mmdit
-    from perf.checkpoint import checkpoints
-    from sample_mmdit import load_trained
-    from tests.test_flux_model import ours_output
     assert main([*FLUX_RUN, f"data.path={flux_data}", f"model.patch_size={packing}", "training.max_steps=1",
                  f"logging.output_dir={tmp_path / 'run'}"]) == 0
     out = tmp_path / "transformer"
@@ -376,7 +360,6 @@ def test_full_fine_tune_exports_a_flux_transformer(packing, flux_data, tmp_path,
 
 
 def test_kohya_format_of_an_sd3_run_is_refused(lora_run, tmp_path, caplog):
-    import export_mmdit
     assert main(lora_run("training.max_steps=1")) == 0
     assert export_mmdit.main(["--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "k"), "--format",
                               "kohya"]) == 2
@@ -387,9 +370,6 @@ def test_kohya_format_of_an_sd3_run_is_refused(lora_run, tmp_path, caplog):
 def test_kohya_file_keeps_alpha_exact_at_any_dtype(tmp_path):
     """alpha is the fused rank, stored in fp32 whatever --dtype: in bf16 a rank of 3 x 87 = 261 would round to
     260, and every loader would scale the adapter by 260 / 261."""
-    from safetensors.torch import load_file
-
-    from models.flux.kohya import export_kohya_lora
     weights = {f"transformer_blocks.0.attn.to_{p}.lora_{ab}.default.weight": torch.randn(shape)
                for p in "qkv" for ab, shape in (("A", (87, 16)), ("B", (16, 87)))}
     settings = {"r": 87, "lora_alpha": 87, "use_rslora": False, "use_dora": False}
