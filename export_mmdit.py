@@ -1,13 +1,20 @@
-"""Export a trained MMDiT in the format diffusers loads.
+"""Export a trained MMDiT for diffusers (and a FLUX.1 LoRA for ComfyUI and Forge too).
 
     python export_mmdit.py --checkpoint PATH --out DIR [--weights ema|trained] [--dtype fp32|bf16|fp16]
+                           [--format peft|kohya]
 
-PATH is a run directory (its newest complete checkpoint is used) or one checkpoint directory. A full
-fine-tune becomes an `SD3Transformer2DModel` directory (`SD3Transformer2DModel.from_pretrained(DIR)`, or a
-pipeline's `transformer=`); a LoRA run becomes `DIR/pytorch_lora_weights.safetensors`
-(`StableDiffusion3Pipeline.load_lora_weights(DIR)`), with the text encoders' adapters of lora.text_encoders
-(`text_encoder.*` for CLIP-L, `text_encoder_2.*` for CLIP-G) beside the transformer's. DIR must not exist:
+PATH is a run directory (its newest complete checkpoint is used) or one checkpoint directory. DIR must not exist:
 nothing is ever overwritten.
+
+A full fine-tune becomes a transformer directory of the run's family (`SD3Transformer2DModel` or
+`FluxTransformer2DModel`: `.from_pretrained(DIR)`, or a pipeline's `transformer=`). A LoRA run becomes, by --format:
+  peft (default)  DIR/pytorch_lora_weights.safetensors, diffusers' own format (`StableDiffusion3Pipeline` or
+                  `FluxPipeline.load_lora_weights(DIR)`), with the text encoders' adapters of lora.text_encoders
+                  (`text_encoder.*` for CLIP-L, `text_encoder_2.*` for SD3's CLIP-G) beside the transformer's.
+  kohya           FLUX.1 only: DIR/<DIR's name>.safetensors in the kohya / ComfyUI layout (`lora_unet_...`,
+                  `lora_te1_...` for CLIP-L; lora_down / lora_up / alpha) for ComfyUI and Forge (models/flux/kohya.py).
+                  Not for DoRA runs. diffusers loads it too but drops the adapters outside the blocks (the final
+                  proj_out, which the target name proj_out adapts too): in diffusers, load the peft file.
 """
 
 import argparse
@@ -17,34 +24,59 @@ from pathlib import Path
 
 import torch
 
+from configs.schema import FLUX_PACKING, load_config
 from errors import InputError
 from formats import DTYPES
 from models.diffusers_io import (CheckpointFormatError, check_state_dict, export_diffusers_lora,
-                                 export_diffusers_transformer)
+                                 export_diffusers_transformer, transformers4_clip_names)
 from models.families import FAMILIES, transformer_of_record
+from models.flux.kohya import export_kohya_lora, outside_the_blocks
 from perf.checkpoint import find_checkpoint, read_checkpoint
 
 log = logging.getLogger("mmdit")
 PREFIX = "transformer."  # the MMDiT's place in the trained TextToImage module
+FORMATS = ("peft", "kohya")
 
 
-def export(checkpoint: Path, out: Path, use_ema: bool = True, dtype: torch.dtype = torch.float32) -> Path:
+def export(checkpoint: Path, out: Path, use_ema: bool = True, dtype: torch.dtype = torch.float32,
+           lora_format: str = "peft") -> Path:
+    """Write the export of `checkpoint` to `out`; returns what was written (the directory, or the kohya file)."""
     tensors, meta = read_checkpoint(checkpoint)
     if "mmdit" not in meta:
         raise CheckpointFormatError(f"{checkpoint} predates export support (no 'mmdit' in state.json); "
                                     f"resume it for one step to write a new checkpoint")
+    family = FAMILIES[meta.get("family", "sd3")]  # recorded since FLUX.1
+    if lora_format == "kohya" and (family.name != "flux" or not meta["lora"]):
+        what = "a full fine-tune (no adapters)" if family.name == "flux" else f"of model.family={family.name}"
+        raise InputError(f"--format kohya writes a FLUX.1 LoRA, and {checkpoint} is {what}: export it in the "
+                         f"default format (--format peft)")
     weights = {**tensors["model"], **(tensors["ema"] if use_ema else {})}  # the EMA covers trained parameters
     part = lambda prefix: {k.removeprefix(prefix): v for k, v in weights.items() if k.startswith(prefix)}
     transformer = part(PREFIX)
-    family = FAMILIES[meta.get("family", "sd3")]  # recorded since FLUX.1
     if meta["lora"]:
         adapters = {"transformer": (transformer, meta["lora"])}
         for encoder, settings in meta.get("text_encoder_lora", {}).items():  # lora.text_encoders
-            adapters[family.text_encoders.PARTS[encoder][0]] = (part(f"text_encoder.{encoder}."), settings)
-        return export_diffusers_lora(adapters, out, dtype)
+            clip = transformers4_clip_names(part(f"text_encoder.{encoder}."))
+            adapters[family.text_encoders.PARTS[encoder][0]] = (clip, settings)
+        if lora_format == "peft":
+            return export_diffusers_lora(adapters, out, dtype)
+        config = family.config(**meta["mmdit"])
+        written = export_kohya_lora(adapters, (config.hidden_size, config.num_layers, config.num_single_layers),
+                                    out, dtype, source=str(checkpoint))
+        dropped = outside_the_blocks(transformer)
+        if dropped:
+            log.warning("%s adapts %s outside the blocks: ComfyUI and Forge apply them, diffusers (0.42) drops them "
+                        "from a kohya file; load the default --format peft in diffusers", checkpoint, dropped)
+        return written
     model = transformer_of_record(family.name, meta["mmdit"])
     check_state_dict(model.state_dict(), transformer, checkpoint)
     model.load_state_dict(transformer)
+    if family.name == "flux":
+        packing = load_config(checkpoint / "config.yaml", resolve=False).model.patch_size
+        if packing != FLUX_PACKING:
+            log.warning("%s packs %dx%d latents into a token (model.patch_size=%d): FluxTransformer2DModel loads "
+                        "it, FluxPipeline (which packs %dx%d) cannot drive it", checkpoint, packing, packing, packing,
+                        FLUX_PACKING, FLUX_PACKING)
     return export_diffusers_transformer(model, out, dtype)
 
 
@@ -55,11 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weights", choices=["ema", "trained"], default="ema",
                         help="the EMA of the weights (smoother) or the last trained weights")
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="dtype of the written weights")
+    parser.add_argument("--format", choices=FORMATS, default="peft",
+                        help="a LoRA's layout: diffusers' (peft) or, for FLUX.1, kohya / ComfyUI's")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     try:
         checkpoint = find_checkpoint(args.checkpoint)
-        out = export(checkpoint, args.out, args.weights == "ema", DTYPES[args.dtype])
+        out = export(checkpoint, args.out, args.weights == "ema", DTYPES[args.dtype], args.format)
     except (InputError, OSError) as e:  # also: an existing output, a file where a folder must be, a full disk
         log.error("export failed: %s", e)
         return 2

@@ -98,6 +98,7 @@ import perf.compile  # noqa: E402
 from configs.build import build_model, build_trained_model  # noqa: E402
 from configs.schema import check_sections  # noqa: E402
 from errors import ConfigError  # noqa: E402
+from formats import DTYPES  # noqa: E402
 from models.lora import apply_lora  # noqa: E402
 from models.rectified_flow import interpolate, per_sample_loss  # noqa: E402
 from optim.adamw import build_adamw  # noqa: E402

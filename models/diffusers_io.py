@@ -159,6 +159,14 @@ def diffusers_lora_state(adapter_weights: dict[str, torch.Tensor], prefix: str) 
     return {f"{prefix}.{name.replace(f'.{ADAPTER}.', '.')}": w for name, w in adapter_weights.items()}
 
 
+def transformers4_clip_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A CLIP text model's parameter names as transformers 4 has them (`text_model.encoder.layers…`; transformers 5
+    dropped CLIPTextModel's `text_model.`): diffusers loads these into either version (it strips the prefix where
+    the model has none), an adapter file is the same whichever version trained it, and kohya's names
+    (`lora_te1_text_model_…`) are built on them."""
+    return {name if name.startswith("text_model.") else f"text_model.{name}": w for name, w in weights.items()}
+
+
 def lora_scale(settings: dict) -> float:
     """The factor peft applies to B @ A: alpha / rank, or alpha / sqrt(rank) with rsLoRA."""
     return settings["lora_alpha"] / (settings["r"] ** 0.5 if settings.get("use_rslora") else settings["r"])

@@ -49,11 +49,12 @@ class Family:
 # diffusers' train_dreambooth_lora_sd3.py: the joint attention's projections
 SD3_LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
                     "attn.add_v_proj", "attn.to_add_out")
-# diffusers' train_dreambooth_lora_flux.py: the attention projections of both block kinds, the double blocks'
-# feed-forwards and the single blocks' MLP and output projections
+# diffusers' train_dreambooth_lora_flux.py: the attention projections of both block kinds (a name matches in every
+# block that has it) and the double blocks' feed-forwards. Adding "proj_mlp" adapts the single blocks' MLPs too;
+# "proj_out" would also adapt the final projection, outside the blocks
 FLUX_LORA_TARGETS = ("attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj", "attn.add_q_proj",
                      "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
-                     "ff_context.net.2", "proj_mlp", "proj_out")
+                     "ff_context.net.2")
 
 FAMILIES = {
     "sd3": Family("sd3", MMDiT, MMDiTConfig, "StableDiffusion3Pipeline", SD3_LORA_TARGETS, SD3TextEncoders,
