@@ -106,7 +106,7 @@ from optim.ema import EMA  # noqa: E402
 from perf.attention import BACKENDS, SDPA_KERNELS, apply_attention_backend, choose  # noqa: E402
 from perf.parallel import apply_parallelism, unwrap  # noqa: E402
 from perf.precision import autocast, configure_cuda_math, grad_scaler  # noqa: E402
-from plan_memory import SD3_TEXT, planning_config  # noqa: E402
+from plan_memory import FLUX_TEXT, SD3_TEXT, planning_config  # noqa: E402
 from runtime.distributed import World  # noqa: E402
 from runtime.host_syncs import HostSyncCounter, cuda_sync_counter  # noqa: E402
 from runtime.nonfinite import NonFiniteGuard  # noqa: E402
@@ -148,6 +148,31 @@ def sd3_anchor(cfg, data: SimpleNamespace, device: torch.device):
     return model, list(model.transformer_blocks), forward
 
 
+def flux_anchor(cfg, data: SimpleNamespace, device: torch.device):
+    """diffusers' FluxTransformer2DModel with `cfg`'s architecture, driven as FluxPipeline drives it (packed tokens,
+    position ids, sigma as timestep, the guidance constant we train with): sd3_anchor's triple."""
+    from diffusers import FluxTransformer2DModel
+
+    from models.flux.model import pack, position_ids, unpack
+    m, p = cfg.model, cfg.model.patch_size
+    with torch.device(device):
+        model = FluxTransformer2DModel(
+            in_channels=data.latent_channels * p * p, num_layers=m.num_layers, num_single_layers=m.num_single_layers,
+            attention_head_dim=m.attention_head_dim, num_attention_heads=m.num_attention_heads,
+            joint_attention_dim=data.text_dims[0], pooled_projection_dim=data.text_dims[1],
+            guidance_embeds=m.guidance_embeds, axes_dims_rope=tuple(m.axes_dims_rope))
+
+    def forward(x_t: torch.Tensor, sigma: torch.Tensor, text: dict) -> torch.Tensor:
+        (h, w), tokens = x_t.shape[-2:], text["prompt_embeds"].shape[1]
+        ids = position_ids(tokens, h // p, w // p, x_t.device)
+        guidance = torch.full_like(sigma, cfg.flux.train_guidance) if m.guidance_embeds else None
+        out = model(hidden_states=pack(x_t, p), encoder_hidden_states=text["prompt_embeds"],
+                    pooled_projections=text["pooled_prompt_embeds"], timestep=sigma, img_ids=ids[tokens:],
+                    txt_ids=ids[:tokens], guidance=guidance, return_dict=False)[0]
+        return unpack(out, h, w, p)
+    return model, [*model.transformer_blocks, *model.single_transformer_blocks], forward
+
+
 # --size tiny: every model 2 blocks of 2 heads x 16 at 128 px (16x16 latents, 8x8 patches), 8 text tokens
 SD3_TINY = {"num_layers": 2, "num_attention_heads": 2, "attention_head_dim": 16, "sample_size": 16,
             "pos_embed_max_size": 8}
@@ -179,12 +204,18 @@ SD3_MEDIUM_SWEEP = (
       for b in BACKENDS if b not in ("auto", "math")),
     FLOAT8)
 SD35_MEDIUM_TINY = {**SD3_TINY, "dual_attention_layers": [0]}  # its first blocks have a second image attention
+FLUX_TINY = {"num_layers": 1, "num_single_layers": 2, "num_attention_heads": 2, "attention_head_dim": 16,
+             "axes_dims_rope": [2, 6, 8]}  # a double and two single blocks, 8x8 packed tokens
 MODELS = {
     "sd3-medium": Model("sd3_medium.yaml", "sd3-medium", SD3_MEDIUM_SWEEP, anchor=sd3_anchor),
     "sd3.5-medium-lora": Model("sd35_medium_lora.yaml", "sd35-medium", (), tiny=SD35_MEDIUM_TINY),
     "sd3.5-medium-lora-24gb": Model("sd35_medium_lora_24gb.yaml", "sd35-medium", (), tiny=SD35_MEDIUM_TINY),
     "sd3.5-large-lora": Model("sd35_large_lora.yaml", "sd35-large", (FLOAT8,)),
     "sd3.5-large-lora-24gb": Model("sd35_large_lora_24gb.yaml", "sd35-large", ()),
+    # FLUX.1-dev: LoRA on one GPU against diffusers' model with peft's adapters on the same targets (the full
+    # fine-tune shards over 8 GPUs: flux_dev.yaml is not a one-GPU row)
+    "flux-dev-lora": Model("flux_dev_lora.yaml", "flux-dev", (*ANCHORS, FLOAT8), FLUX_TEXT, flux_anchor, FLUX_TINY),
+    "flux-dev-lora-24gb": Model("flux_dev_lora_24gb.yaml", "flux-dev", (), FLUX_TEXT, tiny=FLUX_TINY),
 }
 
 
@@ -300,6 +331,14 @@ def diffusers_anchor(cfg, data: SimpleNamespace, device: torch.device, build):
     model, blocks, forward = build(cfg, data, device)
     randomize(model)
     model.train()
+    if cfg.lora.enabled:  # as diffusers' LoRA scripts train: peft adapters in fp32 on a frozen base in the compute dtype
+        from peft import LoraConfig
+        model.requires_grad_(False).to(DTYPES[cfg.training.dtype])
+        model.add_adapter(LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, init_lora_weights="gaussian",
+                                     target_modules=list(cfg.lora.target_modules)))
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
     notes, attention = [], resolved_attention(cfg, device)
     if attention in SDPA_KERNELS:
         kernel = partial(sdpa_kernel, SDPA_KERNELS[attention])
@@ -318,8 +357,8 @@ def diffusers_anchor(cfg, data: SimpleNamespace, device: torch.device, build):
     if cfg.compile.enabled:  # its blocks, as ours; not held to one graph (graph breaks are counted)
         compiler = perf.compile.compile_modules(blocks, cfg.compile.backend, cfg.compile.mode, fullgraph=False)
     configure_cuda_math(device, t.allow_tf32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                  weight_decay=o.weight_decay, fused=True)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=o.lr,
+                                  betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=True)
     ema = EMA(model, o.ema_decay)
 
     def step(batch: dict, i: int) -> None:
@@ -328,7 +367,7 @@ def diffusers_anchor(cfg, data: SimpleNamespace, device: torch.device, build):
             with autocast(device, t.dtype):
                 v = forward(interpolate(x0, noise, sigma), sigma, batch["text"])
             per_sample_loss(v, x0, noise).mean().backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip_norm)
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], o.grad_clip_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         ema.update(i)
