@@ -1,14 +1,48 @@
-"""float8 training (torchao): the transformer blocks' attention and MLP linears become torchao `Float8Linear`s,
-whose matmuls (forward, and both backward ones) run on float8 copies of their inputs with dynamic per-tensor
-scales, while the weights, gradients and optimizer stay in full precision. Swapped in place, before activation
-checkpointing, compile and the FSDP wrap (torchtitan's order); parameter names and state-dict keys are unchanged.
+"""float8 training (torchao): the transformer blocks' image-stream (and FLUX single-stream) attention and MLP linears
+become torchao `Float8Linear`s, whose three matmuls (forward, input gradient, weight gradient) run on float8 copies of
+their inputs with dynamic per-tensor scales (`torch._scaled_mm`), while the weights, gradients and optimizer stay in
+full precision. Swapped in place, before activation checkpointing, compile and the FSDP wrap (torchtitan's order);
+parameter names and state-dict keys are unchanged.
 
-Which linears: those that act on every token (attention and MLP projections, image and text streams), like
-torchtitan's converter: only those whose in and out features are multiples of 16 (float8 tensor cores need it).
-The adaLN modulations are left alone (they act once per sample: a matmul of batch rows that float8 only slows,
-and their outputs scale every activation of the block), and so are the embedders and the output projection
-(outside the blocks). Under LoRA the frozen base linears run in float8 and the adapters in training.dtype: the
-base matmuls are the cost, the adapters are small and are what trains.
+Which linears: those of a block that act on every image token, like torchtitan's converter only those whose in and
+out features are multiples of 16. Left alone: the adaLN modulations (one row per sample: a matmul float8 only slows,
+whose outputs scale every activation of the block), the embedders and the output projection (outside the blocks), the
+LoRA adapters (small; they are what trains), and the text stream's linears (`TEXT_STREAM`), for speed (below).
+
+Shapes torch's `_scaled_mm` accepts (its CUDA kernel, mirrored by its meta function in torch/_meta_registrations.py):
+the inner dimension of each matmul and both dimensions of its second operand must be multiples of 16. The weight
+gradient is grad_output^T @ input, whose inner dimension is the token count of the micro-batch: B x 333 for SD3's
+text stream (1332 at batch 4) is not one, nor is B x 3969 for a 1008 px image. torchao computes that matmul even for a
+frozen weight (LoRA's base), so the token count matters with and without LoRA. Each converted linear pads that one
+matmul's inner dimension with zeros to the next multiple of 16 (torchao's `pad_inner_dim`, set for the weight gradient
+only: in the other two the inner dimension is a feature count, a multiple of 16 already, and padding copies its
+operands): any micro-batch and latent size runs. tests/test_float8.py runs the float8 step of SD3-medium, SD3.5-large
+LoRA and FLUX.1-dev at 1024 px through torch's own shape checks, on the meta device.
+
+Where float8 wins, by a roofline of one linear's training step on an H100 SXM (`step_seconds`, torchao's model of
+tensorwise float8 casts in testing/training/roofline_utils.py with benchmarks/roofline.py's rates: 800 TFLOP/s bf16
+matmuls, twice that in float8, 3 TB/s; the casts fused with their producers or not), float8 time / bf16 time:
+
+    full fine-tune, batch 4:     image linears   text linears
+        SD3-medium               0.67-0.87       0.92-1.10 (M = 1332 tokens)
+        FLUX.1-dev               0.59-0.70       0.77-0.86 (M = 2048)
+    LoRA (frozen base):
+        SD3-medium, batch 1-4    0.99-1.41       1.36-3.71
+        SD3.5-large, batch 2     0.94-1.14       1.68-1.88
+        FLUX.1-dev, batch 1-2    0.91-1.14       1.38-2.11
+
+A float8 step halves each matmul's time but pays for casts: the weight is read three times per step (its amax, then
+a cast per layout) whatever the token count, and each activation and gradient is read and written once more. With
+few tokens the weight's casts are not paid back, so the text stream stays in bf16 (with the padding it would run in
+float8 too): SD3's gains nothing there, and FLUX.1's full fine-tune would save a fifth of its text linears' time,
+under 1 % of its step (their 512 of 4608 tokens pass 19 of its 57 blocks).
+
+Where float8 loses: with LoRA on a frozen base. bf16 runs two matmuls per frozen linear (no weight gradient);
+torchao's float8 runs three (it computes and discards the weight gradient), so at best it saves a quarter of the
+matmul time, which its casts take back: 0.91-1.41x bf16 above, no gain to expect (two public measurements found
+torchao's float8 slower than bf16 for LoRA; `apply_float8` warns). It pays for full fine-tunes: the image
+stream's linears 1.15-1.7x faster at batch 4, 1024 px (torchao reports 0.8x at M,K,N = 1024,2048,1024 and
+1.39x at 4096,8192,16384). These are estimates: `benchmarks/train_step.py` measures the step on a GPU.
 
 Under FSDP/HSDP the weights are all-gathered in float8 (`enable_fsdp_float8_all_gather`), and after each
 optimizer step one all-reduce computes every weight's scale for the next step's all-gathers
@@ -27,6 +61,12 @@ from errors import ConfigError
 log = logging.getLogger("mmdit")
 
 FP8_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with float8 tensor cores
+# A joint block's linears that see the text tokens only (models/blocks.py's names)
+TEXT_STREAM = ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out", "ff_context")
+
+# H100 SXM rates of the roofline (benchmarks/roofline.py): bf16 matmuls as measured on an 8192^3 one, float8 at
+# twice that (its dense peak is twice bf16's), memory as a measured device-to-device copy, inductor's launch floor
+BF16_MATMUL_RATE, FLOAT8_MATMUL_RATE, MEMORY_RATE, KERNEL_FLOOR_S = 800e12, 1600e12, 3.0e12, 2e-6
 
 
 def check_float8(cfg, device: torch.device) -> None:
@@ -49,9 +89,16 @@ def check_float8(cfg, device: torch.device) -> None:
 
 
 def converts(module: nn.Module, name: str) -> bool:
-    """A block's per-token linear with float8-sized dimensions (`name` relative to the block)."""
+    """A block's image-token linear with float8-sized dimensions (`name` relative to the block)."""
     return (isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
-            and not name.split(".")[0].startswith("norm") and ".lora_" not in f".{name}")
+            and not name.split(".")[0].startswith("norm") and ".lora_" not in f".{name}"
+            and not any(name == part or name.startswith(part + ".") for part in TEXT_STREAM))
+
+
+def pad_weight_gradient(linear: nn.Module) -> None:
+    """A Float8Linear whose weight-gradient matmul pads its inner dimension (the token count) to a multiple of 16."""
+    config = linear.linear_mm_config  # torchao's (output, grad_input, grad_weight) matmul settings
+    linear.linear_mm_config = config._replace(grad_weight=config.grad_weight._replace(pad_inner_dim=True))
 
 
 def apply_float8(model: nn.Module, cfg, device: torch.device, sharded: bool) -> None:
@@ -65,9 +112,47 @@ def apply_float8(model: nn.Module, cfg, device: torch.device, sharded: bool) -> 
     blocks = model.transformer.blocks
     for block in blocks:
         convert_to_float8_training(block, module_filter_fn=converts, config=config)
-    linears = [type(m).__name__ for block in blocks for m in block.modules() if isinstance(m, nn.Linear)]
-    log.info("float8%s: %d of the blocks' %d linears%s", " (emulated)" if cfg.emulate else "",
-             linears.count("Float8Linear"), len(linears), ", all-gathered in float8" if sharded else "")
+    converted = [m for block in blocks for m in block.modules() if type(m).__name__ == "Float8Linear"]
+    for linear in converted:
+        pad_weight_gradient(linear)
+    linears = sum(isinstance(m, nn.Linear) for block in blocks for m in block.modules())
+    log.info("float8%s: %d of the blocks' %d linears (the image stream's attention and MLP)%s",
+             " (emulated)" if cfg.emulate else "", len(converted), linears,
+             ", all-gathered in float8" if sharded else "")
+    if converted and not any(m.weight.requires_grad for m in converted):
+        log.warning("float8 on a frozen base (LoRA): torchao still runs each frozen weight's gradient matmul, three "
+                    "float8 matmuls where bf16 runs two, and its casts cost what that saves; by perf/float8.py's "
+                    "roofline 0.91-1.41x bf16's time at 1024 px, batch 1-4. float8.enabled=false is as fast and "
+                    "rounds less; measure (benchmarks/train_step.py) before keeping it")
+
+
+def step_seconds(rows: int, in_features: int, out_features: int, float8: bool, trains_weight: bool = True,
+                 fused_casts: bool = True) -> float:
+    """Roofline time of one linear's forward and backward over `rows` tokens on an H100 (module docstring): its
+    matmuls at their rate or memory traffic, and its casts' memory traffic. A trained weight is an fp32 master
+    (autocast casts it to bf16 once per step; float8 reads it for its amax and two casts); a frozen one is bf16.
+    float8 casts input and output gradient once each, writing both layouts (reading them again for their amax
+    unless `fused_casts`: fused into the op that made them)."""
+    m, k, n = rows, in_features, out_features
+
+    def matmul(a: int, inner: int, b: int, fp8: bool) -> float:
+        element = 1 if fp8 else 2
+        traffic = (a * inner + inner * b) * element + a * b * 2
+        flops = 2 * a * inner * b
+        return max(flops / (FLOAT8_MATMUL_RATE if fp8 else BF16_MATMUL_RATE), traffic / MEMORY_RATE, KERNEL_FLOOR_S)
+
+    def traffic(nbytes: float) -> float:
+        return max(nbytes / MEMORY_RATE, KERNEL_FLOOR_S)
+
+    weight = 4 if trains_weight else 2
+    if not float8:
+        gradient = matmul(k, m, n, False) if trains_weight else 0.0
+        cast = traffic(6 * k * n) if trains_weight else 0.0  # autocast: the fp32 weight read, a bf16 copy written
+        return matmul(m, k, n, False) + matmul(m, n, k, False) + gradient + cast
+    amax = 0 if fused_casts else 2
+    casts = (traffic((amax + 2 + 2) * m * k) + traffic((amax + 2 + 2) * m * n)  # read bf16, write 2 float8 layouts
+             + traffic(weight * k * n) + 2 * traffic((weight + 1) * k * n))  # amax, then one cast per layout
+    return matmul(m, k, n, True) + matmul(m, n, k, True) + matmul(k, m, n, True) + casts
 
 
 def precompute_scales_after_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
