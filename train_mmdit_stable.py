@@ -26,7 +26,7 @@ from models.rectified_flow import interpolate, per_sample_loss, sample_key
 from optim.adamw import build_adamw
 from optim.ema import EMA
 from optim.schedule import warmup_cosine
-from perf.attention import apply_attention_backend
+from perf.attention import apply_attention_backend, joint_lengths
 from perf.batch_sizer import build_batch_sizer
 from perf.checkpoint import Checkpointer, OptimizerState, TrainedWeights
 from perf.float8 import check_float8, precompute_scales_after_step
@@ -93,7 +93,9 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
         items, holdout = holdout_split(cfg, dataset)
         check_batches(dataset, items, batch_size)
         model = build_trained_model(cfg, dataset, tokenizer)
-        apply_attention_backend(model, training.attention_backend, device, training.dtype, cfg.model.attention_head_dim)
+        lengths = joint_lengths(dataset.latent_sizes, cfg.model.patch_size, text_tokens(dataset, tokenizer))
+        apply_attention_backend(model, training.attention_backend, device, training.dtype, cfg.model.attention_head_dim,
+                                lengths, fullgraph=cfg.compile.enabled and cfg.compile.scope == "blocks")
         validation = build_validation(cfg, dataset, tokenizer, holdout, world, device)
         if world.is_main:
             prepare_run_dir(cfg, world.world_size)

@@ -7,15 +7,30 @@
   attention; the memory-efficient kernel, the only fused one for fp32);
 - flash_attn_2 / flash_attn_3 / flash_attn_4: the flash-attn packages: `flash-attn` (FA2, sm80+), its Hopper
   build `flash_attn_interface` (FA3, sm90), and `flash-attn-4` (`flash_attn.cute`, the CuTe-DSL kernels for
-  sm90/sm100; an autograd.Function that dynamo does not trace, so under torch.compile it is a graph break);
+  sm90/sm100);
 - math: the fp32 formula (models/attention.py), the reference the others are tested against.
 
-`auto` takes, on each GPU generation, the first that runs of the kernels listed fastest first in
-`FASTEST_FIRST` (from published kernel benchmarks, docs/attention.md; `benchmarks/train_step.py` measures each
-backend the machine has), and logs the choice with its reason. Whether a kernel runs is asked of the kernel
-itself: a forward and backward on tiny tensors of the model's head dim and compute dtype on the device, so
-PyTorch's and flash-attn's own checks (compute capability, dtype, head dim, library versions) decide, and
-their message is the reason. A backend chosen explicitly that cannot run is a ConfigError before training.
+`auto` takes, on each GPU generation, the first usable kernel of those listed fastest first in `FASTEST_FIRST`
+(from published kernel benchmarks, docs/attention.md; `benchmarks/train_step.py` measures each backend the machine
+has), and logs the choice with its reason. A kernel is usable when it passes, on the training device, in the compute
+dtype and at the model's head dim:
+
+- it runs: PyTorch's and flash-attn's own checks (compute capability, dtype, head dim, library versions) decide, and
+  their message is the reason;
+- it computes attention: forward and backward at each of the run's sequence lengths (image + text tokens of each
+  latent size), compared with the math kernel (each token's output, dq, dk and dv within `TOLERANCE`).
+  cuDNN before 9.15.1 has a wrong backward at sequence lengths not divisible by 128 (pytorch/pytorch#169849; SD3 at
+  1024 px has 4429 tokens): PyTorch's own SDPA ranks cuDNN first only on sm90/sm100 with a newer cuDNN
+  (`check_prefer_cudnn_attention` in aten/src/ATen/native/transformers/cuda/sdp_utils.cpp), and only there does the
+  log say that torch itself prefers it; elsewhere cuDNN is taken only after this check at the run's lengths;
+- under compile.scope=blocks, which compiles each block with `fullgraph=True`: dynamo traces it, forward and backward,
+  without a graph break (a break stops such a run at its first step). flash-attn-4's `flash_attn_func` is an
+  autograd.Function over CuTe-DSL kernels that dynamo does not trace, so there it is skipped. (Making it traceable
+  would take a torch.library custom op with fake shapes around flash-attn-4's internal forward and backward
+  functions, whose signatures change between its pre-1.0 releases, and a Hopper or Blackwell GPU to test it on:
+  not done here.)
+
+A backend chosen explicitly that is not usable is a ConfigError before training, with the reason.
 """
 
 import functools
@@ -47,6 +62,12 @@ BACKENDS = ("auto", "sdpa", *SDPA_KERNELS, *FLASH_ATTN, "math")
 FASTEST_FIRST = {9: ("flash_attn_3", "sdpa_cudnn", "flash_attn_4", "flash_attn_2", "sdpa_flash"),
                  10: ("flash_attn_4", "sdpa_cudnn", "sdpa_flash", "flash_attn_2"),
                  8: ("flash_attn_2", "sdpa_flash", "sdpa_cudnn")}
+# The most one token's output, dq, dk or dv may differ from the fp32 math kernel's on the same inputs, relative to
+# the reference's RMS token norm (one wrong token, as from a mishandled last tile, counts in full). Correct bf16
+# kernels rounding their probabilities and dS to bf16 reach 0.04 at 4429 tokens (simulated on a CPU); a wrong
+# backward is off by the whole norm. fp32 kernels differ by their summation order only.
+TOLERANCE = {torch.float32: 1e-3, torch.float16: 0.1, torch.bfloat16: 0.1}
+PROBE_LENGTH = 64  # the sequence length of the probe when the caller names none
 
 
 @functools.cache
@@ -131,27 +152,74 @@ def refusal(messages: list[str], header: str | None) -> list[str]:
     return after[:ends[0]] if ends else after
 
 
-def probe(kernel, device: torch.device, dtype: str, head_dim: int, header: str | None = None) -> str | None:
-    """Run `kernel` forward and backward on tiny inputs; None, or why it cannot (SDPA's reasons after `header`)."""
-    q, k, v = (torch.randn(1, 2, 64, head_dim, device=device, dtype=DTYPES.get(dtype, torch.float32),
-                           requires_grad=True)
-               for _ in range(3))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            kernel(q, k, v).float().sum().backward()
-            return None
-        except Exception as e:  # any failure means it does not run here; its message says why
-            reasons = refusal([str(w.message).strip() for w in caught], header)
-            return (" ".join(reasons) or f"{type(e).__name__}: {e}").replace("\n", " ")[:400]
+def probe_inputs(length: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
+    """q, k, v and an output gradient of one head (the kernels' bugs are in sequence lengths, not head counts; one
+    head keeps the math kernel's L x L scores small), the same on every device."""
+    g = torch.Generator().manual_seed(length)
+    return [torch.randn(1, 1, length, head_dim, generator=g).to(device, dtype) for _ in range(4)]
 
 
-def why_not(backend: str, device: torch.device, dtype: str, head_dim: int) -> str | None:
+def token_errors(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor) -> dict[str, float]:
+    """How far `kernel`'s output and dq, dk, dv are from the fp32 math kernel's on the same inputs: the largest error
+    of one token's vector, relative to the reference's RMS token norm."""
+    results = []
+    for fn, dtype in ((kernel, q.dtype), (math_attention, torch.float32)):
+        inputs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        out = fn(*inputs)
+        results.append([t.detach().float() for t in (out, *torch.autograd.grad(out, inputs, grad.to(out.dtype)))])
+    return {name: float((ours - ref).norm(dim=-1).max() / ref.norm(dim=-1).square().mean().sqrt())
+            for name, ours, ref in zip(("output", "dq", "dk", "dv"), *results)}
+
+
+def traces(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """None if dynamo captures `kernel`, forward and backward, in one graph (what fullgraph=True needs); else
+    why not. The aot_eager backend traces the backward as inductor would, without generating code."""
+    inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+    try:
+        compiled = torch.compile(lambda q, k, v: kernel(q, k, v), fullgraph=True, backend="aot_eager")
+        compiled(*inputs).float().sum().backward()
+        return None
+    except Exception as e:  # dynamo's Unsupported and whatever a kernel raises under fake tensors
+        message = str(e).strip().split("\n")[0][:300]
+        return f"dynamo cannot trace it in one graph, which compile.scope=blocks needs ({type(e).__name__}: {message})"
+
+
+def probe(kernel, device: torch.device, dtype: str, head_dim: int, lengths=(PROBE_LENGTH,),
+          fullgraph: bool = False, header: str | None = None) -> str | None:
+    """None if `kernel` runs forward and backward and agrees with the math kernel at each of `lengths` (and
+    traces in one graph, if `fullgraph`); else why not (a forced SDPA kernel's reasons: SDPA's after `header`)."""
+    torch_dtype = DTYPES.get(dtype, torch.float32)
+    for length in lengths:
+        q, k, v, grad = probe_inputs(length, head_dim, device, torch_dtype)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                errors = token_errors(kernel, q, k, v, grad)
+            except Exception as e:  # any failure means it does not run here; its message says why
+                reasons = refusal([str(w.message).strip() for w in caught], header)
+                return (" ".join(reasons) or f"{type(e).__name__}: {e}").replace("\n", " ")[:400]
+        wrong = {name: error for name, error in errors.items() if not error <= TOLERANCE[torch_dtype]}
+        if wrong:
+            return (f"at sequence length {length} its " + ", ".join(f"{n} is off by {e:.2g}" for n, e in wrong.items())
+                    + f" of a token's norm from the math kernel's (tolerance {TOLERANCE[torch_dtype]:g})")
+    if fullgraph:
+        return traces(kernel, *probe_inputs(PROBE_LENGTH, head_dim, device, torch_dtype)[:3])
+    return None
+
+
+def why_not(backend: str, device: torch.device, dtype: str, head_dim: int, lengths=(PROBE_LENGTH,),
+            fullgraph: bool = False) -> str | None:
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     reason = requirement(backend, device, dtype, head_dim, capability)
     if reason is None and backend not in ("sdpa", "math"):
-        reason = probe(build_kernel(backend), device, dtype, head_dim, SDPA_REFUSALS.get(backend))
+        reason = probe(build_kernel(backend), device, dtype, head_dim, lengths, fullgraph, SDPA_REFUSALS.get(backend))
     return reason
+
+
+def torch_prefers_cudnn() -> bool:
+    """Whether PyTorch's own SDPA ranks cuDNN attention first, as it does on sm90/sm100 with a cuDNN newer than
+    9.15.0 (unless TORCH_CUDNN_SDPA_DEPRIORITIZED=1). SDPA sets its order at its first call on a GPU: ask after one."""
+    return torch._C._get_sdp_priority_order()[0] == int(SDPBackend.CUDNN_ATTENTION)
 
 
 def candidates(device: torch.device) -> tuple[str, ...]:
@@ -162,27 +230,43 @@ def candidates(device: torch.device) -> tuple[str, ...]:
     return (*FASTEST_FIRST.get(min(major, 10), ()), "sdpa")  # before Ampere: SDPA's pick only
 
 
-def choose(device: torch.device, dtype: str, head_dim: int) -> tuple[str, str]:
-    """(backend, why) of `auto`: the first of `candidates` that runs here."""
+def choose(device: torch.device, dtype: str, head_dim: int, lengths=(PROBE_LENGTH,),
+           fullgraph: bool = False) -> tuple[str, str]:
+    """(backend, why) of `auto`: the first of `candidates` usable here."""
     skipped = []
     for backend in candidates(device):
-        reason = why_not(backend, device, dtype, head_dim)
+        reason = why_not(backend, device, dtype, head_dim, lengths, fullgraph)
         if reason is None:
-            where = (f"sm{''.join(map(str, torch.cuda.get_device_capability(device)))}"
-                     if device.type == "cuda" else device.type)
-            why = f"auto on {where}, {dtype}, head dim {head_dim}: the fastest listed for it that runs"
-            return backend, why + (f"; not {'; not '.join(skipped)}" if skipped else "")
+            return backend, explain(backend, device, dtype, head_dim, lengths, fullgraph, skipped)
         skipped.append(f"{backend} ({reason})")
     raise AssertionError("sdpa always runs")
 
 
-def apply_attention_backend(model: nn.Module, requested: str, device: torch.device, dtype: str,
-                            head_dim: int) -> str:
-    """Set the attention kernel of every attention in `model`; returns the backend's name."""
+def explain(backend: str, device: torch.device, dtype: str, head_dim: int, lengths, fullgraph: bool,
+            skipped: list[str]) -> str:
+    where = f"sm{''.join(map(str, torch.cuda.get_device_capability(device)))}" if device.type == "cuda" \
+        else device.type
+    why = f"auto on {where}, {dtype}, head dim {head_dim}: the fastest listed for it that "
+    why += ("runs" if backend in ("sdpa", "math") else
+            f"agrees with the math kernel at sequence length {', '.join(map(str, lengths))}"
+            + (" and compiles in one graph" if fullgraph else ""))
+    if backend == "sdpa_cudnn":
+        why += ("; PyTorch itself prefers cuDNN here" if torch_prefers_cudnn() else
+                f"; PyTorch itself would not prefer cuDNN here (cuDNN {torch.backends.cudnn.version()}: it does on "
+                f"sm90/sm100 from 9.15.1, which fixed a wrong backward at lengths not divisible by 128)")
+    return why + (f"; not {'; not '.join(skipped)}" if skipped else "")
+
+
+def apply_attention_backend(model: nn.Module, requested: str, device: torch.device, dtype: str, head_dim: int,
+                            lengths=(PROBE_LENGTH,), fullgraph: bool = False) -> str:
+    """Set the attention kernel of every attention in `model`; returns the backend's name. `lengths`: the run's
+    sequence lengths (image + text tokens of each latent size), where each kernel is checked against the math
+    kernel; `fullgraph`: the blocks will be compiled with fullgraph=True."""
+    lengths = sorted(set(lengths))
     if requested == "auto":
-        backend, why = choose(device, dtype, head_dim)
+        backend, why = choose(device, dtype, head_dim, lengths, fullgraph)
     else:
-        reason = why_not(requested, device, dtype, head_dim)
+        reason = why_not(requested, device, dtype, head_dim, lengths, fullgraph)
         if reason:
             raise ConfigError(f"training.attention_backend={requested} cannot run here: {reason}; use auto (the "
                               f"fastest that runs) or another of {', '.join(BACKENDS)}")
@@ -190,3 +274,8 @@ def apply_attention_backend(model: nn.Module, requested: str, device: torch.devi
     use_attention(model, build_kernel(backend))
     log.info("attention: %s (%s)", backend, why)
     return backend
+
+
+def joint_lengths(latent_sizes, patch_size: int, text_tokens: int) -> list[int]:
+    """The sequence lengths of a run's joint attention: image tokens of each latent size plus the text tokens."""
+    return sorted({(h // patch_size) * (w // patch_size) + text_tokens for h, w in latent_sizes})

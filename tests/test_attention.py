@@ -1,6 +1,7 @@
 """Attention kernels: the choice is the model's (no process-wide state); each backend that runs here agrees with
 the math reference, one that cannot is refused with the reason; `auto` takes the fastest listed for the GPU
-generation that runs and says why; training agrees across the CPU backends."""
+generation that is usable (runs, agrees with the math kernel forward and backward at the run's sequence lengths,
+and compiles in one graph where the blocks will be) and says why; training agrees across the CPU backends."""
 
 import typing
 
@@ -12,8 +13,11 @@ from errors import ConfigError
 from models.attention import attention_kernels, math_attention, sdpa_attention
 from models.sd3.model import MMDiT, MMDiTConfig
 from perf import attention as backends
-from perf.attention import BACKENDS, apply_attention_backend, build_kernel, flash_kernel, requirement, why_not
+from data.shapes import IMAGE_SIZE
+from perf.attention import (BACKENDS, apply_attention_backend, build_kernel, flash_kernel, joint_lengths, probe,
+                            requirement, why_not)
 from perf.precision import DTYPES
+from configs.build import build_tokenizer
 from tests.conftest import losses
 from train_mmdit_stable import main
 
@@ -136,12 +140,82 @@ def test_the_flash_kernel_gets_one_dtype(monkeypatch):
     assert seen == [{torch.bfloat16}] and out.shape == q.shape
 
 
-def test_training_with_each_cpu_backend_agrees_and_refuses_one_that_cannot_run(tiny, tmp_path, caplog):
+def test_training_with_each_cpu_backend_agrees_and_refuses_one_that_cannot_run(tiny, tmp_path, caplog, monkeypatch):
+    probed, real_probe = [], backends.probe
+    monkeypatch.setattr(backends, "probe", lambda *args: probed.append(args[4:6]) or real_probe(*args))
     for backend in ("sdpa", "sdpa_flash", "math"):
         assert main(tiny("training.max_steps=2", f"training.attention_backend={backend}", run=backend)) == 0
+    # sdpa_flash was checked at the run's sequence length: 8 x 8 image tokens (patch 4) and the text's, not compiled
+    assert probed == [([(IMAGE_SIZE // 4) ** 2 + build_tokenizer().tokens], False)]
     loss = {b: losses(tmp_path / b) for b in ("sdpa", "sdpa_flash", "math")}
     assert loss["sdpa_flash"] == loss["sdpa"]  # SDPA's CPU pick is its flash kernel
     assert loss["math"] == pytest.approx(loss["sdpa"], rel=1e-5)
     assert main(tiny("training.attention_backend=sdpa_cudnn", run="cudnn")) == 2
     assert "training.attention_backend=sdpa_cudnn cannot run here: it needs a CUDA GPU, not cpu" in caplog.text
     assert not (tmp_path / "cudnn").exists()  # refused before the run directory was made
+
+
+class BackwardWrongUnless128(torch.autograd.Function):
+    """Attention whose backward is wrong at sequence lengths not divisible by 128, as cuDNN's before 9.15.1."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+            out = math_attention(*inputs)
+        ctx.save_for_backward(out, *inputs)
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        out, *inputs = ctx.saved_tensors
+        grads = torch.autograd.grad(out, inputs, grad)
+        length = inputs[0].shape[2]
+        if length % 128:  # the last, partial tile of tokens gets no gradient
+            grads = [g.clone().index_fill_(2, torch.arange(length - length % 128, length), 0.0) for g in grads]
+        return tuple(grads)
+
+
+def cudnn_before_9_15_1(q, k, v):
+    return BackwardWrongUnless128.apply(q, k, v)
+
+
+@torch._dynamo.disable
+def opaque(q, k, v):  # as dynamo sees flash-attn-4's CuTe-DSL kernels: code it does not trace
+    return math_attention(q, k, v)
+
+
+def test_a_kernel_is_checked_against_the_math_kernel_at_the_runs_sequence_lengths():
+    """SD3 at 1024 px attends over 4429 tokens, FLUX.1 over 4608 (joint_lengths); a kernel with a wrong backward
+    at lengths not divisible by 128 passes at 256 and is refused at the run's length, naming what is wrong."""
+    assert joint_lengths([(128, 128)], 2, 333) == [4429]
+    assert joint_lengths([(128, 128), (96, 160), (160, 96)], 2, 512) == [4352, 4608]
+    assert probe(cudnn_before_9_15_1, torch.device("cpu"), "fp32", 16, [256]) is None
+    refused = probe(cudnn_before_9_15_1, torch.device("cpu"), "fp32", 16, [256, 300])
+    assert refused.startswith("at sequence length 300 its dq is off by") and "dk is off" in refused \
+        and "dv is off" in refused and "output" not in refused, refused
+    assert probe(math_attention, torch.device("cpu"), "fp32", 16, [300]) is None
+
+
+def test_auto_skips_a_kernel_that_computes_wrong_gradients_or_breaks_the_compiled_graph(monkeypatch, caplog):
+    """auto on a simulated Hopper whose first two kernels run but are unusable here: cuDNN with the old backward
+    bug at the run's 300 tokens, and one dynamo cannot trace when the blocks compile with fullgraph=True; it takes
+    the third, says why, and the explicit choice of either is a ConfigError naming the reason."""
+    fake = {"sdpa_cudnn": cudnn_before_9_15_1, "flash_attn_4": opaque, "sdpa_flash": build_kernel("sdpa_flash")}
+    monkeypatch.setattr(backends, "candidates", lambda device: ("sdpa_cudnn", "flash_attn_4", "sdpa_flash", "sdpa"))
+    monkeypatch.setattr(backends, "requirement", lambda *args: None)
+    monkeypatch.setattr(backends, "build_kernel", fake.get)
+    caplog.set_level("INFO", logger="mmdit")
+    torch._dynamo.reset()
+    cpu = torch.device("cpu")
+    assert apply_attention_backend(tiny_model(), "auto", cpu, "fp32", 16, [300], fullgraph=True) == "sdpa_flash"
+    assert "attention: sdpa_flash (auto on cpu, fp32, head dim 16: the fastest listed for it that agrees with the " \
+           "math kernel at sequence length 300 and compiles in one graph; not sdpa_cudnn (at sequence length 300 " \
+           "its dq is off by" in caplog.text
+    assert "not flash_attn_4 (dynamo cannot trace it in one graph, which compile.scope=blocks needs" in caplog.text
+    assert apply_attention_backend(tiny_model(), "auto", cpu, "fp32", 16, [256], fullgraph=False) == "sdpa_cudnn"
+    assert apply_attention_backend(tiny_model(), "flash_attn_4", cpu, "fp32", 16, [300]) == "flash_attn_4"
+    with pytest.raises(ConfigError, match="attention_backend=flash_attn_4 cannot run here: dynamo cannot trace"):
+        apply_attention_backend(tiny_model(), "flash_attn_4", cpu, "fp32", 16, [300], fullgraph=True)
+    with pytest.raises(ConfigError, match="attention_backend=sdpa_cudnn cannot run here: at sequence length 300"):
+        apply_attention_backend(tiny_model(), "sdpa_cudnn", cpu, "fp32", 16, [4096, 300])
