@@ -5,10 +5,11 @@
 
 For the config as given and for the choices near it (activation checkpointing, a quantized base, FSDP over the
 GPUs, CPU offload, another micro-batch) it prints, per rank, the weights, gradients, optimizer state, EMA,
-weights in flight, activations and overhead, the total, whether it fits, and the compute activation checkpointing
-adds; then the activation checkpointing setting that fits with the least recompute (runtime/memory_plan.py says
-how each is counted). The architecture comes from model.init_from when that folder exists, else from the released model
-the config is named after (or --model); the data's sizes from SD3's encoders at --resolution.
+weights in flight, activations and overhead, the total, whether it fits, and the step time activation checkpointing
+adds (estimated for an H100); then the activation checkpointing setting that fits with the least recompute
+(runtime/memory_plan.py says how each is counted). The architecture comes from model.init_from when that folder
+exists, else from the released model the config is named after (or --model); the data's sizes from SD3's encoders
+at --resolution.
 """
 
 import argparse
@@ -136,7 +137,7 @@ def choices(cfg, gpus: int) -> list[tuple[str, dict]]:
              "quantization": cfg.lora.base_quantization, "cpu_offload": p.cpu_offload}
     rows = [("as configured", given)]
     rows += [(f"activation checkpointing {mode}", {**given, "checkpointing": mode, "every": 1})
-             for mode in ("none", "mlp", "full") if (mode, 1) != (given["checkpointing"], given["every"])]
+             for mode in ("none", "selective", "full") if (mode, 1) != (given["checkpointing"], given["every"])]
     if cfg.lora.enabled:
         rows += [(f"base {q}", {**given, "quantization": q}) for q in ("none", "int8", "nf4") if q != given["quantization"]]
     if gpus > 1 and given["strategy"] == "ddp":
@@ -184,13 +185,13 @@ def cheapest_line(cfg, counts, gpus: int, gpu_gib: float) -> str:
     mode, every, result = found
     return (f"least recompute that fits {gpu_gib:g} GiB: training.activation_checkpointing={mode}"
             + (f" training.activation_checkpointing_every={every}" if every > 1 else "")
-            + f" ({result.peak / GIB:.2f} GiB, +{100 * result.recompute:.0f} % compute)")
+            + f" ({result.peak / GIB:.2f} GiB, +{100 * result.recompute:.0f} % step time)")
 
 
 def print_rows(rows: list[dict], gpu_gib: float) -> None:
     columns = ("weights", "gradients", "optimizer", "ema", "in_flight", "activations", "workspace", "overhead", "total",
                "host")
-    print(f"{'per rank, GiB':<36}" + "".join(f"{c:>12}" for c in columns) + f"{'+compute %':>12}"
+    print(f"{'per rank, GiB':<36}" + "".join(f"{c:>12}" for c in columns) + f"{'+time %':>12}"
           + f"{'fits ' + format(gpu_gib, 'g') + ' GiB':>14}")
     for r in rows:
         print(f"{r['choice']:<36}" + "".join(f"{r[c]:>12.2f}" for c in columns) + f"{r['recompute']:>12.0f}"
@@ -201,7 +202,8 @@ def readme_table(resolution: int) -> str:
     """For each released model, full and LoRA, at micro-batch 1 in bf16: the lightest setting that fits one GPU
     of 24, 48 and 80 GiB, and the per-GPU figure of FSDP over 8 GPUs of 80 GiB."""
     tried = [  # in order: the first that fits is shown
-        ("bf16", {}), ("bf16 + AC mlp", {"checkpointing": "mlp"}), ("bf16 + AC", {"checkpointing": "full"}),
+        ("bf16", {}), ("bf16 + selective AC", {"checkpointing": "selective"}),
+        ("bf16 + AC", {"checkpointing": "full"}),
         ("bf16 + AC, int8 base", {"checkpointing": "full", "quantization": "int8"}),
         ("bf16 + AC, nf4 base", {"checkpointing": "full", "quantization": "nf4"}),
         ("bf16 + AC + CPU offload", {"checkpointing": "full", "cpu_offload": True, "strategy": "fsdp"})]

@@ -286,10 +286,11 @@ class TrainingConfig:
     attention_backend: Literal["auto", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flash_attn_2",
                                "flash_attn_3", "flash_attn_4", "math"] = "auto"
     # activations the backward recomputes instead of keeping (plan_memory.py picks the cheapest setting that fits):
-    #   none: keep all (no recompute); mlp: the MLPs' 4x-wide hidden activations, not attention's (SD3 at 1024 px:
-    #   a third less memory for 15 % more compute); full: whole blocks keep only their inputs (a third more compute)
-    activation_checkpointing: Literal["none", "mlp", "full"] = "none"
-    activation_checkpointing_every: int = 1  # mlp/full in blocks 0, k, 2k, ... only: memory between that and none
+    #   none: keep all; selective: keep the matmuls' and attention's outputs, recompute the norms, modulation and
+    #   activation functions between them (no matmul redone); full: blocks keep only their inputs (a third more
+    #   compute, the least memory)
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    activation_checkpointing_every: int = 1  # selective/full in blocks 0, k, 2k, ... only: memory between it and none
     # non-finite steps in a row before stopping a diverged run; 0: no guard. The guard skips a step on the device
     # and reads its count on log steps only, so it costs no host synchronisation per step
     max_nonfinite_steps: int = 20
@@ -563,10 +564,17 @@ def load_config(path: str | Path = DEFAULT_CONFIG, overrides: list[str] = (), re
         meant = {"activation_checkpointing": "none"} if every == 0 else \
             {"activation_checkpointing": "full", "activation_checkpointing_every": every}
         if resolve:
-            raise ConfigError(f"training.activation_checkpointing={every} is now 'none', 'mlp' or 'full': "
+            raise ConfigError(f"training.activation_checkpointing={every} is now 'none', 'selective' or 'full': "
                               f"{', '.join(f'training.{k}={v}' for k, v in meant.items())} is what {every} meant "
                               f"(in {path} or the command line)")
         given.training.update(meant)  # a run's saved config from before the change: what it meant
+    if every == "mlp":  # recomputed the MLPs in full; removed
+        if resolve:
+            raise ConfigError(f"training.activation_checkpointing=mlp was removed (it recomputed the MLPs' matmuls: "
+                              f"15 % more compute for a third less memory): use selective (keeps the matmuls' outputs, "
+                              f"recomputes what lies between them) or full with training.activation_checkpointing_every"
+                              f"=2 (less memory for the same compute), in {path} or the command line")
+        given.training.activation_checkpointing = "full"  # a run's saved config: the same gradients, less memory
     for (key, old), new in RENAMED_VALUES.items():
         if OmegaConf.select(given, key) == old:
             OmegaConf.update(given, key, new)

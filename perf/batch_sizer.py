@@ -220,7 +220,7 @@ class BatchSizer:
             raise OutOfMemoryAtMicroBatchOne(
                 f"out of memory at step {step} even with micro-batch 1 ({error or 'on another rank'}); "
                 f"{memory_figures(self.device)}. Reduce the model, the resolution or the precision "
-                f"(training.dtype=bf16), or set training.activation_checkpointing=mlp or full")
+                f"(training.dtype=bf16), or set training.activation_checkpointing=selective or full")
         self.failed_at[self.micro_batch] = step
         smaller = self.micro_batch // 2
         log.warning("step %d: out of memory at micro-batch %d (%s); retrying the same samples as micro-batches "

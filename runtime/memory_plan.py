@@ -13,9 +13,12 @@ micro-batch 1. The rest follows stated rules:
   parallel.reshard_after_forward is off), and one block's full fp32 gradient before its reduce-scatter.
 - activations: the saved tensors per sample times the micro-batch, attention counted as a flash kernel keeps it
   (q, k, v, output and row statistics, never the L x L scores). Activation checkpointing in every k-th block:
-  `full` keeps only the block's inputs, `mlp` its MLPs' inputs instead of their hidden activations; the backward
-  recomputes one block (or MLP) at a time, which holds its activations meanwhile. What it costs: the recomputed
-  forward FLOPs (counted on the meta device like the bytes) over the step's (3x the forward's).
+  `full` keeps only the block's inputs, `selective` its inputs and the outputs of its matmuls and attention (what
+  perf/activation_checkpointing.py's policy keeps); the backward recomputes one block at a time, which holds its
+  activations meanwhile. What it costs, as a share of the step's time on an H100 by the roofline (the step: 3x the
+  forward's matmul FLOPs at 800 TFLOP/s): `full` re-runs the block's matmuls (their FLOPs) and its other ops (the
+  bytes they read and write as eager kernels, at 3 TB/s), `selective` the other ops only. Both are counted on the
+  meta device like the bytes; compiled blocks fuse the other ops, so their part is an upper bound.
 - workspace: dequantizing a quantized layer holds its 4-byte level indices and two weight-sized temporaries in
   the compute dtype (int8: three), for the largest such layer.
 - peak: everything that persists, plus the larger of the activations and the gradients (the backward frees
@@ -24,15 +27,21 @@ micro-batch 1. The rest follows stated rules:
   fragmentation.
 """
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.flop_counter import FlopCounterMode
 
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
 from formats import DTYPES
 from models import attention
 from models.quantized import QuantizedLinear
+from perf.activation_checkpointing import keeps
+from perf.float8 import BF16_MATMUL_RATE, MEMORY_RATE
 
 GIB = 2**30
 CUDA_CONTEXT = 0.6 * GIB
@@ -51,7 +60,8 @@ class Plan:
     workspace: float = 0.0
     overhead: float = 0.0
     host: float = 0.0
-    recompute: float = 0.0  # activation checkpointing's extra FLOPs, as a share of the step's
+    recompute: float = 0.0  # activation checkpointing's extra time, as a share of the step's (roofline)
+    recompute_flops: float = 0.0  # its extra FLOPs, as a share of the step's
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -73,11 +83,10 @@ class ModelCount:
     block_inputs: list[int]  # bytes of each block's inputs, per sample
     saved_outside: int  # saved outside the blocks (embeddings, final layer, loss), per sample
     dequantized: dict[str, int]  # the largest quantized layer's weights, by scheme
-    mlp_saved: list[int]  # of saved_per_block, what each block's MLPs save, per sample
-    mlp_inputs: list[int]  # bytes of the inputs of each block's MLPs, per sample
-    largest_mlp: int  # the most one MLP saves, per sample
+    selective_kept: list[int]  # bytes of the outputs of each block's matmuls and attention, per sample
     block_flops: list[int]  # forward FLOPs of each block, per sample
-    mlp_flops: list[int]  # of block_flops, those of its MLPs
+    block_traffic: list[int]  # bytes each block's other ops read and write in its forward, per sample
+    block_weight_traffic: list[int]  # of those ops, the bytes of those on weights alone (dequantization), per step
     forward_flops: int  # of the whole model, per sample
 
 
@@ -88,8 +97,8 @@ def count_model(model, example_inputs, activation_bytes: int, frozen_bytes: int)
     blocks = list(model.transformer.blocks)
     weights = {id(p) for p in model.parameters()}
     n = len(blocks)
-    saved, inputs, mlp_saved, mlp_inputs, one_mlp = [0] * n, [0] * n, [0] * n, [0] * n, [0]
-    block_flops, mlp_flops, current, mlp = [0] * n, [0] * n, [None], [None]
+    saved, inputs, kept, block_flops, current = [0] * n, [0] * n, [0] * n, [0] * n, [None]
+    traffic, weight_traffic = [0] * n, [0] * n
     outside, seen = [0], {}  # one tensor saved by several ops (a block's input by q, k and v) is held once
     flops = FlopCounterMode(display=False)
 
@@ -104,16 +113,18 @@ def count_model(model, example_inputs, activation_bytes: int, frozen_bytes: int)
                 outside[0] += size(t)
             else:
                 saved[current[0]] += size(t)
-            if mlp[0] is not None:
-                mlp_saved[current[0]] += size(t)
-                mlp[0] += size(t)
         return t
 
+    ops = BlockOps(size, [t for t in tree_leaves(example_inputs) if isinstance(t, torch.Tensor)])
+
     def flash_attention(q, k, v):  # what a flash kernel keeps for the backward: inputs, output, row statistics
-        with torch.no_grad():
+        with torch.no_grad(), ops.paused():
             out = attention.math_attention(q, k, v)
-        for t in (q, k, v, out, torch.empty(q.shape[:3], dtype=torch.float32, device="meta")):
+        statistics = torch.empty(q.shape[:3], dtype=torch.float32, device="meta")
+        for t in (q, k, v, out, statistics):
             pack(t)
+        if current[0] is not None:  # the kernel's outputs, which selective checkpointing keeps
+            kept[current[0]] += size(out) + size(statistics)
         return out.requires_grad_(q.requires_grad or k.requires_grad or v.requires_grad)
 
     def enter(index):
@@ -121,35 +132,24 @@ def count_model(model, example_inputs, activation_bytes: int, frozen_bytes: int)
             current[0] = index
             inputs[index] = sum(size(a) for a in args if isinstance(a, torch.Tensor))
             block_flops[index] -= flops.get_total_flops()
+            ops.start()
         return hook
 
     def leave(index):
         def hook(*_):
             current[0] = None
             block_flops[index] += flops.get_total_flops()
-        return hook
-
-    def enter_mlp(index):
-        def hook(module, args):
-            mlp[0] = 0
-            mlp_inputs[index] += sum(size(a) for a in args if isinstance(a, torch.Tensor))
-            mlp_flops[index] -= flops.get_total_flops()
-        return hook
-
-    def leave_mlp(index):
-        def hook(*_):
-            one_mlp[0], mlp[0] = max(one_mlp[0], mlp[0]), None
-            mlp_flops[index] += flops.get_total_flops()
+            kept[index] += ops.kept
+            traffic[index] += ops.traffic
+            weight_traffic[index] += ops.weight_traffic
+            ops.stop()
         return hook
 
     handles = []
     for i, block in enumerate(blocks):
         handles += [block.register_forward_pre_hook(enter(i)), block.register_forward_hook(leave(i))]
-        for ff in (getattr(block, "ff", None), getattr(block, "ff_context", None)):  # a FLUX single block has none
-            if ff is not None:
-                handles += [ff.register_forward_pre_hook(enter_mlp(i)), ff.register_forward_hook(leave_mlp(i))]
     try:
-        with attention.attention_kernel(model, flash_attention), saved_tensors_hooks(pack, lambda t: t), flops:
+        with attention.attention_kernel(model, flash_attention), saved_tensors_hooks(pack, lambda t: t), flops, ops:
             model(*example_inputs).float().square().mean()
     finally:
         for handle in handles:
@@ -170,8 +170,55 @@ def count_model(model, example_inputs, activation_bytes: int, frozen_bytes: int)
         block_trained=[sum(p.numel() for p in b.parameters() if p.requires_grad) for b in blocks],
         root_bytes=stored(model) - sum(stored(b) for b in blocks),
         saved_per_block=saved, block_inputs=inputs, saved_outside=outside[0],
-        dequantized=largest_quantized(model), mlp_saved=mlp_saved, mlp_inputs=mlp_inputs, largest_mlp=one_mlp[0],
-        block_flops=block_flops, mlp_flops=mlp_flops, forward_flops=flops.get_total_flops())
+        dequantized=largest_quantized(model), selective_kept=kept, block_flops=block_flops, block_traffic=traffic,
+        block_weight_traffic=weight_traffic, forward_flops=flops.get_total_flops())
+
+
+class BlockOps(TorchDispatchMode):
+    """Inside a block (between `start` and `stop`): the bytes of the outputs of the ops selective checkpointing
+    keeps (`kept`), and the bytes the other ops read and write (what recomputing them moves, each op an eager
+    kernel): `traffic` for ops on the data (computed from `inputs`), which scale with the batch, `weight_traffic`
+    for the others (a quantized weight's dequantization: once per step). Views and allocations move nothing."""
+
+    def __init__(self, size, inputs: list[torch.Tensor]):
+        super().__init__()
+        self.size, self.counting, self.kept, self.traffic, self.weight_traffic = size, False, 0, 0, 0
+        self.from_inputs = {id(t): t for t in inputs}  # tensors computed from the data (kept alive: ids stay unique)
+
+    def start(self):
+        self.counting, self.kept, self.traffic, self.weight_traffic = True, 0, 0, 0
+
+    def stop(self):
+        self.counting = False
+
+    @contextmanager
+    def paused(self):
+        counting, self.counting = self.counting, False
+        try:
+            yield
+        finally:
+            self.counting = counting
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        read = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        written = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        of_data = any(id(t) in self.from_inputs for t in read)
+        if of_data:
+            self.from_inputs.update((id(t), t) for t in written)
+        if self.counting and not func.is_view and func not in NO_TRAFFIC:
+            if keeps(func):
+                self.kept += sum(map(self.size, written))
+            elif of_data:
+                self.traffic += sum(map(self.size, read + written))
+            else:
+                self.weight_traffic += sum(map(self.size, read + written))
+        return out
+
+
+aten = torch.ops.aten
+NO_TRAFFIC = {aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default, aten.detach.default,
+              aten.new_empty.default, aten.lift_fresh.default}
 
 
 def largest_quantized(model) -> dict[str, int]:
@@ -207,8 +254,11 @@ def plan(count: ModelCount, *, strategy: str, ranks: int, micro_batch: int, dtyp
         p.notes.append("weights, gradients, AdamW state and EMA in host memory; the optimizer step runs there")
     checkpointed = range(0, len(count.saved_per_block), every) if checkpointing != "none" else range(0)
     p.activations = micro_batch * (held_in_backward(count, checkpointing, set(checkpointed)) + count.saved_outside)
-    recomputed = count.block_flops if checkpointing == "full" else count.mlp_flops
-    p.recompute = sum(recomputed[i] for i in checkpointed) / (3 * count.forward_flops)
+    flops = micro_batch * sum(count.block_flops[i] for i in checkpointed) if checkpointing == "full" else 0
+    traffic = sum(micro_batch * count.block_traffic[i] + count.block_weight_traffic[i] for i in checkpointed)
+    step_flops = 3 * micro_batch * count.forward_flops  # both re-run the ops between the matmuls; full those too
+    p.recompute_flops = flops / step_flops
+    p.recompute = (flops / BF16_MATMUL_RATE + traffic / MEMORY_RATE) / (step_flops / BF16_MATMUL_RATE)
     p.workspace = max([n * (4 + 2 * compute) for s, n in count.dequantized.items() if s == "nf4"] +
                       [n * 3 * compute for s, n in count.dequantized.items() if s == "int8"] + [0])
     if gpu:
@@ -218,24 +268,22 @@ def plan(count: ModelCount, *, strategy: str, ranks: int, micro_batch: int, dtyp
 
 def held_in_backward(count: ModelCount, checkpointing: str, checkpointed: set[int]) -> int:
     """The most the blocks' saved activations take per sample: at the start of the backward, or while it runs a
-    block (from the last to the first), when the blocks before it still keep what they saved and a checkpointed
-    block (or MLP) holds its recomputed activations too."""
+    block (from the last to the first), when the blocks before it still keep what they kept and a checkpointed
+    block holds its recomputed activations too."""
     kept, running = [], []
     for i, saved in enumerate(count.saved_per_block):
         if i not in checkpointed:
             kept.append(saved)
-            running.append(saved)
         elif checkpointing == "full":
             kept.append(count.block_inputs[i])
-            running.append(saved)
         else:
-            kept.append(saved - count.mlp_saved[i] + count.mlp_inputs[i])
-            running.append(kept[-1] + count.largest_mlp)
+            kept.append(count.block_inputs[i] + count.selective_kept[i])
+        running.append(max(saved, kept[-1]))
     return max([sum(kept)] + [sum(kept[:i]) + running[i] for i in range(len(kept))])
 
 
 # activation checkpointing settings (mode, every k-th block), from the least recompute to the least memory
-CHECKPOINTING = [("none", 1), *[(mode, every) for mode in ("mlp", "full") for every in (4, 2, 1)]]
+CHECKPOINTING = [("none", 1), *[(mode, every) for mode in ("selective", "full") for every in (4, 2, 1)]]
 
 
 def cheapest_checkpointing(count: ModelCount, gpu_bytes: float, **settings) -> tuple[str, int, Plan] | None:

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import train_mmdit_stable
 from configs.build import build_model, build_tokenizer
@@ -82,9 +83,11 @@ def test_a_failed_compilation_falls_back_to_eager(tiny, tmp_path, monkeypatch, c
     assert fallbacks == {"eager": [None] * 3, "broken": [len(calls)] * 3} and len(calls) >= 2  # both block kinds
 
 
-def checkpointing_model(mode: str, every: int):
-    """A 3-block model with non-zero weights (adaLN-Zero left as initialised would make blocks identities)."""
-    cfg = load_config(overrides=["model.num_layers=3", "text_encoder.dim=32", "text_encoder.num_heads=2"])
+def checkpointing_model(mode: str, every: int, family: str = "sd3"):
+    """A 3-block model (SD3: two joint blocks and the last one; FLUX: a double and two single blocks) with non-zero
+    weights (adaLN-Zero left as initialised would make blocks identities)."""
+    sizes = ["model.num_layers=3"] if family == "sd3" else ["model.num_layers=1", "model.num_single_layers=2"]
+    cfg = load_config(overrides=[f"model.family={family}", *sizes, "text_encoder.dim=32", "text_encoder.num_heads=2"])
     torch.manual_seed(0)
     model = build_model(cfg, ShapesDataset, build_tokenizer())
     for p in model.parameters():
@@ -93,27 +96,48 @@ def checkpointing_model(mode: str, every: int):
     return model
 
 
-@pytest.mark.parametrize("mode,every", [("full", 2), ("mlp", 2)])  # blocks 0 and 2 checkpointed, 1 not
-def test_activation_checkpointing_gives_the_same_gradients_and_recomputes(mode, every):
-    """The same gradients bitwise, and the checkpointed blocks (0, every, 2*every, ...) recompute what the mode
-    says: full the whole block (its attention runs twice), mlp its MLPs only (attention runs once)."""
-    tokenizer = build_tokenizer()
-    grads, calls = [], []
-    for checkpointing in ("none", mode):
-        model = checkpointing_model(checkpointing, every)
-        count = {"attn": [0, 0, 0], "ff": [0, 0, 0]}
-        for i, block in enumerate(model.transformer.transformer_blocks):  # inside the MLP: its recompute calls
-            for part, module in (("attn", block.attn), ("ff", block.ff.net[0])):  # ff.forward, not ff()
-                module.register_forward_pre_hook(lambda *_, i=i, p=part: count[p].__setitem__(i, count[p][i] + 1))
-        g = torch.Generator().manual_seed(1)
-        x, sigma = torch.randn(4, 3, 32, 32, generator=g), torch.rand(4, generator=g)
-        model(x, sigma, tokenizer(["a red circle in the center"] * 4)).square().mean().backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-        calls.append(count)
-    assert_close(grads[1], grads[0])
-    assert calls[0] == {"attn": [1, 1, 1], "ff": [1, 1, 1]}
-    twice = [2 if i % every == 0 else 1 for i in range(3)]
-    assert calls[1] == {"attn": twice if mode == "full" else [1, 1, 1], "ff": twice}
+class OpCount(TorchDispatchMode):
+    """How many times the forward and backward ran matmuls and layer norms."""
+
+    def __init__(self):
+        super().__init__()
+        self.matmuls = self.norms = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.matmuls += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+        self.norms += func is torch.ops.aten.native_layer_norm.default
+        return func(*args, **(kwargs or {}))
+
+
+def gradients(model) -> dict:
+    g = torch.Generator().manual_seed(1)
+    x, sigma = torch.randn(4, 3, 32, 32, generator=g), torch.rand(4, generator=g)
+    model(x, sigma, build_tokenizer()(["a red circle in the center"] * 4)).square().mean().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def gradients_and_op_counts(model) -> tuple[dict, OpCount]:
+    with OpCount() as count:
+        return gradients(model), count
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_activation_checkpointing_gives_the_same_gradients_and_recomputes_what_it_says(family):
+    """In blocks 0 and 2 of 3 (every 2nd): the same gradients bitwise, and the recompute each mode promises,
+    counted in the ops the step runs: selective runs the layer norms of those blocks again and no matmul; full runs
+    both again (each block's forward once more: both layer norms and matmuls of a forward, so it recomputes
+    matmuls)."""
+    (grads, none), (selective_grads, selective), (full_grads, full) = (
+        gradients_and_op_counts(checkpointing_model(mode, 2, family)) for mode in ("none", "selective", "full"))
+    assert_close(selective_grads, grads)
+    assert_close(full_grads, grads)
+    assert selective.matmuls == none.matmuls and selective.norms > none.norms
+    assert full.norms == selective.norms and full.matmuls > none.matmuls
+
+
+def test_activation_checkpointing_names_a_mode_it_does_not_have():
+    with pytest.raises(ValueError, match="activation checkpointing mode 'mlp', expected one of"):
+        checkpointing_model("mlp", 1)
 
 
 def test_the_old_integer_checkpointing_setting_is_named_with_what_it_meant(tmp_path):
@@ -129,32 +153,40 @@ def test_the_old_integer_checkpointing_setting_is_named_with_what_it_meant(tmp_p
     assert load_config(saved, resolve=False).training.activation_checkpointing == "none"
 
 
-@pytest.mark.parametrize("mode", ["mlp", "full"])
-def test_checkpointed_blocks_compile_without_graph_breaks(mode):
-    """Each block compiles to one graph with its checkpointed regions in it (fullgraph would raise on a break;
-    dynamo's counters say none happened), forward and backward."""
-    model = checkpointing_model(mode, 1)
-    block = model.transformer.transformer_blocks[0]
+def test_the_removed_mlp_checkpointing_is_named_with_what_to_use(tmp_path):
+    """Given by a user: refused, naming the replacements; in a run's saved config: full, which computes the same
+    gradients in less memory, so the run resumes."""
+    with pytest.raises(ConfigError, match="training.activation_checkpointing=mlp was removed .*use selective"):
+        load_config(overrides=["training.activation_checkpointing=mlp"])
+    saved = tmp_path / "config.yaml"
+    saved.write_text("training:\n  activation_checkpointing: mlp\n  activation_checkpointing_every: 2\n")
+    training = load_config(saved, resolve=False).training
+    assert (training.activation_checkpointing, training.activation_checkpointing_every) == ("full", 2)
+
+
+@pytest.mark.parametrize("mode,family", [("selective", "sd3"), ("selective", "flux"), ("full", "flux")])
+def test_checkpointed_blocks_compile_without_graph_breaks(mode, family):
+    """Each kind of block compiles to one graph with its checkpointed region in it (fullgraph would raise on a
+    break; dynamo's counters say none happened), forward and backward, and computes what the eager blocks do."""
+    eager, compiled = checkpointing_model(mode, 1, family), checkpointing_model(mode, 1, family)
     torch._dynamo.reset()
     counters.clear()
-    block.compile(backend="aot_eager", fullgraph=True)
-    g, width = torch.Generator().manual_seed(1), block.attn.to_q.in_features
-    x, c, temb = (torch.randn(2, 5, width, generator=g), torch.randn(2, 3, width, generator=g),
-                  torch.randn(2, width, generator=g))
-    out_x, out_c = block(x, c, temb)
-    (out_x.square().mean() + out_c.square().mean()).backward()
-    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    for block in compiled.transformer.blocks:
+        block.compile(backend="aot_eager", fullgraph=True)
+    grads, compiled_grads = gradients(eager), gradients(compiled)
+    assert counters["stats"]["unique_graphs"] >= 2 and not counters["graph_break"]  # both kinds of block
+    assert_close(compiled_grads, grads, atol=1e-6)
 
 
 def test_compile_and_activation_checkpointing_compose(tiny, tmp_path):
-    """With checkpointing on, the blocks still run compiled: dynamo captures graphs that contain the
-    checkpointed region (wrapping a block's forward in functools.partial(checkpoint, ...) compiled nothing).
-    aot_eager traces the graphs inductor would get and runs their (decomposed) ops: eager's weights within 1e-7
-    (measured 9e-11)."""
+    """With selective checkpointing on, the blocks still run compiled: dynamo captures graphs that contain the
+    checkpointed region and its policy (wrapping a block's forward in functools.partial(checkpoint, ...) compiled
+    nothing). aot_eager traces the graphs inductor would get and runs their (decomposed) ops: eager's weights within
+    1e-7 (measured 9e-11 with full checkpointing, whose compiled blocks tests/test_distributed.py also trains)."""
     results = {}
     for name, overrides in {"eager": [], "compiled": ["compile.enabled=true", "compile.backend=aot_eager"]}.items():
         counters.clear()
-        assert main(tiny("training.max_steps=2", "optimizer.eps=1e-3", "training.activation_checkpointing=full",
+        assert main(tiny("training.max_steps=2", "optimizer.eps=1e-3", "training.activation_checkpointing=selective",
                          *overrides, run=name)) == 0
         results[name] = {**counters["stats"], "graph breaks": sum(counters["graph_break"].values())}
     assert results["eager"] == {"graph breaks": 0}
