@@ -68,7 +68,7 @@ ROWS = [
         speed=True),
     Row("compile", ["compile.enabled=true"], speed=True),
     Row("activation checkpointing", ["training.activation_checkpointing=full"], speed=True),
-    Row("activation checkpointing, MLPs only", ["training.activation_checkpointing=mlp"]),
+    Row("selective activation checkpointing", ["training.activation_checkpointing=selective"]),
     Row("compile + activation checkpointing", ["compile.enabled=true", "training.activation_checkpointing=full"],
         speed=True),
     Row("float8, bf16", ["training.dtype=bf16", "float8.enabled=true"], needs="fp8"),

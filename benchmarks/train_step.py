@@ -46,7 +46,7 @@ autocast) at the row's kernel: SD3's attention processor in diffusers calls `F.s
 itself and ignores `set_attention_backend`, so an SDPA kernel of ours (sdpa_cudnn, ...) is forced around
 diffusers' whole step with `torch.nn.attention.sdpa_kernel`; a flash-attn backend of ours has no counterpart
 there (the row says so and diffusers runs SDPA's own choice). Activation checkpointing: diffusers checkpoints
-every block or none; where ours does something else (every k-th block, MLPs only) diffusers checkpoints every
+every block or none; where ours does something else (every k-th block, selective) diffusers checkpoints every
 block and the row says so. Where the numerics differ: our norms (LayerNorm, RMSNorm) run in the activation's
 dtype outside autocast with fp32 statistics, and adaLN modulation is one bf16 multiply-add; under CUDA's autocast
 diffusers' LayerNorms return fp32 and its modulation runs in fp32 (more bytes per block, rounded once more
@@ -197,7 +197,7 @@ SD3_MEDIUM_SWEEP = (
     Variant("bf16 eager", ("compile.enabled=false",), 1),
     Variant("fp32+TF32 eager", ("training.dtype=fp32", "compile.enabled=false"), 1),
     Variant("bf16 compiled, no activation checkpointing", ("training.activation_checkpointing=none",)),
-    Variant("bf16 compiled, checkpointing the MLPs", ("training.activation_checkpointing=mlp",)),
+    Variant("bf16 compiled, selective checkpointing", ("training.activation_checkpointing=selective",)),
     Variant("bf16 compiled, checkpointing every 2nd block", ("training.activation_checkpointing=full",
                                                              "training.activation_checkpointing_every=2")),
     *(Variant(f"bf16 compiled, attention {b}", (f"training.attention_backend={b}",))
