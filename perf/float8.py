@@ -116,7 +116,8 @@ def apply_float8(model: nn.Module, cfg, device: torch.device, sharded: bool) -> 
     for linear in converted:
         pad_weight_gradient(linear)
     linears = sum(isinstance(m, nn.Linear) for block in blocks for m in block.modules())
-    log.info("float8%s: %d of the blocks' %d linears (the image stream's attention and MLP)%s",
+    log.info("float8%s: %d of the blocks' %d linears (attention and MLP over image tokens; the text stream's stay "
+             "in bf16)%s",
              " (emulated)" if cfg.emulate else "", len(converted), linears,
              ", all-gathered in float8" if sharded else "")
     if converted and not any(m.weight.requires_grad for m in converted):
