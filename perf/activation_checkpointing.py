@@ -15,9 +15,9 @@ none 25.6 GiB; selective 14.0 GiB for at most 10 % more step time (the recompute
 which compiled blocks fuse); full in every 2nd block 13.5 GiB for 22 %; full 2.3 GiB for 44 %. Selective is for
 training that keeps the matmuls' outputs anyway: with LoRA on a frozen base the backward needs few of them (no
 weight gradients), so selective keeps more than none (SD3.5-large LoRA, micro-batch 2: 23.0 GiB against 21.3) and
-the plan never picks it there; full is the choice. (An earlier `mlp` mode recomputed the MLPs in full: 45 % of a block's forward FLOPs,
-i.e. 15 % more compute for a third less activation memory, which `full` in every 2nd block beats; it is gone, and a
-run directory that saved it resumes with `full`: the same gradients, less memory.)
+the plan never picks it there; full is the choice. (An earlier `mlp` mode recomputed the MLPs in full: 45 % of a
+block's forward FLOPs, i.e. 15 % more compute for a third less activation memory, which `full` in every 2nd block
+beats; it is gone, and a run directory that saved it resumes with `full`: the same gradients, less memory.)
 
 Both keep the gradients bitwise: the recomputed ops see the same inputs (and the RNG state of the forward). Applied
 in place (a block's `forward` is wrapped), so parameter names and state-dict keys stay diffusers-compatible, and on
