@@ -959,27 +959,15 @@ def predict_step(cfg, data: SimpleNamespace | None = None, attention: str | None
 class Preset:
     config: str  # the fine-tuning config, relative to the repository
     architecture: dict  # the released model's sizes (in training, model.init_from's config.json gives them)
-    assumed: list[str] = field(default_factory=list)  # its settings while the config file does not exist
 
 
-FLUX_DEV = {"family": "flux", "num_layers": 19, "num_single_layers": 38, "num_attention_heads": 24,
-            "attention_head_dim": 128, "patch_size": 2, "qk_norm": "rms_norm", "axes_dims_rope": [16, 56, 56],
-            "guidance_embeds": True}
 PRESETS = {
     "sd3-medium": Preset("configs/sd3_medium.yaml", RELEASED["sd3-medium"]),
     "sd3.5-medium": Preset("configs/sd35_medium.yaml", RELEASED["sd35-medium"]),
     "sd3.5-large": Preset("configs/sd35_large.yaml", RELEASED["sd35-large"]),
     "sd3.5-large-lora": Preset("configs/sd35_large_lora.yaml", RELEASED["sd35-large"]),
-    # until configs/flux_dev_lora.yaml exists: configs/sd35_large_lora.yaml's choices at micro-batch 1
-    "flux-dev-lora": Preset("configs/flux_dev_lora.yaml", FLUX_DEV,
-                            ["lora.enabled=true", "lora.rank=16", "lora.alpha=16", "training.train_batch_size=1",
-                             "training.gradient_accumulation_steps=8", "training.dtype=bf16",
-                             "training.activation_checkpointing=full", "compile.enabled=true"]),
-    # until configs/flux_dev.yaml exists: configs/sd35_large.yaml's choices (FSDP over 8 GPUs) at micro-batch 1
-    "flux-dev": Preset("configs/flux_dev.yaml", FLUX_DEV,
-                       ["parallel.strategy=fsdp", "training.train_batch_size=1", "training.gradient_accumulation_steps=1",
-                        "training.dtype=bf16", "training.activation_checkpointing=full", "compile.enabled=true",
-                        "optimizer.weight_decay=0.01"]),
+    "flux-dev-lora": Preset("configs/flux_dev_lora.yaml", RELEASED["flux-dev"]),
+    "flux-dev": Preset("configs/flux_dev.yaml", RELEASED["flux-dev"]),
 }
 
 
@@ -987,12 +975,7 @@ def preset_config(name: str, overrides: list[str] = ()) -> tuple:
     """The preset's config as training reads it (schema <- its YAML <- overrides) with the released architecture,
     and where its settings came from."""
     preset = PRESETS[name]
-    path = ROOT / preset.config
-    if path.is_file():
-        base, source = OmegaConf.load(path), preset.config
-    else:
-        base, source = OmegaConf.from_dotlist(preset.assumed), f"{preset.config} (not written yet; assumed: " \
-                                                              f"{' '.join(preset.assumed)})"
+    base, source = OmegaConf.load(ROOT / preset.config), preset.config
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(Config), base, OmegaConf.from_dotlist(list(overrides)))
     except OmegaConfBaseException as e:  # an unknown key, a wrong type or value

@@ -103,7 +103,7 @@ from models.lora import apply_lora  # noqa: E402
 from models.rectified_flow import interpolate, per_sample_loss  # noqa: E402
 from optim.adamw import build_adamw  # noqa: E402
 from optim.ema import EMA  # noqa: E402
-from perf.attention import BACKENDS, SDPA_KERNELS, apply_attention_backend, choose  # noqa: E402
+from perf.attention import BACKENDS, SDPA_KERNELS, apply_attention_backend, choose, joint_lengths  # noqa: E402
 from perf.parallel import apply_parallelism, unwrap  # noqa: E402
 from perf.precision import autocast, configure_cuda_math, grad_scaler  # noqa: E402
 from plan_memory import FLUX_TEXT, SD3_TEXT, planning_config  # noqa: E402
@@ -114,6 +114,9 @@ from runtime.step_stats import SigmaBuckets, peak_flops, train_flops_per_sample 
 from train_mmdit_stable import forward_backward, optimizer_step  # noqa: E402
 
 RESOLUTION = 1024
+# each row's step as benchmarks/roofline.py predicts it on one H100 (`--predict`, on any machine): a GPU run's table
+# shows it beside the measured step
+PREDICTED = ROOT / "benchmarks" / "train_step_predicted.json"
 
 
 # ----------------------------------------------------------------------------------------------- the rows
@@ -301,7 +304,9 @@ def ours(cfg, data: SimpleNamespace, device: torch.device):
     """This project's model, optimizer and step as train_mmdit_stable.py builds and runs them; the row's facts."""
     t, o = cfg.training, cfg.optimizer
     model = build_trained_model(cfg, data)
-    attention = apply_attention_backend(model, t.attention_backend, device, t.dtype, cfg.model.attention_head_dim)
+    lengths = joint_lengths(data.latent_sizes, cfg.model.patch_size, data.text_tokens)
+    attention = apply_attention_backend(model, t.attention_backend, device, t.dtype, cfg.model.attention_head_dim,
+                                        lengths, fullgraph=cfg.compile.enabled and cfg.compile.scope == "blocks")
     buffers = dict(model.named_buffers())
     model = apply_parallelism(model, cfg, World(), device, lambda name, offsets, sizes: (
         model.initial_value(name, 0) if name in buffers else torch.zeros(())))  # weights: randomize() below
@@ -480,7 +485,10 @@ def measure(row: Row, size: str, steps: int, warmup: int, device: torch.device, 
     median = statistics.median(seconds)
     peak = peak_flops(device, "bf16" if cfg.training.dtype != "fp32" else "fp32", cfg.training.allow_tf32, 0)
     compiler = facts["compiler"]
+    predicted = json.loads(PREDICTED.read_text()).get(row.name, {}) if size == "real" and PREDICTED.is_file() and \
+        not overrides and resolution == RESOLUTION else {}  # predicted for the rows as listed
     return {**result, "status": "passed", "attention": facts["attention"], "notes": facts["notes"],
+            "predicted_step_s": predicted.get("step_s"), "predicted_mfu": predicted.get("mfu"),
             "step_s": median, "step_s_all": seconds, "images_per_s": batch_size / median,
             "tokens_per_s": batch_size * tokens / median, "model_tflop_per_step": flops / 1e12,
             "tflops": flops / median / 1e12, "mfu": flops / median / peak if peak else None,
@@ -509,15 +517,17 @@ def table(rows: list[dict]) -> str:
     def number(value, spec: str) -> str:
         return format(value, spec) if isinstance(value, (int, float)) and not math.isnan(value) else "-"
 
-    lines = ["| model | variant | settings | attention | result | step (s) | images/s | tokens/s | TFLOP/s | MFU | "
-             "peak GiB | syncs/step | graph breaks | eager fallbacks |", "|" + "---|" * 14]
+    lines = ["| model | variant | settings | attention | result | step (s) | predicted (s) | images/s | tokens/s | "
+             "TFLOP/s | MFU | predicted MFU | peak GiB | syncs/step | graph breaks | eager fallbacks |",
+             "|" + "---|" * 16]
     for r in rows:
         outcome = {"passed": "passed", "failed": f"FAILED: {r.get('error')}", "running": "did not finish",
                    "not runnable": f"not runnable here: {r.get('reason')}"}[r["status"]]
         lines.append(f"| {r['model']} | {r['variant']} | {r.get('settings', '-')} | {r.get('attention', '-')} | "
-                     f"{outcome} | {number(r.get('step_s'), '.4f')} | {number(r.get('images_per_s'), '.2f')} | "
-                     f"{number(r.get('tokens_per_s'), '.0f')} | {number(r.get('tflops'), '.2f')} | "
-                     f"{number(r.get('mfu'), '.1%')} | {number(r.get('peak_memory_gib'), '.1f')} | "
+                     f"{outcome} | {number(r.get('step_s'), '.4f')} | {number(r.get('predicted_step_s'), '.4f')} | "
+                     f"{number(r.get('images_per_s'), '.2f')} | {number(r.get('tokens_per_s'), '.0f')} | "
+                     f"{number(r.get('tflops'), '.2f')} | {number(r.get('mfu'), '.1%')} | "
+                     f"{number(r.get('predicted_mfu'), '.1%')} | {number(r.get('peak_memory_gib'), '.1f')} | "
                      f"{number(r.get('host_syncs_per_step'), 'd')} | {number(r.get('graph_breaks'), 'd')} | "
                      f"{number(r.get('eager_fallbacks'), 'd')} |")
     notes = [f"- {r['model']}, {r['variant']}: {note}" for r in rows for note in r.get("notes", [])]
@@ -579,6 +589,9 @@ def main(argv: list[str] | None = None) -> int:
                         "not measured again (a file that does not exist yet starts the table)")
     parser.add_argument("--redo-failed", action="store_true", help="with --resume: measure its failed rows again")
     parser.add_argument("--stop-after", type=float, help="start no row after this many seconds (then --resume)")
+    parser.add_argument("--predict", action="store_true", help=f"predict each row's step on one H100 with "
+                        f"benchmarks/roofline.py instead (no GPU needed) and write {PREDICTED.name}, which a GPU run's "
+                        f"table then shows beside what it measures")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.variants or []) - {row.variant.name for row in all_rows()})
     if unknown:
@@ -592,6 +605,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.out and args.resume:
         parser.error("--resume FILE writes FILE: give --out or --resume, not both")
+    if args.predict:
+        return predict_rows(rows, args.out or PREDICTED)
     try:
         benchmark_config(rows[0].model, args.overrides, args.size)
     except ConfigError as e:
@@ -625,6 +640,27 @@ def main(argv: list[str] | None = None) -> int:
     print(table(in_order(done)))
     print(f"wrote {out}" + (f"; {len(left)} rows left: continue with --resume {out}" if left else ""))
     return 1 if broken or any(r["status"] == "failed" for r in done.values()) else 0
+
+
+def predict_rows(rows: list[Row], out: Path) -> int:
+    """Each row's step at its released size as benchmarks/roofline.py predicts it on one H100 (one micro-step, as
+    measured here); rows it does not model (float8, some attention backends, the diffusers anchors) say why."""
+    from benchmarks.roofline import predict_step
+    predicted = {}
+    for row in rows:
+        cfg = benchmark_config(row.model, list(row.variant.overrides), "real")
+        try:
+            if row.variant.anchor:
+                raise ConfigError("diffusers' model: the roofline counts this project's")
+            p = predict_step(cfg, data_shapes(row.model, "real"), micro_steps=1)
+            predicted[row.name] = {"step_s": p.seconds, "mfu": p.mfu}
+        except ConfigError as e:
+            predicted[row.name] = {"reason": str(e)}
+        print(f"  {row.name}: " + (f"{p.seconds:.4f} s, MFU {p.mfu:.1%}" if "step_s" in predicted[row.name] else
+                                   f"not predicted ({predicted[row.name]['reason']})"), flush=True)
+    write(out, predicted)
+    print(f"wrote {out}")
+    return 0
 
 
 def in_order(done: dict[str, dict]) -> list[dict]:
