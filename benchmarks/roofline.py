@@ -525,7 +525,7 @@ def eager_census(block: nn.Module, shape: BlockShape) -> tuple[list[Kernel], Cou
     bytes its forward saves for the backward, by what made them (`saved_activations`), and the bytes its matmuls
     and attention write in the forward."""
     block, saved = copy.deepcopy(block), Counter()
-    with FakeTensorMode(), cuda_autocast_policy(fused_rms_norm_kernel=True):
+    with FakeTensorMode(allow_non_fake_inputs=True), cuda_autocast_policy(fused_rms_norm_kernel=True):  # nf4 levels
         fake_parameters(block)
         inputs = block_tensors(block, shape)
         census = OpCensus(block.parameters())
@@ -556,7 +556,7 @@ def compiled_graphs(block: nn.Module, shape: BlockShape) -> tuple[FakeTensorMode
             return make_boxed_func(gm.forward)  # run on the fake tensors, for the backward to be traced
         return compiler
 
-    block, mode = copy.deepcopy(block), FakeTensorMode()
+    block, mode = copy.deepcopy(block), FakeTensorMode(allow_non_fake_inputs=True)  # nf4 levels: a constant
     with mode, cuda_autocast_policy():
         fake_parameters(block)
         inputs = block_tensors(block, shape)
@@ -681,7 +681,7 @@ def outside_census(model: nn.Module, data: SimpleNamespace, batch: int, dtype: s
     if singles is not None:
         memo[id(singles)] = nn.ModuleList()
     model, saved, (h, w), (joint, pooled) = copy.deepcopy(model, memo), Counter(), data.latent_sizes[-1], data.text_dims
-    with FakeTensorMode(), cuda_autocast_policy(fused_rms_norm_kernel=True):
+    with FakeTensorMode(allow_non_fake_inputs=True), cuda_autocast_policy(fused_rms_norm_kernel=True):  # nf4 levels
         fake_parameters(model)
         if singles is not None:  # FLUX's rotary tables: made once per shape and kept, not per step
             p = model.transformer.packing(data.latent_channels)
@@ -938,6 +938,9 @@ def predict_step(cfg, data: SimpleNamespace | None = None, attention: str | None
     if cfg.float8.enabled:
         raise ConfigError("float8.enabled=true: float8 matmuls are not modelled (their rates by shape are not known "
                           "here)")
+    if cfg.lora.enabled and cfg.lora.base_quantization == "nf4" and cfg.compile.enabled:
+        raise ConfigError("lora.base_quantization=nf4 compiled: the census's fake-tensor compile cannot take the nf4 "
+                          "level table (a constant); int8 and eager nf4 are modelled")
     t = cfg.training
     rates_of(attention or t.attention_backend)
     check_modelled(t.activation_checkpointing)

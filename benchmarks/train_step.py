@@ -199,7 +199,7 @@ SD3_MEDIUM_SWEEP = (
     *ANCHORS,
     Variant("bf16 eager", ("compile.enabled=false",), 1),
     Variant("fp32+TF32 eager", ("training.dtype=fp32", "compile.enabled=false"), 1),
-    Variant("bf16 compiled, no activation checkpointing", ("training.activation_checkpointing=none",)),
+    Variant("bf16 compiled, full checkpointing", ("training.activation_checkpointing=full",)),
     Variant("bf16 compiled, selective checkpointing", ("training.activation_checkpointing=selective",)),
     Variant("bf16 compiled, checkpointing every 2nd block", ("training.activation_checkpointing=full",
                                                              "training.activation_checkpointing_every=2")),
@@ -289,7 +289,18 @@ def randomize(model: torch.nn.Module) -> None:
             p.random_(-127, 128) if p.dtype == torch.int8 else p.random_(0, 256)
 
 
+_FLOPS: dict[tuple, int] = {}  # the count of a model seen in an earlier row (a large model's takes many seconds)
+
+
 def flops_per_sample(cfg, data: SimpleNamespace) -> int:
+    """Model FLOPs of one sample's training step; the same for every row of one architecture, LoRA and data."""
+    key = (OmegaConf.to_yaml(cfg.model), OmegaConf.to_yaml(cfg.lora), str(vars(data)))
+    if key not in _FLOPS:
+        _FLOPS[key] = count_flops_per_sample(cfg, data)
+    return _FLOPS[key]
+
+
+def count_flops_per_sample(cfg, data: SimpleNamespace) -> int:
     shape = (data.latent_channels, *data.latent_sizes[-1])
     joint, pooled = data.text_dims
 
