@@ -167,7 +167,8 @@ def flux_anchor(cfg, data: SimpleNamespace, device: torch.device):
 
     def forward(x_t: torch.Tensor, sigma: torch.Tensor, text: dict) -> torch.Tensor:
         (h, w), tokens = x_t.shape[-2:], text["prompt_embeds"].shape[1]
-        ids = position_ids(tokens, h // p, w // p, x_t.device)
+        # made on the device, as the pipeline makes them (derived from x_t, so the CPU's host-sync counter knows it)
+        ids = x_t.new_zeros(()) + position_ids(tokens, h // p, w // p, x_t.device)
         guidance = torch.full_like(sigma, cfg.flux.train_guidance) if m.guidance_embeds else None
         out = model(hidden_states=pack(x_t, p), encoder_hidden_states=text["prompt_embeds"],
                     pooled_projections=text["pooled_prompt_embeds"], timestep=sigma, img_ids=ids[tokens:],

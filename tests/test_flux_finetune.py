@@ -128,7 +128,7 @@ def test_dora_rslora_clip_lora_on_a_quantized_base_with_validation(flux_lora, tm
                     "sampling.resolution_shift=true", "flow.resolution_shift=true")
     assert main(run) == 0
     weights = final_weights(tmp_path / "run")
-    for part in ("transformer.transformer_blocks.0.attn.to_q", "transformer.single_transformer_blocks.1.proj_mlp",
+    for part in ("transformer.transformer_blocks.0.ff.net.2", "transformer.single_transformer_blocks.1.attn.to_q",
                  "text_encoder.clip_l.encoder.layers.0.self_attn.q_proj"):
         assert f"{part}.lora_magnitude_vector.default.weight" in weights, sorted(weights)[:5]
     assert (tmp_path / "run" / "samples" / "step_00000002.png").is_file()

@@ -115,7 +115,7 @@ def test_a_rows_failure_is_recorded_and_a_compiled_row_that_ran_eagerly_says_so(
                                 torch.device("cpu"))
     assert result["status"] == "passed" and result["compile"] and result["eager_fallbacks"] == 2  # both block kinds
     assert result["fallback_errors"] == ["RuntimeError: injected compiler failure"] * 2
-    assert "| sd3-medium | as configured | bf16, compiled, checkpointing full | sdpa | passed |" in \
+    assert "| sd3-medium | as configured | bf16, compiled, checkpointing none | sdpa | passed |" in \
         train_step.table([result]) and train_step.table([result]).splitlines()[2].endswith("| 0 | 0 | 2 |")
 
 
@@ -149,6 +149,7 @@ def test_the_anchor_runs_the_rows_attention_kernel_and_says_where_it_differs(mon
     # a kernel SDPA would not pick on this CPU by itself: the math one (its ops decompose into matmuls)
     monkeypatch.setitem(train_step.SDPA_KERNELS, "sdpa_flash", SDPBackend.MATH)
     assert kernels("training.attention_backend=sdpa_flash") == (set(), [])
-    ops, notes = kernels("training.attention_backend=flash_attn_2", "training.activation_checkpointing_every=2")
+    ops, notes = kernels("training.attention_backend=flash_attn_2", "training.activation_checkpointing=full",
+                         "training.activation_checkpointing_every=2")
     assert notes == ["attention: ours flash_attn_2, diffusers SDPA's own choice (its SD3 attention calls SDPA itself)",
                      "activation checkpointing: ours full every 2, diffusers every block (its only choice)"]
