@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import logging
 import sys
+import traceback
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -63,6 +64,11 @@ def main(argv: list[str] | None = None) -> int:
                                       ConfigError) if world.is_main else nullcontext()
             with lock:
                 return train(cfg, world, device)
+        except BaseException as e:
+            # the frames of its traceback hold the run's process groups: let them go with the rest, now, not at
+            # exit, when a gloo group freed after its peers have gone can hang or abort the process
+            traceback.clear_frames(e.__traceback__)
+            raise
         finally:
             destroy_distributed()
     except InputError as e:  # the user's input: one line, once
