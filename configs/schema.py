@@ -307,8 +307,9 @@ class CompileConfig:
     mode: Literal["default", "reduce-overhead", "max-autotune"] = "default"  # longer compile, faster steps
     scope: Literal["blocks", "model"] = "blocks"  # whole model fuses more but compiles longer
     # inductor generates fused kernels; aot_eager traces the same graphs without code generation (fast to
-    # compile, no speed-up): for checking that a model compiles, and for tests
-    backend: Literal["inductor", "aot_eager"] = "inductor"
+    # compile, no speed-up): for checking that a model compiles, and for tests; eager stops after dynamo's capture
+    # (no backward trace): the quickest check that every block is one graph
+    backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
 
 
 @dataclass

@@ -1,6 +1,9 @@
 """benchmarks/train_step.py (`make bench`). At --size tiny on this CPU every row of the table runs to its end, the
-compiled ones included (one test per row, one step each: the whole table is `make bench ARGS="--size tiny"`), and
-every measured column is filled; rows this machine cannot run are listed with the reason. A row's failure is
+compiled ones included (one test per row, one step each, with dynamo's capture as the compile backend: each block
+is one graph, as inductor would get it. AOTAutograd's trace of each block kind and checkpointing mode is the
+compile tests' (tests/test_plugins.py, tests/test_flux_plugins.py, tests/test_host_syncs.py); the whole table with
+aot_eager is `make bench ARGS="--size tiny"`), and every measured column is filled; rows this machine cannot run
+are listed with the reason. A row's failure is
 recorded and the table goes on; the table is saved row by row and resumed; a compiled row that ran eagerly says
 so; diffusers' anchor runs the row's attention kernel."""
 
@@ -22,7 +25,8 @@ GPU_ONLY = ("it needs a CUDA GPU, not cpu", "needs a GPU with float8 tensor core
 def test_every_row_of_the_tiny_table_runs(row, tmp_path):
     out = tmp_path / "table.json"
     assert train_step.main(["--size", "tiny", "--steps", "1", "--warmup", "0", "--models", row.model,
-                            "--variants", row.variant.name, "--out", str(out)]) == 0
+                            "--variants", row.variant.name, "--overrides", "compile.backend=eager",
+                            "--out", str(out)]) == 0
     [result] = json.loads(out.read_text())["rows"]
     if result["status"] == "not runnable":
         assert any(reason in result["reason"] for reason in GPU_ONLY), result
