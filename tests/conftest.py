@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -160,18 +161,29 @@ def trains(world_size: int, overrides: list[str], tmp_path: Path) -> None:
     assert results == [{"status": 0}] * world_size, results
 
 
-def sigkill_after(overrides: list[str], line_marker: str) -> None:
-    """A one-process run in a child, SIGKILLed as soon as it prints a line containing `line_marker` (e.g. a
-    checkpoint's "complete"): somewhere in the steps that follow."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "train_mmdit_stable.py", *overrides], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout:
-        if line_marker in line:
-            proc.send_signal(signal.SIGKILL)
-            break
-    proc.wait(timeout=120)
-    assert proc.returncode == -signal.SIGKILL, f"the run ended before printing {line_marker!r}"
+def train_logging_to(path: Path, overrides: list[str]) -> None:
+    """main() in a child whose output (both streams, line by line) goes to `path`."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout = sys.stderr = open(1, "w", buffering=1, closefd=False)
+    from train_mmdit_stable import main
+    sys.exit(main(overrides))
+
+
+def sigkill_after(overrides: list[str], line_marker: str, log: Path) -> None:
+    """A one-process run in a child process (forked from the forkserver: the imports are paid once), SIGKILLed
+    as soon as it writes a line containing `line_marker` (e.g. a checkpoint's "complete") to `log`: somewhere in
+    the steps that follow."""
+    proc = forkserver().Process(target=train_logging_to, args=(log, overrides))
+    proc.start()
+    deadline = time.monotonic() + TIMEOUT_S
+    while proc.is_alive() and time.monotonic() < deadline and not (log.is_file() and line_marker in log.read_text()):
+        time.sleep(0.01)
+    proc.kill()  # SIGKILL, unless it ended (and was reaped) already
+    proc.join(timeout=60)
+    assert proc.exitcode == -signal.SIGKILL, f"the run ended ({proc.exitcode}) before printing {line_marker!r}:\n" + (
+        log.read_text()[-3000:] if log.is_file() else "")
 
 
 def metric_rows(run_dir: Path) -> list[dict]:

@@ -158,9 +158,9 @@ def test_lora_on_a_quantized_base_under_fsdp_equals_one_process(lora_run, tmp_pa
 
 
 def test_a_quantized_lora_run_killed_mid_training_resumes_bit_for_bit(lora_run, tmp_path):
-    common = ["lora.base_quantization=int8", "training.max_steps=60", "checkpoint.every=20", "logging.log_every=20"]
+    common = ["lora.base_quantization=int8", "training.max_steps=6", "checkpoint.every=2", "logging.log_every=2"]
     run = lora_run(*common, run="killed")
-    sigkill_after(run, "step_00000040 complete")  # right after its second checkpoint
+    sigkill_after(run, "step_00000004 complete", tmp_path / "killed.log")  # right after its second checkpoint
     assert checkpoints(tmp_path / "killed")
     assert main(run) == 0
     assert main(lora_run(*common, run="straight")) == 0

@@ -88,7 +88,7 @@ def test_a_masked_and_a_plain_dataset_of_other_sizes_train_and_resume_bit_for_bi
               f"caption_dropout: 0.0}}]", "training.max_steps=4", "checkpoint.every=2", "logging.log_every=1",
               "validation.every=2", "validation.loss_sigmas=2", f"validation.vae_from={sd3_dir}", "sampling.steps=2"]
     killed = latent_run(*common, run="killed")
-    sigkill_after(killed, "step_00000002 complete")
+    sigkill_after(killed, "step_00000002 complete", tmp_path / "killed.log")
     assert checkpoints(tmp_path / "killed")
     assert main(killed) == 0
     assert main(latent_run(*common, run="straight")) == 0

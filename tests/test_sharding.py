@@ -245,8 +245,8 @@ def test_workers_killed_at_random_restart_and_finish_with_the_uninterrupted_weig
     run ends. With MASTER_ADDR, as on several nodes (where torchrun's static rendezvous left the restarted
     workers waiting forever, so the launcher uses c10d rendezvous)."""
     import threading
-    overrides = [*TINY, "parallel.strategy=fsdp", "training.train_batch_size=4", "training.max_steps=24",
-                 "checkpoint.every=4", "sampling.steps=1"]
+    overrides = [*TINY, "parallel.strategy=fsdp", "training.train_batch_size=4", "training.max_steps=12",
+                 "checkpoint.every=2", "sampling.steps=1"]
     env = {**os.environ, "PYTHON": sys.executable, "NPROC_PER_NODE": "2", "PYTHONUNBUFFERED": "1"}
     assert [r["status"] for r in spawn(2, train, [*overrides, f"logging.output_dir={tmp_path / 'straight'}"],
                                        tmp_path=tmp_path)] == [0, 0]
@@ -263,7 +263,7 @@ def test_workers_killed_at_random_restart_and_finish_with_the_uninterrupted_weig
     while not any("complete" in line for line in lines) and launcher.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)  # the workers trained and checkpointed (so the restarted ones resume)
     rng = random.Random(7)
-    time.sleep(rng.uniform(0.0, 0.8))  # 20 steps remain: ~0.1 s each, and slower on a busy machine
+    time.sleep(rng.uniform(0.0, 0.8))  # 10 steps remain: ~0.1 s each, and slower on a busy machine
     alive, kills = workers(launcher), 0
     if len(alive) == 2 and launcher.poll() is None:
         os.kill(rng.choice(alive), signal.SIGKILL)

@@ -77,7 +77,7 @@ def test_killed_with_sigkill_resumes_bit_for_bit_and_fsdp_trains_alike(run, tmp_
     resume as for the MMDiT's adapters (tests/test_lora.py): the text encoders' adapters draw from the same RNG."""
     common = ["training.max_steps=4", "checkpoint.every=2", "logging.log_every=2", "lora.base_quantization=nf4"]
     killed = run(*common, name="killed")
-    sigkill_after(killed, "step_00000002 complete")
+    sigkill_after(killed, "step_00000002 complete", tmp_path / "killed.log")
     assert checkpoints(tmp_path / "killed")
     assert main(killed) == 0
     assert main(run(*common, name="straight")) == 0

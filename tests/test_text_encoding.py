@@ -61,9 +61,9 @@ def test_under_fsdp_the_encoders_are_sharded_and_train_like_precomputed(run, tmp
 
 
 def test_a_run_killed_with_sigkill_resumes_bit_for_bit(run, tmp_path):
-    common = ["data.text_encoding=on_the_fly", "training.max_steps=40", "checkpoint.every=10", "logging.log_every=10"]
+    common = ["data.text_encoding=on_the_fly", "training.max_steps=6", "checkpoint.every=2", "logging.log_every=2"]
     killed = run(*common, name="killed")
-    sigkill_after(killed, "step_00000020 complete")  # right after its second checkpoint
+    sigkill_after(killed, "step_00000004 complete", tmp_path / "killed.log")  # right after its second checkpoint
     assert checkpoints(tmp_path / "killed")
     assert main(killed) == 0
     assert main(run(*common, name="straight")) == 0
