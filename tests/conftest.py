@@ -171,15 +171,28 @@ def train_logging_to(path: Path, overrides: list[str]) -> None:
     sys.exit(main(overrides))
 
 
-def sigkill_after(overrides: list[str], line_marker: str, log: Path) -> None:
-    """A one-process run in a child process (forked from the forkserver: the imports are paid once), SIGKILLed
-    as soon as it writes a line containing `line_marker` (e.g. a checkpoint's "complete") to `log`: somewhere in
-    the steps that follow."""
+def start_run(overrides: list[str], log: Path) -> multiprocessing.Process:
+    """A one-process run in a child process of its own, forked from the forkserver (the imports paid once),
+    writing its output to `log`."""
     proc = forkserver().Process(target=train_logging_to, args=(log, overrides))
     proc.start()
-    deadline = time.monotonic() + TIMEOUT_S
-    while proc.is_alive() and time.monotonic() < deadline and not (log.is_file() and line_marker in log.read_text()):
+    return proc
+
+
+def wait_for(proc: multiprocessing.Process, log: Path, marker: str) -> str:
+    """Block until the run has written a line containing `marker` or ended; returns its output so far."""
+    deadline, text = time.monotonic() + TIMEOUT_S, ""
+    while proc.is_alive() and time.monotonic() < deadline and marker not in text:
         time.sleep(0.01)
+        text = log.read_text() if log.is_file() else ""
+    return text
+
+
+def sigkill_after(overrides: list[str], line_marker: str, log: Path) -> None:
+    """A one-process run (start_run), SIGKILLed as soon as it prints a line containing `line_marker` (e.g. a
+    checkpoint's "complete"): somewhere in the steps that follow."""
+    proc = start_run(overrides, log)
+    wait_for(proc, log, line_marker)
     proc.kill()  # SIGKILL, unless it ended (and was reaped) already
     proc.join(timeout=60)
     assert proc.exitcode == -signal.SIGKILL, f"the run ended ({proc.exitcode}) before printing {line_marker!r}:\n" + (

@@ -9,37 +9,24 @@ import time
 from pathlib import Path
 
 from perf.checkpoint import checkpoints, read_checkpoint, read_meta, verify
-from tests.conftest import TINY, assert_close, final_weights, trains
+from tests.conftest import TINY, assert_close, final_weights, start_run, trains, wait_for
 from train_mmdit_stable import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def start(run_dir: Path, *extra: str) -> subprocess.Popen:
-    args = [*TINY, f"logging.output_dir={run_dir}", "checkpoint.every=10", "sampling.steps=1", *extra]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "train_mmdit_stable.py", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def wait_for_training(proc: subprocess.Popen, timeout: float = 60) -> str:
-    """Block until the process has logged a training step or ended; returns what it printed so far."""
-    deadline, seen = time.monotonic() + timeout, []
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        seen.append(line)
-        if not line or " loss " in line:  # a restart after the last step has no step to log
-            return "".join(seen)
-    raise AssertionError("training never started:\n" + "".join(seen))
+def start(run_dir: Path, log: Path, *extra: str):
+    return start_run([*TINY, f"logging.output_dir={run_dir}", "checkpoint.every=10", "sampling.steps=1", *extra], log)
 
 
 def test_sigterm_checkpoints_and_exits_zero(tmp_path):
-    run_dir = tmp_path / "run"
-    proc = start(run_dir, "training.max_steps=100000")
-    wait_for_training(proc)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 0, out
+    run_dir, log = tmp_path / "run", tmp_path / "run.log"
+    proc = start(run_dir, log, "training.max_steps=100000")
+    assert " loss " in wait_for(proc, log, " loss "), log.read_text()
+    proc.terminate()  # SIGTERM
+    proc.join(timeout=60)
+    out = log.read_text()
+    assert proc.exitcode == 0, out
     assert "pre-empted" in out
     last = checkpoints(run_dir)[-1]
     assert verify(last) is None
@@ -55,21 +42,22 @@ def test_sigkill_at_random_moments_never_loses_the_run(tmp_path):
     rng = random.Random(1234)
     run_dir, kills, resumes = tmp_path / "killed", 0, 0
     for attempt in range(6):
-        proc = start(run_dir, f"training.max_steps={steps}")
-        head = ""
+        log = tmp_path / f"attempt{attempt}.log"
+        proc = start(run_dir, log, f"training.max_steps={steps}")
         if attempt < 2:
-            head = wait_for_training(proc)
+            wait_for(proc, log, " loss ")  # a restart after the last step has no step to log
             time.sleep(rng.uniform(0.0, 1.5))
-            if proc.poll() is None:
+            if proc.is_alive():
                 proc.kill()
                 kills += 1
-        out, _ = proc.communicate(timeout=300)
-        resumes += "resumed from" in head + out
-        if proc.returncode == 0:
+        proc.join(timeout=300)
+        out = log.read_text()
+        resumes += "resumed from" in out
+        if proc.exitcode == 0:
             break
         for path in checkpoints(run_dir):  # after every kill, every step_ directory is complete and intact
             assert verify(path) is None, path
-    assert proc.returncode == 0, out
+    assert proc.exitcode == 0, out
     assert kills == 2 and resumes >= 1, f"the test must interrupt training ({kills} kills, {resumes} resumes)"
     assert_close(final_weights(run_dir), final_weights(tmp_path / "reference"))
 
