@@ -59,9 +59,10 @@ class ModelConfig:
     # latent pixels per token side: sd3 patchifies with a conv, flux packs p x p latents (FLUX.1: 2); a smaller
     # value sees finer detail but costs ~4x tokens per halving
     patch_size: int = 4
-    # sd3: joint blocks; flux: double-stream blocks. None: the family's demo size (sd3 6; flux 2, with 4 single)
+    # sd3: joint blocks; flux: double-stream blocks. None: the family's demo size (sd3 6; flux 3, with 4 single)
     num_layers: Optional[int] = None
-    num_single_layers: Optional[int] = None  # flux: single-stream blocks after the double ones; None: 2 x num_layers
+    # flux: single-stream blocks after the double ones; None: 2 x num_layers (FLUX.1's ratio), or 4 in the demo
+    num_single_layers: Optional[int] = None
     num_attention_heads: int = 4  # hidden size = heads * head_dim
     attention_head_dim: int = 32  # wider heads: more capacity, more FLOPs per token
     sample_size: int = 32  # sd3: nominal input size; sets the scale of the sin-cos position table
@@ -520,9 +521,10 @@ ARCHITECTURE_KEYS = {"sd3": ("patch_size", "num_layers", "num_attention_heads", 
                      "flux": ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim",
                               "axes_dims_rope", "guidance_embeds")}
 FLUX_PACKING = 2  # FluxPipeline packs 2x2 latents of its 16-channel VAE into a token: model.patch_size of FLUX.1
-# the tiny models a family trains when its sizes are left unset (the shapes demo): sd3's 6 joint blocks; flux's
-# 2 double- and 4 single-stream blocks (FLUX.1's ratio), which cost about what sd3's 6 do per token
-DEMO_LAYERS = {"sd3": 6, "flux": 2}
+# (double / joint, single) blocks of the tiny model a family trains when its sizes are left unset (the shapes demo):
+# sd3's 6 joint blocks; flux's 3 double- and 4 single-stream ones, which train in about sd3's time and read position
+# from the caption (FLUX.1's ratio, 2 + 4, learned it in one run of three: docs/flux.md)
+DEMO_LAYERS = {"sd3": (6, 0), "flux": (3, 4)}
 # keys that moved to the section a reader looks in: a config that still uses the old name is told the new one
 RENAMED = {"sampling.every": "validation.every", "logging.save_freq": "checkpoint.every",
            "training.compile_model": "compile.enabled", "training.compile_mode": "compile.mode",
@@ -629,7 +631,8 @@ def family_defaults(cfg: DictConfig) -> None:
     targets of diffusers' script for it."""
     m = cfg.model
     if m.num_layers is None:
-        m.num_layers = DEMO_LAYERS[m.family]
+        m.num_layers, single = DEMO_LAYERS[m.family]
+        m.num_single_layers = single if m.num_single_layers is None else m.num_single_layers
     if m.num_single_layers is None:
         m.num_single_layers = 2 * m.num_layers if m.family == "flux" else 0
     if m.family == "flux" and m.axes_dims_rope is None:

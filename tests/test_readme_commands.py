@@ -8,7 +8,7 @@ Run, in a fresh clone of this checkout (its committed state), in the environment
   that a later command reusing runs/shapes would meet a checkpoint beyond its own steps, as after the real 1500.
   Every training command runs with the README's quick-try suffix `QUICK` appended (inside ARGS for make); a
   command that asks for more than 2 processes or several nodes, names a placeholder this test does not bind (an
-  upper-case name such as `FLUX_DIR`), or whose config is still `PENDING` is checked only (below), and so are
+  upper-case name such as `FLUX_DIR`) is checked only (below), and so are
   `make test` (this suite), `make selfcheck` and `pip install` (no package index here; this environment has the
   extras).
 - then the fine-tuning guide's flow (docs/fine-tuning.md, up to its first `## ` heading) in the same clone: the
@@ -60,9 +60,6 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 QUICK = "training.max_steps=2 compile.enabled=false validation.at_end=false"
 MAKE_TRAIN = 'make -o .venv/.installed PY=python train ARGS="training.max_steps=3 validation.at_end=false"'
 BOUND = {"SD3_DIR", "IMAGES", "SHARDS"}
-# what the FLUX.1 work adds (models/flux/, configs/flux_*.yaml, docs/flux.md): until it lands, the README may name
-# it; once a file exists it is checked like any other
-PENDING = {"configs/flux_dev_lora.yaml", "docs/flux.md"}
 SNIPPET_SD3_DIR = '"path/to/stable-diffusion-3-medium-diffusers"'
 FINE_TUNING = ROOT / "docs" / "fine-tuning.md"
 
@@ -163,8 +160,6 @@ def check(command: Command, help_texts: dict[str, str], run_dirs: list[str]) -> 
     assert not unknown, f"{command}: {sorted(unknown)} are not read by launch.sh or train_mmdit_stable.sh"
     if (spec := training(command)) is not None:
         config, overrides = spec
-        if config in PENDING and not (ROOT / config).exists():
-            return None
         assert (ROOT / config).is_file(), f"{command}: {config} does not exist"
         try:
             return load_config(ROOT / config, overrides, resolve=False).logging.output_dir
@@ -224,12 +219,11 @@ def test_links_and_source_paths_of_the_docs_exist():
         text = doc.read_text()
         for link in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text):
             target = (doc.parent / link).resolve()
-            if not link.startswith("http") and not target.exists() and \
-                    str(target.relative_to(ROOT)) not in PENDING:
+            if not link.startswith("http") and not target.exists():
                 missing.append(f"{doc.name}: link {link}")
         for path in re.findall(r"`((?:models|configs|data|perf|runtime|optim|benchmarks|tests|docs)/[\w./-]+"
                                r"\.(?:py|yaml|md|png|txt|sh))`", text):
-            if not (ROOT / path).exists() and path not in PENDING:
+            if not (ROOT / path).exists():
                 missing.append(f"{doc.name}: {path}")
     assert not missing, missing
 
@@ -321,8 +315,6 @@ def as_run(command: Command) -> str | None:
     if argv[:2] == ["make", "train"] and len(argv) == 2:
         return MAKE_TRAIN
     if (spec := training(command)) is not None:
-        if spec[0] in PENDING:
-            return None
         if argv[0] == "make":
             return re.sub(r'ARGS="([^"]*)"', rf'ARGS="\1 {QUICK}"', command.text)
         return command.text if command.text.endswith(QUICK) else f"{command.text} {QUICK}"
