@@ -6,7 +6,6 @@ import multiprocessing
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path

@@ -7,7 +7,6 @@ file loads through diffusers' converter as the PEFT file does; DoRA, full fine-t
 import logging
 import os
 import signal
-import time
 import types
 
 import pytest
@@ -22,7 +21,7 @@ from models.flux.kohya import export_kohya_lora, kohya_lora
 from models.flux.model import pack, position_ids, unpack
 from perf.checkpoint import checkpoints
 from sample_mmdit import load_trained
-from tests.conftest import TIMEOUT_S, assert_close, final_weights, forkserver, image_folder, train
+from tests.conftest import assert_close, final_weights, image_folder, sigkill_after
 from tests.test_flux_model import diffusers_output, inputs, ours_output
 from train_mmdit_stable import main
 
@@ -194,20 +193,6 @@ def sigint_at_first_step(overrides: list[str]) -> int:
         logger.setLevel(level)
 
 
-def sigkill_after_checkpoint(overrides: list[str], run_dir, step: int) -> None:
-    """main() in a process forked from the tests' fork server (its imports done once: a fresh interpreter spent
-    most of this test's time importing), SIGKILLed as soon as the checkpoint of `step` is complete (its folder
-    appears by a rename): somewhere in the steps that follow."""
-    proc = forkserver().Process(target=train, args=(overrides,))
-    proc.start()
-    done, deadline = run_dir / "checkpoints" / f"step_{step:08d}", time.monotonic() + TIMEOUT_S
-    while not done.exists() and proc.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.005)
-    proc.kill()
-    proc.join()
-    assert proc.exitcode == -signal.SIGKILL and done.exists(), f"the run ended ({proc.exitcode}) before {done}"
-
-
 def flux_inputs() -> dict:
     """Inputs of the tiny pipeline's transformer (4-channel 8x8 latents, T5 width 24, CLIP-L width 8, guidance)."""
     return inputs({"in_channels": 16, "joint_attention_dim": 24, "pooled_projection_dim": 8, "guidance_embeds": True},
@@ -243,7 +228,8 @@ def test_lora_run_resumes_after_sigint_and_sigkill_and_loads_into_the_flux_pipel
     assert sigint_at_first_step(interrupted) == 0
     assert "received SIGINT" in caplog.text and "pre-empted: checkpoint of step 1 written" in caplog.text
     assert [c.name for c in checkpoints(tmp_path / "interrupted")] == ["step_00000001"]
-    sigkill_after_checkpoint(interrupted, tmp_path / "interrupted", 3)
+    sigkill_after(interrupted, "step_00000003 complete", tmp_path / "killed.log")
+    assert "step_00000003" in [c.name for c in checkpoints(tmp_path / "interrupted")]
     assert main(interrupted) == 0
     for part in ("model", "ema"):
         assert_close(final_weights(tmp_path / "interrupted", part), final_weights(tmp_path / "straight", part))
