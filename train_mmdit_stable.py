@@ -255,7 +255,7 @@ def throughput(cfg: DictConfig, dataset, tokenizer, batch_size: int, world: Worl
     """Samples, tokens and FLOPs per second; FLOPs counted once on a meta-device copy of the model, by the rank
     that reports them (the count takes seconds of CPU for a large model)."""
     shape = (dataset.latent_channels, *dataset.latent_sizes[-1])  # the largest size
-    tokens = (shape[1] // cfg.model.patch_size) * (shape[2] // cfg.model.patch_size) + text_tokens(dataset, tokenizer)
+    tokens = joint_lengths([shape[1:]], cfg.model.patch_size, text_tokens(dataset, tokenizer))[0]
     flops = train_flops_per_sample(
         lambda: apply_lora(build_model(cfg, dataset, tokenizer), cfg.lora),
         lambda: (torch.zeros(1, *shape), torch.full((1,), 0.5), example_text(dataset, tokenizer))) \

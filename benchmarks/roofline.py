@@ -44,7 +44,7 @@ import sys
 import warnings
 from collections import Counter, defaultdict
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -63,10 +63,9 @@ sys.path.insert(0, str(ROOT))  # the project folders import by their names
 from configs.build import build_trained_model  # noqa: E402
 from configs.schema import Config, family_defaults  # noqa: E402
 from errors import ConfigError, InputError  # noqa: E402
-from models.families import FAMILIES  # noqa: E402
 from models.flux.model import SingleTransformerBlock  # noqa: E402
 from models.rectified_flow import interpolate, per_sample_loss  # noqa: E402
-from plan_memory import RELEASED, SD3_TEXT  # noqa: E402
+from plan_memory import RELEASED, released_text  # noqa: E402
 from runtime.memory_plan import CUDA_CONTEXT, FRAGMENTATION, GIB  # noqa: E402
 
 aten = torch.ops.aten
@@ -446,16 +445,13 @@ def autocast(dtype: str):
 # ----------------------------------------------------------------------------------------------- blocks
 
 
-FLUX_TEXT = {"tokens": FAMILIES["flux"].max_sequence_length, "joint": 4096, "pooled": 768}  # T5-XXL; CLIP-L pooled
-
-
 def data_like(cfg, resolution: int = 1024) -> SimpleNamespace:
     """What the model needs to know of the data (as plan_memory.py and benchmarks/train_step.py describe it): the
-    family's latents and text embeddings at `resolution` (SD3: CLIP-L + CLIP-G and T5, 333 tokens; FLUX.1-dev: T5,
-    512 tokens)."""
-    text = FLUX_TEXT if cfg.model.family == "flux" else SD3_TEXT
-    side = resolution // SD3_TEXT["vae_factor"]
-    return SimpleNamespace(latent_channels=SD3_TEXT["latent_channels"], latent_sizes=[(side, side)],
+    family's latents and text embeddings at `resolution` (SD3: CLIP-L + CLIP-G and T5, 333 tokens; FLUX.1: T5,
+    512 tokens for dev, 256 for schnell)."""
+    text = released_text(cfg)
+    side = resolution // text["vae_factor"]
+    return SimpleNamespace(latent_channels=text["latent_channels"], latent_sizes=[(side, side)],
                            text_dims=(text["joint"], text["pooled"]), text_tokens=text["tokens"])
 
 
@@ -853,7 +849,6 @@ def predict(census: StepCensus, path: str, attention: str, micro_steps: int, che
     checkpointing's recompute in blocks 0, every, 2*every, ..., then the gradient's clipping, AdamW and the EMA.
     `flat_gemms`: every matmul at the measured large-matmul rate (what the GEMM model costs)."""
     attention = rates_of(attention)
-    kinds = {b.kind: b for b in census.blocks}
     checkpointed = range(0, len(census.kinds), every) if checkpointing != "none" else range(0)
     recompute = {b.kind: recompute_seconds(b.kernels[path], path, attention, checkpointing, flat_gemms)
                  for b in census.blocks}

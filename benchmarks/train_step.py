@@ -319,9 +319,8 @@ def ours(cfg, data: SimpleNamespace, device: torch.device):
     """This project's model, optimizer and step as train_mmdit_stable.py builds and runs them; the row's facts."""
     t, o = cfg.training, cfg.optimizer
     model = build_trained_model(cfg, data)
-    lengths = joint_lengths(data.latent_sizes, cfg.model.patch_size, data.text_tokens)
     attention = apply_attention_backend(model, t.attention_backend, device, t.dtype, cfg.model.attention_head_dim,
-                                        lengths, fullgraph=cfg.compile.enabled and cfg.compile.scope == "blocks")
+                                        *attention_setting(cfg, data))
     buffers = dict(model.named_buffers())
     model = apply_parallelism(model, cfg, World(), device, lambda name, offsets, sizes: (
         model.initial_value(name, 0) if name in buffers else torch.zeros(())))  # weights: randomize() below
@@ -338,10 +337,18 @@ def ours(cfg, data: SimpleNamespace, device: torch.device):
     return model, step, {"attention": attention, "compiler": perf.compile.active, "notes": []}
 
 
-def resolved_attention(cfg, device: torch.device) -> str:
+def attention_setting(cfg, data: SimpleNamespace) -> tuple[list[int], bool]:
+    """The sequence lengths `auto` checks a kernel at and whether the blocks compile as one graph, as
+    train_mmdit_stable.py passes them."""
+    return (joint_lengths(data.latent_sizes, cfg.model.patch_size, data.text_tokens),
+            cfg.compile.enabled and cfg.compile.scope == "blocks")
+
+
+def resolved_attention(cfg, data: SimpleNamespace, device: torch.device) -> str:
+    """The kernel our row runs, which the anchor's row runs too."""
     t = cfg.training
-    return choose(device, t.dtype, cfg.model.attention_head_dim)[0] if t.attention_backend == "auto" \
-        else t.attention_backend
+    return choose(device, t.dtype, cfg.model.attention_head_dim, *attention_setting(cfg, data))[0] \
+        if t.attention_backend == "auto" else t.attention_backend
 
 
 def diffusers_anchor(cfg, data: SimpleNamespace, device: torch.device, build):
@@ -359,7 +366,7 @@ def diffusers_anchor(cfg, data: SimpleNamespace, device: torch.device, build):
         for p in model.parameters():
             if p.requires_grad:
                 p.data = p.data.float()
-    notes, attention = [], resolved_attention(cfg, device)
+    notes, attention = [], resolved_attention(cfg, data, device)
     if attention in SDPA_KERNELS:
         kernel = partial(sdpa_kernel, SDPA_KERNELS[attention])
     else:

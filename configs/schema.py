@@ -632,7 +632,8 @@ def family_defaults(cfg: DictConfig) -> None:
     m = cfg.model
     if m.num_layers is None:
         m.num_layers, single = DEMO_LAYERS[m.family]
-        m.num_single_layers = single if m.num_single_layers is None else m.num_single_layers
+        if m.num_single_layers is None:
+            m.num_single_layers = single
     if m.num_single_layers is None:
         m.num_single_layers = 2 * m.num_layers if m.family == "flux" else 0
     if m.family == "flux" and m.axes_dims_rope is None:

@@ -191,11 +191,12 @@ def sigkill_after(overrides: list[str], line_marker: str, log: Path) -> None:
     """A one-process run (start_run), SIGKILLed as soon as it prints a line containing `line_marker` (e.g. a
     checkpoint's "complete"): somewhere in the steps that follow."""
     proc = start_run(overrides, log)
-    wait_for(proc, log, line_marker)
+    seen = line_marker in wait_for(proc, log, line_marker)
     proc.kill()  # SIGKILL, unless it ended (and was reaped) already
     proc.join(timeout=60)
-    assert proc.exitcode == -signal.SIGKILL, f"the run ended ({proc.exitcode}) before printing {line_marker!r}:\n" + (
-        log.read_text()[-3000:] if log.is_file() else "")
+    said = log.read_text()[-3000:] if log.is_file() else ""
+    assert seen, f"the run never printed {line_marker!r} (killed after {TIMEOUT_S}s or ended):\n{said}"
+    assert proc.exitcode == -signal.SIGKILL, f"the run ended ({proc.exitcode}) before printing {line_marker!r}:\n{said}"
 
 
 def metric_rows(run_dir: Path) -> list[dict]:

@@ -87,7 +87,7 @@ def flux_lora(flux_data, tmp_path):
 def test_encoding_in_the_step_under_fsdp_equals_precomputed_embeddings(flux_lora, tmp_path):
     """CLIP-L and T5 run in the step, sharded layer by layer over 2 FSDP ranks with the transformer: the weights of
     one process on precomputed embeddings (fp32 summation order apart)."""
-    from tests.conftest import assert_close, final_weights, trains
+    from tests.conftest import trains
     assert main(flux_lora("optimizer.eps=1e-3", name="precomputed")) == 0
     trains(2, flux_lora("optimizer.eps=1e-3", "data.text_encoding=on_the_fly", "parallel.strategy=fsdp",
                         "training.train_batch_size=2", name="on_the_fly"), tmp_path)
@@ -120,7 +120,7 @@ def test_dora_rslora_clip_lora_on_a_quantized_base_with_validation(flux_lora, tm
     """The fine-tuning features together on FLUX: DoRA and rsLoRA adapters on both block kinds and on CLIP-L (text
     encoded in the step), an nf4 base, held-out loss and validation images (FLUX's sampler: resolution shift,
     embedded guidance, no CFG)."""
-    from tests.conftest import final_weights, metric_rows
+    from tests.conftest import metric_rows
     run = flux_lora("lora.use_dora=true", "lora.use_rslora=true", "lora.text_encoders=[clip_l]",
                     "data.text_encoding=on_the_fly", "lora.base_quantization=nf4", "data.holdout=2",
                     "validation.every=2", "validation.loss_sigmas=2", "sampling.steps=2", "sampling.cfg_scale=1",

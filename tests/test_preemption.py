@@ -52,6 +52,9 @@ def test_sigkill_at_random_moments_never_loses_the_run(tmp_path):
                 kills += 1
         proc.join(timeout=300)
         out = log.read_text()
+        if proc.is_alive():  # hung: not left running beside the next attempt
+            proc.kill()
+            raise AssertionError(f"attempt {attempt} still running after 300 s:\n{out[-3000:]}")
         resumes += "resumed from" in out
         if proc.exitcode == 0:
             break

@@ -314,7 +314,7 @@ def as_run(command: Command) -> str | None:
         return None
     if argv[:2] == ["make", "train"] and len(argv) == 2:
         return MAKE_TRAIN
-    if (spec := training(command)) is not None:
+    if training(command) is not None:
         if argv[0] == "make":
             return re.sub(r'ARGS="([^"]*)"', rf'ARGS="\1 {QUICK}"', command.text)
         return command.text if command.text.endswith(QUICK) else f"{command.text} {QUICK}"
