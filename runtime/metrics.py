@@ -167,6 +167,17 @@ def start_wandb(run_dir: Path, cfg: DictConfig):
         return None
 
 
+def smoothed(values: np.ndarray, span: float = 0.05) -> np.ndarray:
+    """Each value's mean with its neighbours within `span` of the points on either side (fewer at the ends).
+    Centred, so the line follows the logged values to the last one: an average of past values alone (an EMA)
+    lags a falling loss by its window, which over a run's few logged rows is most of the run."""
+    half = max(1, round(len(values) * span))
+    sums = np.concatenate([[0.0], np.cumsum(values)])
+    lo = np.maximum(np.arange(len(values)) - half, 0)
+    hi = np.minimum(np.arange(len(values)) + half + 1, len(values))
+    return (sums[hi] - sums[lo]) / (hi - lo)
+
+
 def save_loss_curve(metrics_path: Path, out: Path, size: tuple[int, int] = (640, 360)) -> None:
     """The loss of every logged step (raw, and smoothed) as a PNG with a step axis."""
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines()]
@@ -174,10 +185,7 @@ def save_loss_curve(metrics_path: Path, out: Path, size: tuple[int, int] = (640,
     if len(points) < 2:
         return
     steps, losses = np.array(points, dtype=float).T
-    smooth, value = [], losses[0]
-    for loss in losses:
-        value = 0.9 * value + 0.1 * loss
-        smooth.append(value)
+    smooth = smoothed(losses)
     width, height = size
     left, right, top, bottom = 60, 20, 30, 40
     lo, hi = float(losses.min()), float(losses.max()) or 1.0

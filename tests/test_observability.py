@@ -86,6 +86,23 @@ def test_metrics_reach_jsonl_and_tensorboard(tiny, tmp_path):
     assert Image.open(run_dir / "loss_curve.png").size == (640, 360)
 
 
+def test_loss_curve_smoothed_line_ends_at_the_logged_loss(tmp_path):
+    """The default run logs 15 rows, its loss falling from ~1.5 to ~0.08: the smoothed line (dark) must end
+    where the logged losses do, not where an average lagging over most of the run puts it (it ended near 0.35)."""
+    import numpy as np
+    from runtime.metrics import save_loss_curve
+    steps = np.arange(100, 1501, 100)
+    losses = 0.08 + 1.42 * np.exp(-steps / 150) + np.random.default_rng(0).normal(0, 0.01, len(steps))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": int(s), "loss": float(v)}) + "\n"
+                                                    for s, v in zip(steps, losses)))
+    save_loss_curve(tmp_path / "metrics.jsonl", tmp_path / "loss_curve.png")
+    image = np.asarray(Image.open(tmp_path / "loss_curve.png").convert("RGB"))
+    height, (top, bottom, right) = image.shape[0], (30, 40, 20)
+    dark = np.flatnonzero((image[:, image.shape[1] - right - 1] == (20, 60, 200)).all(axis=1))
+    end_loss = losses.max() - (dark.mean() - top) / (height - top - bottom) * (losses.max() - losses.min())
+    assert end_loss == pytest.approx(losses[-3:].mean(), abs=0.02)
+
+
 def test_sigma_buckets_average_per_noise_level():
     buckets = SigmaBuckets(torch.device("cpu"))
     buckets.add(torch.tensor([0.1, 0.2, 0.9, 0.6]), torch.tensor([1.0, 3.0, 5.0, 7.0]))
