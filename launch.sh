@@ -46,6 +46,11 @@ export PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-${PYTORCH_CUDA_ALLOC_CONF:-expan
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
+# CPU threads (torch's GNU OpenMP) wait for work by spinning 300k times before they sleep: on an idle machine that
+# is fastest, but where another job keeps the cores busy the spinning threads take turns with it and training ran
+# at 0.47 of its best. A short spin loses least across both (benchmarks/threads.py: 0.77 idle, 0.82 busy, where
+# OMP_NUM_THREADS=1 gives 0.70 and 1.00); a GPU run's few CPU ops do not notice.
+export GOMP_SPINCOUNT=${GOMP_SPINCOUNT:-1000}
 
 if [[ "$nproc" == 1 && "$nnodes" == 1 && -z "${MASTER_ADDR:-}${RDZV_ENDPOINT:-}${MAX_RESTARTS:-}" ]]; then
   exec "$PYTHON" "$script" "$@"  # the launcher becomes the worker: ending it ends the run
