@@ -12,15 +12,20 @@ install: $(TEST)
 
 # Reuse a torch that is already importable (system site-packages); otherwise install the tested pin.
 # Training needs only the base dependencies; the tests add diffusers, transformers, peft, wandb, ...
-$(BASE): pyproject.toml
+# A fresh `make test` installs both in one pip call (one resolve, one build of this package).
+define venv_with
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install -e .
+	$(PY) -m pip install -e "$(1)"
+endef
+
+$(BASE): pyproject.toml
+	$(call venv_with,.)
 	touch $(BASE)
 
-$(TEST): $(BASE)
-	$(PY) -m pip install -e ".[test]"
-	touch $(TEST)
+$(TEST): pyproject.toml
+	$(call venv_with,.[test])
+	touch $(BASE) $(TEST)
 
 train: $(BASE)
 	PYTHON=$(PY) ./train_mmdit_stable.sh $(ARGS)
