@@ -32,6 +32,7 @@ from models.diffusers_io import (CheckpointFormatError, check_state_dict, export
 from models.families import FAMILIES, transformer_of_record
 from models.flux.kohya import export_kohya_lora, outside_the_blocks
 from perf.checkpoint import find_checkpoint, read_checkpoint
+from runtime.directory_lock import writable_directory
 
 log = logging.getLogger("mmdit")
 PREFIX = "transformer."  # the MMDiT's place in the trained TextToImage module
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     try:
         checkpoint = find_checkpoint(args.checkpoint)
+        writable_directory(args.out.parent, f"--out {args.out}")  # before the checkpoint is read and converted
         out = export(checkpoint, args.out, args.weights == "ema", DTYPES[args.dtype], args.format)
     except (InputError, OSError) as e:  # also: an existing output, a file where a folder must be, a full disk
         log.error("export failed: %s", e)

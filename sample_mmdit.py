@@ -26,6 +26,7 @@ from models.families import FAMILIES, open_weights, transformer_of_record
 from models.pipeline import generate, initial_noise
 from models.text_encoder import TextToImage
 from perf.checkpoint import find_checkpoint, read_checkpoint
+from runtime.directory_lock import writable_directory
 
 log = logging.getLogger("mmdit")
 
@@ -89,13 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps is not None and args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-    try:  # the user's input (prompts, checkpoint, its config): one line, exit 2
+    try:  # the user's input (prompts, checkpoint, its config, the output folder): one line, exit 2
         prompts = read_prompts(args.prompts)
         model, tokenizer, cfg, checkpoint = load_for_sampling(args.checkpoint, use_ema=not args.no_ema)
         try:
             tokenizer(prompts)
         except ValueError as e:  # a word outside the dataset's vocabulary
             raise InputError(f"{args.prompts}: {e}") from None
+        writable_directory(args.out, f"--out {args.out}")  # before the sampling, not after it
     except InputError as e:
         log.error("sample: %s", e)
         return 2

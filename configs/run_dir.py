@@ -16,6 +16,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from configs.schema import load_config
 from errors import ConfigError
 from formats import check_format
+from runtime.directory_lock import writable_directory
 
 log = logging.getLogger("mmdit")
 RUN_FORMAT = 2  # run.json's "format"; directories of format 1 (before run.json) are refused
@@ -31,17 +32,13 @@ def global_batch(cfg: DictConfig, world_size: int = 1) -> int:
 
 
 def prepare_run_dir(cfg: DictConfig, world_size: int) -> Path:
-    """Create the run directory, or check that an existing one belongs to this config before reusing it.
-    The resolved config is written only once the resume is known to be possible (`save_run_config`)."""
+    """Create the run directory, or check that an existing one belongs to this config before reusing it; either
+    must be writable. The resolved config is written only once the resume is known to be possible
+    (`save_run_config`)."""
     run_dir = Path(cfg.logging.output_dir)
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ConfigError(f"logging.output_dir={run_dir} is a file, not a directory")
     if (run_dir / "config.yaml").is_file():
         check_same_run(run_dir, cfg, world_size)
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError) as e:
-        raise ConfigError(f"logging.output_dir={run_dir} cannot be created: {e}") from None
+    writable_directory(run_dir, f"logging.output_dir={run_dir}", ConfigError)
     return run_dir
 
 

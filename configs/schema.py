@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Literal, Optional
 
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -525,6 +526,7 @@ FLUX_PACKING = 2  # FluxPipeline packs 2x2 latents of its 16-channel VAE into a 
 # sd3's 6 joint blocks; flux's 3 double- and 4 single-stream ones, which train in about sd3's time and read position
 # from the caption (FLUX.1's ratio, 2 + 4, learned it in one run of three: docs/flux.md)
 DEMO_LAYERS = {"sd3": (6, 0), "flux": (3, 4)}
+SET_WHOLE = "a section is set key by key (training.seed=1), a list whole ('data.datasets=[{path: a}, {path: b}]')"
 # keys that moved to the section a reader looks in: a config that still uses the old name is told the new one
 RENAMED = {"sampling.every": "validation.every", "logging.save_freq": "checkpoint.every",
            "training.compile_model": "compile.enabled", "training.compile_mode": "compile.mode",
@@ -548,11 +550,13 @@ def load_config(path: str | Path = DEFAULT_CONFIG, overrides: list[str] = (), re
         raise ConfigError(f"overrides must be key=value, got {bad}")
     try:
         loaded = OmegaConf.load(path)
-    except Exception as e:  # YAML syntax errors and unreadable files
-        raise ConfigError(f"config file {path} is not valid YAML: {e}".split("\n")[0]) from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {yaml_problem(e, path.read_text())}") from None
+    except (OSError, UnicodeDecodeError, OmegaConfBaseException) as e:  # e.g. not UTF-8; a key `null`
+        raise ConfigError(f"config file {path} cannot be read: {str(e).splitlines()[0]}") from None
     if not isinstance(loaded, DictConfig):
         raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(loaded).__name__}")
-    given = OmegaConf.merge(loaded, OmegaConf.from_dotlist(list(overrides)))
+    given = with_overrides(loaded, list(overrides), path)
     if OmegaConf.select(given, "data.datasets") and OmegaConf.is_missing(given.data, "path"):
         given.data.path = None  # the shipped configs ask for data.path, which data.datasets replaces
     moved = [f"{old} is now {new}" for old, new in RENAMED.items() if OmegaConf.select(given, old) is not None]
@@ -581,11 +585,14 @@ def load_config(path: str | Path = DEFAULT_CONFIG, overrides: list[str] = (), re
     for (key, old), new in RENAMED_VALUES.items():
         if OmegaConf.select(given, key) == old:
             OmegaConf.update(given, key, new)
+    check_dataset_entries(given)
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(Config), given)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
-        raise ConfigError(f"invalid config key {key!r}: {e.msg if hasattr(e, 'msg') else e}".split("\n")[0]) from None
+        raise ConfigError(invalid_key(key, e)) from None
+    except TypeError as e:  # a mapping where the schema has a list (model.dual_attention_layers.0=4), or the reverse
+        raise ConfigError(f"invalid config: {e}: {SET_WHOLE}") from None
     missing = sorted(OmegaConf.missing_keys(given))  # a merge would keep the schema's default instead
     if missing:
         raise ConfigError(f"{path} leaves {missing} to you (marked ???): set them on the command line, "
@@ -604,6 +611,57 @@ def load_config(path: str | Path = DEFAULT_CONFIG, overrides: list[str] = (), re
         check_guidance_keys(cfg, given)
     check_combinations(cfg)
     return cfg
+
+
+def with_overrides(loaded: DictConfig, overrides: list[str], path: Path) -> DictConfig:
+    """The file's config with the `key=value` overrides merged over it. One that cannot be (a value that is not
+    YAML, an item of a list: lists are set whole) is named; it is looked for only then, as a merge costs."""
+    try:
+        return OmegaConf.merge(loaded, OmegaConf.from_dotlist(overrides))
+    except (yaml.YAMLError, OmegaConfBaseException, TypeError) as e:
+        failure = e
+    for override in overrides:
+        try:
+            OmegaConf.merge(loaded, OmegaConf.from_dotlist([override]))
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{override}: the value is not valid YAML ({yaml_problem(e)})") from None
+        except (OmegaConfBaseException, TypeError) as e:  # e.g. data.datasets.1.weight=2
+            raise ConfigError(f"{override} does not fit the structure of {path} ({str(e).splitlines()[0]}): "
+                              f"{SET_WHOLE}") from None
+    raise failure  # only the overrides together: not known to be the user's doing
+
+
+def yaml_problem(e: yaml.YAMLError, source: str | None = None) -> str:
+    """What the YAML parser found, on one line (its own message spreads it over four), and where in `source`, the
+    file's text (None: an override's one-line value)."""
+    if not isinstance(e, yaml.MarkedYAMLError) or e.problem_mark is None:
+        return " ".join(str(e).split())
+    if source is None:
+        return f"{e.problem}{f' ({e.context})' if e.context else ''}"
+    at = lambda mark: f"line {mark.line + 1}, column {mark.column + 1}"  # marks count from 0
+    mark, lines = e.problem_mark, source.splitlines()
+    tab = mark.line < len(lines) and lines[mark.line][mark.column:mark.column + 1] == "\t" and "tab" not in e.problem
+    context = f" ({e.context}{f' at {at(e.context_mark)}' if e.context_mark else ''})" if e.context else ""
+    return f"{at(mark)}: {e.problem}{': a tab (YAML indents with spaces)' if tab else ''}{context}"
+
+
+def invalid_key(key: str | None, e: OmegaConfBaseException) -> str:
+    message = (getattr(e, "msg", None) or str(e)).split("\n")[0]  # the rest repeats the key
+    return f"invalid config key {key!r}: {message}" if key else f"invalid config: {message}"
+
+
+def check_dataset_entries(given: DictConfig) -> None:
+    """Each data.datasets entry against the schema on its own: OmegaConf's merge names a bad key inside a list
+    item without the item (`wieght`, not `data.datasets[1].wieght`)."""
+    entries = OmegaConf.select(given, "data.datasets")
+    if entries is not None and not isinstance(entries, ListConfig):
+        raise ConfigError(f"data.datasets={entries} is not a list: {SET_WHOLE}")
+    for i, entry in enumerate(entries or []):
+        if isinstance(entry, DictConfig):  # anything else the merge names as data.datasets[i] itself
+            try:
+                OmegaConf.merge(OmegaConf.structured(DatasetEntry), entry)
+            except OmegaConfBaseException as e:
+                raise ConfigError(invalid_key(f"data.datasets[{i}].{e.full_key}", e)) from None
 
 
 def check_sections(cfg: DictConfig) -> None:

@@ -61,8 +61,12 @@ def shard_record(directory: Path, file: str, count: int, latent_size) -> dict:
 def publish_json(path: Path, record: dict) -> None:
     """Write a JSON file whole or not at all (a reader never sees part of it): a temporary file, renamed."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    tmp.replace(path)
+    try:
+        tmp.write_text(json.dumps(record, indent=1))
+        tmp.replace(path)
+    except OSError:  # no space left: nothing of it stays
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_index(directory: Path, shards: list[dict], captions: Iterable[list[str]], info: dict) -> None:

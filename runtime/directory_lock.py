@@ -30,6 +30,11 @@ the shared directory, so it keeps a second job out only as far as the filesystem
 - BeeGFS: one node, unless the clients set `tuneUseGlobalFileLocks = true`.
 - CephFS, GPFS (Spectrum Scale): every client.
 Where locking fails (ENOLCK, ENOSYS, EOPNOTSUPP), the job warns that nothing keeps a second one out and runs.
+
+A directory that cannot be created or written (no permission, a read-only filesystem, a file in its path, no space
+left) is the user's to fix: `lock_directory` and `writable_directory` refuse it with the OS's reason, before the
+job computes anything. They find out by writing (the lock file, a probe file): permission bits say nothing for root,
+and only a write sees a read-only mount or a full disk.
 """
 
 import errno
@@ -40,6 +45,7 @@ import os
 import shlex
 import socket
 import sys
+import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
@@ -66,11 +72,7 @@ class DirectoryLock:
             (self.directory / LOCK_FILE).unlink(missing_ok=True)  # still locked: see the module's docstring
             os.close(self.fd)  # releases the lock
             self.fd = None
-        for directory in self.created:  # each only when empty: the start failed before writing anything
-            try:
-                directory.rmdir()
-            except OSError:
-                break
+        remove_if_empty(self.created)  # the start failed before writing anything
         self.created = []
 
     def __enter__(self):
@@ -83,12 +85,10 @@ class DirectoryLock:
 def lock_directory(directory: Path, label: str, error: type[InputError] = InputError) -> DirectoryLock:
     """Lock `directory` (created if need be) for this process, or raise `error` naming it as `label` (e.g.
     "logging.output_dir=runs/x") and its holder, having changed nothing."""
-    for parent in [directory, *directory.parents]:
-        if parent.exists() and not parent.is_dir():
-            raise error(f"{label}: {parent} is a file, not a directory")
+    refuse_a_file_on_the_path(directory, label, error)
     path = directory / LOCK_FILE
     for _ in range(ATTEMPTS):
-        created = [d for d in [directory, *directory.parents] if not d.exists()]
+        created = missing(directory)
         try:
             directory.mkdir(parents=True, exist_ok=True)
             if identity(path) in held:  # never a second descriptor in the holder: it would drop the lock
@@ -97,7 +97,8 @@ def lock_directory(directory: Path, label: str, error: type[InputError] = InputE
         except FileNotFoundError:  # a start that failed removed the directory it had created: create it again
             continue
         except OSError as e:  # a parent is a file, no permission, a read-only filesystem
-            raise error(f"{label} cannot be created or locked: {e}") from None
+            remove_if_empty(created)
+            raise error(unwritable(label, directory, e)) from None
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -117,10 +118,58 @@ def lock_directory(directory: Path, label: str, error: type[InputError] = InputE
         os.close(fd)  # its holder removed it while this start opened it: lock the file there now
     else:
         raise RuntimeError(f"{path} was replaced {ATTEMPTS} times while this process tried to lock it")
+    lock = DirectoryLock(directory, fd, created)
     held.add(identity(fd))
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(holder_info()).encode(), 0)
-    return DirectoryLock(directory, fd, created)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(holder_info()).encode(), 0)
+    except OSError as e:  # no space left
+        lock.close()
+        raise error(unwritable(label, directory, e)) from None
+    return lock
+
+
+def writable_directory(directory: Path, label: str, error: type[InputError] = InputError) -> None:
+    """Create `directory` if need be and write a file in it, or raise `error` naming it as `label` (e.g. "--out x")
+    with the OS's reason, having changed nothing."""
+    refuse_a_file_on_the_path(directory, label, error)
+    created = missing(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory) as probe:  # gone when closed, even if this process is killed
+            probe.write(b"probe")
+            probe.flush()
+    except OSError as e:
+        remove_if_empty(created)
+        raise error(unwritable(label, directory, e)) from None
+
+
+def refuse_a_file_on_the_path(directory: Path, label: str, error: type[InputError]) -> None:
+    for parent in [directory, *directory.parents]:
+        if parent.exists() and not parent.is_dir():
+            raise error(f"{label}: {parent} is a file, not a directory")
+
+
+def missing(directory: Path) -> list[Path]:
+    """`directory` and its parents that do not exist, deepest first: what creating it creates."""
+    return [d for d in [directory, *directory.parents] if not d.exists()]
+
+
+def unwritable(label: str, directory: Path, e: OSError) -> str:
+    """The refusal of a directory that cannot be created or written: the OS's reason, and where when that is one
+    of the parents it would create."""
+    where = Path(e.filename) if e.filename else directory
+    at = "" if directory in (where, *where.parents) else f" (at {where})"
+    return f"{label}: cannot create or write into {directory}{at}: {e.strerror}"
+
+
+def remove_if_empty(directories: list[Path]) -> None:
+    """Remove the directories a failed start created (deepest first), each only while empty."""
+    for directory in directories:
+        try:
+            directory.rmdir()
+        except OSError:
+            break
 
 
 def identity(file: Path | int) -> tuple[int, int] | None:

@@ -236,6 +236,33 @@ def tiny(tmp_path):
     return make
 
 
+# sysfs: nobody may create a file or folder under it, root included (EPERM; EACCES inside /sys/kernel)
+SYSFS_NEW = Path("/sys/mmdit-test")
+needs_sysfs = pytest.mark.skipif(not Path("/sys/kernel").is_dir(), reason="no sysfs at /sys (not Linux)")
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """mount(name, options) mounts a tmpfs at tmp_path / name: "ro" a read-only one, "size=4k" one that a 4 KiB file
+    fills. Unmounted after the test. Root ignores permission bits, so only a mount makes a directory read-only or
+    full for it; skipped where this process may not mount."""
+    import subprocess
+    mounted = []
+
+    def mount(name: str, options: str) -> Path:
+        directory = tmp_path / name
+        directory.mkdir(parents=True)
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(directory)], capture_output=True,
+                              text=True)
+        if done.returncode:
+            pytest.skip(f"cannot mount a tmpfs ({done.stderr.strip()}): needs root")
+        mounted.append(directory)
+        return directory
+    yield mount
+    for directory in reversed(mounted):
+        subprocess.run(["umount", "--lazy", str(directory)], check=True)  # even while a file there is open
+
+
 LATENT_DIMS = {"channels": 4, "tokens": 6, "joint": 24, "pooled": 16}
 
 

@@ -47,6 +47,12 @@ def test_overrides_apply():
     ("lora.base_quantization=nf4", "lora.enabled=true"),
     ("logging.wandb.mode=x", "logging.wandb.mode"),
     ("checkpoint.every=-1", "checkpoint.every"),
+    ("data.datasets=[{path: a}, {path: b, wieght: 2}]", "invalid config key 'data.datasets[1].wieght'"),
+    ("data.datasets=[{path: a}, {path: b, weight: abc}]", "invalid config key 'data.datasets[1].weight'"),
+    ("data.datasets.1.weight=2", "data.datasets={'1': {'weight': 2}} is not a list: a section is set key by key"),
+    ("model.dual_attention_layers=[1", "model.dual_attention_layers=[1: the value is not valid YAML"),
+    ("model.dual_attention_layers.0=3", "invalid config: Cannot merge incompatible container types: a section is"),
+    ("model=1", "invalid config: Merge error: int is not a subclass of ModelConfig"),
 ])
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("[", r"\[")):
@@ -68,13 +74,35 @@ def test_training_refuses_bad_config_before_any_compute(tmp_path, caplog, overri
     assert not run_dir.exists()  # nothing was written
 
 
-@pytest.mark.parametrize("text,message", [("model: [unclosed", "not valid YAML"), ("- a\n- b\n", "mapping")])
-def test_broken_config_files_name_the_file(tmp_path, text, message):
+@pytest.mark.parametrize("text,message", [
+    ("model:\n  patch_size: [2\n", "not valid YAML: line 3, column 1: did not find expected ',' or ']' "
+                                   "(while parsing a flow sequence at line 2, column 15)"),
+    ("training:\n  seed: 1\nmodel:\n\tpatch_size: 2\n", "not valid YAML: line 4, column 1: found character that "
+                                                      "cannot start any token: a tab (YAML indents with spaces)"),
+    ("training:\n  seed: 1\n\tmax_steps: 2\n", "not valid YAML: line 3, column 1: found a tab character that "
+                                              "violates indentation (while scanning a plain scalar at line 2, column 9)"),
+    ("training:\n  seed: 1\n  seed: 2\n", "not valid YAML: line 3, column 3: found duplicate key seed"),
+    ("- a\n- b\n", "must hold a mapping"),
+    ("training:\n  seed: caf\xe9\n".encode("latin-1"), "cannot be read: 'utf-8' codec can't decode byte 0xe9"),
+])
+def test_broken_config_files_name_the_file_line_column_and_cause(tmp_path, text, message):
     path = tmp_path / "bad.yaml"
-    path.write_text(text)
-    with pytest.raises(ConfigError, match=message) as info:
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ConfigError) as info:
         load_config(path)
-    assert "bad.yaml" in str(info.value)
+    assert str(info.value).startswith(f"config file {path} ") and message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_a_key_inside_a_list_item_is_named_with_its_index(tmp_path):
+    path = tmp_path / "mix.yaml"
+    path.write_text("data:\n  name: latents\n  datasets:\n    - path: a\n    - path: b\n      wieght: 2\n")
+    with pytest.raises(ConfigError, match=r"invalid config key 'data\.datasets\[1\]\.wieght': Key 'wieght' not in "
+                                          r"'DatasetEntry'\. Did you mean: 'weight'\?$"):
+        load_config(path)
+    path.write_text("data:\n  name: latents\n  datasets:\n    - path: a\n    - path: b\n")
+    with pytest.raises(ConfigError, match=rf"^data\.datasets\.1\.weight=2 does not fit the structure of {path} "):
+        load_config(path, ["data.datasets.1.weight=2"])
 
 
 def test_hidden_size_must_split_four_ways():

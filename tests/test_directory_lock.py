@@ -5,6 +5,7 @@ tests/test_orphans.py)."""
 import errno
 import fcntl
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -15,9 +16,14 @@ from pathlib import Path
 import pytest
 
 import precompute_latents
-from errors import InputError
-from runtime.directory_lock import LOCK_FILE, lock_directory
-from tests.conftest import T5_TOKENS, assert_close, final_weights, image_folder, losses, spawn, train
+from configs.run_dir import prepare_run_dir
+from configs.schema import load_config
+from data.precompute.inputs import PrecomputeError
+from data.precompute.job import start_output_directory
+from errors import ConfigError, InputError
+from runtime.directory_lock import LOCK_FILE, lock_directory, writable_directory
+from tests.conftest import (SYSFS_NEW, T5_TOKENS, assert_close, final_weights, image_folder, losses, needs_sysfs,
+                            spawn, train)
 from train_mmdit_stable import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,3 +133,65 @@ def test_a_filesystem_without_locks_warns_and_trains(tiny, tmp_path, caplog, mon
     assert main(tiny("training.max_steps=1")) == 0
     assert "cannot be locked on this filesystem (No locks available)" in caplog.text
     assert not (tmp_path / "run" / LOCK_FILE).exists()
+
+
+def full_tmpfs(tmpfs) -> Path:
+    full = tmpfs("full", "size=4k")
+    (full / "fill").write_bytes(bytes(4096))
+    return full
+
+
+UNWRITABLE = {  # how a directory cannot be written: (directory, the refusal after the label)
+    "read-only filesystem": lambda tmp_path, tmpfs: (
+        tmpfs("ro", "ro"), f"cannot create or write into {tmp_path / 'ro'}: Read-only file system"),
+    "new folders on a read-only filesystem": lambda tmp_path, tmpfs: (
+        tmpfs("ro", "ro") / "new" / "run",
+        f"cannot create or write into {tmp_path / 'ro/new/run'} (at {tmp_path / 'ro/new'}): Read-only file system"),
+    "no space left": lambda tmp_path, tmpfs: (
+        full_tmpfs(tmpfs) / "run", f"cannot create or write into {tmp_path / 'full/run'}: No space left on device"),
+    "sysfs, new folders": pytest.param(lambda tmp_path, tmpfs: (
+        SYSFS_NEW / "run", f"cannot create or write into {SYSFS_NEW / 'run'} (at {SYSFS_NEW}): Operation not permitted"),
+        marks=needs_sysfs),
+    "sysfs, a folder": pytest.param(lambda tmp_path, tmpfs: (
+        Path("/sys/kernel"), "cannot create or write into /sys/kernel: Permission denied"), marks=needs_sysfs),
+    "a file in the path": lambda tmp_path, tmpfs: (
+        tmp_path / "notes.txt" / "run", f"{tmp_path / 'notes.txt'} is a file, not a directory"),
+}
+
+
+@pytest.mark.parametrize("case", UNWRITABLE.values(), ids=UNWRITABLE.keys())
+def test_a_directory_that_cannot_be_written_is_refused_with_the_reason_and_left_as_it_was(tmp_path, tmpfs, case):
+    """Root ignores permission bits, so the lock (a job's output directory) and `writable_directory` (the folders it
+    writes into, the output of sample and export) find out by writing; either names the directory and the reason
+    in one line and leaves nothing behind."""
+    (tmp_path / "notes.txt").write_text("keep me")
+    directory, refusal = case(tmp_path, tmpfs)
+    before = {path: path.stat().st_size for path in tmp_path.rglob("*")}
+    for check in (lock_directory, writable_directory):
+        with pytest.raises(InputError) as info:
+            check(directory, "--out x")
+        assert str(info.value) == f"--out x: {refusal}"
+        assert {path: path.stat().st_size for path in tmp_path.rglob("*")} == before
+
+
+def test_training_and_precompute_refuse_an_output_they_cannot_write_in_one_line(tiny, tmp_path, tmpfs, caplog):
+    """Training into a full disk (the lock's write fails: it was a traceback), a run directory on a read-only
+    mount (prepare_run_dir), a precompute whose reports folder is read-only (its units would have failed at their
+    end): each is the user's directory, refused in one line before anything is computed."""
+    full = full_tmpfs(tmpfs)
+    assert main(tiny(run="full/run")) == 2
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == [
+        f"config error: logging.output_dir={full / 'run'}: cannot create or write into {full / 'run'}: No space left "
+        f"on device"]
+    assert sorted(full.iterdir()) == [full / "fill"]
+
+    run_dir = tmpfs("ro", "ro")  # a run directory copied to a read-only mount, say: the lock would refuse it too
+    with pytest.raises(ConfigError) as info:
+        prepare_run_dir(load_config(overrides=tiny(run="ro")), world_size=1)
+    assert str(info.value) == f"logging.output_dir={run_dir}: cannot create or write into {run_dir}: Read-only file system"
+
+    out = tmp_path / "out"
+    reports = tmpfs("out/reports", "ro")
+    with pytest.raises(PrecomputeError) as info:
+        start_output_directory(out, {"resolution": 16})
+    assert str(info.value) == f"--out {out}: cannot create or write into {reports}: Read-only file system"

@@ -4,6 +4,7 @@
 import errno
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from configs.schema import load_config
 from data.shapes import ShapesDataset
 from models.rectified_flow import draw_sample_noise, interpolate, per_sample_loss
 from perf.checkpoint import checkpoints, read_checkpoint
-from tests.conftest import assert_close, final_weights, losses, metric_rows
+from tests.conftest import SYSFS_NEW, assert_close, final_weights, losses, metric_rows
 from train_mmdit_stable import main
 
 
@@ -113,6 +114,11 @@ def test_sampler_rejects_unknown_words_and_missing_checkpoints(tiny, tmp_path, c
     assert "purple" in caplog.text
     assert sample_mmdit.main(["--checkpoint", str(tmp_path), "--prompts", str(prompts), "--out", str(tmp_path / "o")]) == 2
     assert "complete checkpoint" in caplog.text
+    if Path("/sys/kernel").is_dir():  # an output folder no one can write (sysfs): refused before sampling
+        prompts.write_text("a red circle in the center\n")
+        assert sample_mmdit.main(["--checkpoint", str(tmp_path / "run"), "--prompts", str(prompts), "--out",
+                                  str(SYSFS_NEW / "o")]) == 2
+        assert f"--out {SYSFS_NEW / 'o'}: cannot create or write into {SYSFS_NEW / 'o'} (at {SYSFS_NEW})" in caplog.text
 
 
 def fail_writes_of(step: int, monkeypatch):
@@ -175,8 +181,11 @@ def test_export_into_a_path_under_a_file_is_a_clear_error(tiny, tmp_path, caplog
     assert main(tiny("training.max_steps=1")) == 0
     (tmp_path / "notes.txt").write_text("keep me")
     assert export_mmdit.main(["--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "notes.txt" / "x")]) == 2
-    assert f"{tmp_path / 'notes.txt'} is a file, not a directory" in caplog.text
+    assert f"--out {tmp_path / 'notes.txt' / 'x'}: {tmp_path / 'notes.txt'} is a file, not a directory" in caplog.text
     assert (tmp_path / "notes.txt").read_text() == "keep me"
+    if Path("/sys/kernel").is_dir():  # a folder no one can write into (sysfs), named with its flag and the reason
+        assert export_mmdit.main(["--checkpoint", str(tmp_path / "run"), "--out", "/sys/kernel/x"]) == 2
+        assert "--out /sys/kernel/x: cannot create or write into /sys/kernel: Permission denied" in caplog.text
 
 
 

@@ -15,7 +15,7 @@ from data.precompute.ranks import Progress, Ranks
 from data.precompute.units import PROGRESS, REPORTS, encode_unit, report_path, verified
 from data.webdataset import ShardError
 from formats import DTYPES
-from runtime.directory_lock import LOCK_FILE
+from runtime.directory_lock import LOCK_FILE, unwritable, writable_directory
 
 log = logging.getLogger("mmdit")
 INPUT_NAMES = "input_names"  # in the settings: the shards or images given, to name what changed on a rerun
@@ -62,11 +62,17 @@ def describe_change(key: str, old: dict, new: dict) -> str:
 
 
 def start_output_directory(out: Path, settings: dict) -> None:
-    (out / REPORTS).mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(out / PROGRESS, ignore_errors=True)
-    (out / PROGRESS).mkdir()
-    if not (out / SETTINGS).is_file():
-        publish_json(out / SETTINGS, settings)
+    """The settings first (a directory that holds anything else then has them, and is resumed), then the folders
+    the units write into; one that cannot be written (a read-only mount at reports/, no space left) is refused
+    now, before anything is encoded."""
+    try:
+        if not (out / SETTINGS).is_file():
+            publish_json(out / SETTINGS, settings)
+        shutil.rmtree(out / PROGRESS, ignore_errors=True)
+        (out / PROGRESS).mkdir()
+    except OSError as e:
+        raise PrecomputeError(unwritable(f"--out {out}", out, e)) from None
+    writable_directory(out / REPORTS, f"--out {out}", PrecomputeError)  # written to only as units finish
 
 
 def remaining_units(out: Path, count: int, ranks: Ranks) -> list[int]:
