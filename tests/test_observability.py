@@ -17,6 +17,7 @@ from data.shapes import ShapesDataset
 from models.attention import math_attention, use_attention
 from perf.profiler import build_profiler
 from runtime.step_stats import SigmaBuckets, train_flops_per_sample
+from tests.conftest import TINY
 from tests.conftest import metric_rows as rows
 from train_mmdit_stable import main
 
@@ -123,6 +124,29 @@ def test_flop_count_on_meta_matches_a_real_count():
     with FlopCounterMode(display=False) as counter:
         use_attention(build_model(cfg, ShapesDataset, tokenizer), math_attention)(*inputs()).sum().backward()
     assert meta == pytest.approx(counter.get_total_flops(), rel=1e-3) and meta > 0
+
+
+@pytest.mark.parametrize("family, lora", [("sd3", False), ("flux", True)])
+def test_flop_count_predicts_the_backward_it_does_not_run(family, lora, monkeypatch):
+    """The count runs the forward alone and predicts the backward's products from which factors require a gradient:
+    equal to torch's counter over a forward and backward run in full, with everything trained and under LoRA (frozen
+    base weights: no weight gradients); an op it has no prediction for makes it run the backward instead."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from models.lora import apply_lora
+    from runtime import step_stats
+    cfg = load_config(overrides=[*TINY, f"model.family={family}"])
+    cfg.lora.enabled = lora  # adapters on a fresh model: the count needs no trained base
+    tokenizer = build_tokenizer()
+    build = lambda: apply_lora(build_model(cfg, ShapesDataset, tokenizer), cfg.lora)
+    inputs = lambda: (torch.zeros(1, 3, 32, 32), torch.full((1,), 0.5), {"input_ids": torch.ones(1, 7).long()})
+    with torch.device("meta"):
+        model = use_attention(build(), math_attention)
+        x = inputs()
+    with FlopCounterMode(display=False) as full:
+        model(*x).float().sum().backward()
+    assert train_flops_per_sample(build, inputs) == full.get_total_flops() > 0
+    monkeypatch.delitem(step_stats.FACTORS, torch.ops.aten.mm)
+    assert train_flops_per_sample(build, inputs) == full.get_total_flops()
 
 
 def test_flop_count_does_not_depend_on_the_attention_kernel():
