@@ -131,11 +131,11 @@ def test_bad_inputs_are_named_before_compute(sd3_dir, tmp_path, caplog):
     images = image_folder(tmp_path / "images", [(16, 16), (16, 16)])
     (images / "img01.txt").unlink()
     assert run_precompute(sd3_dir, images, tmp_path / "out") == 2
-    assert "1 images have no same-named .txt caption" in caplog.text and "img01.png" in caplog.text
+    assert f"{images / 'img01.png'}: no same-named .txt caption" in caplog.text
     manifest = tmp_path / "m.jsonl"
     manifest.write_text('{"image": "images/img00.png", "caption": "a cat"}\n{"img": "x"}\n')
     assert precompute_latents.main(["--model", str(sd3_dir), "--manifest", str(manifest), "--out", str(tmp_path / "o")]) == 2
-    assert "line 2: expected" in caplog.text
+    assert f'{manifest} line 2: not an {{"image": ..., "caption": ...}} line' in caplog.text
     assert precompute_latents.main(["--model", str(sd3_dir), "--manifest", str(tmp_path / "none.jsonl"), "--out", "x"]) == 2
     assert "none.jsonl does not exist" in caplog.text
     (images / "img01.txt").write_text("a dog")
@@ -158,20 +158,29 @@ def test_bad_inputs_are_named_before_compute(sd3_dir, tmp_path, caplog):
     assert "--bucket-step 6 must be a multiple of 4 (VAE downsampling 2 x patch 2)" in caplog.text
 
 
-def test_a_corrupt_image_is_named_before_anything_is_written_and_removing_it_lets_the_same_command_run(
+def test_every_bad_input_is_named_at_once_before_anything_is_written_and_fixing_them_lets_the_same_command_run(
         sd3_dir, tmp_path, caplog):
-    images = image_folder(tmp_path / "images", [(16, 16), (16, 16), (20, 16)])
+    """A corrupt image, a latin-1 caption (an error: the encoding is not guessed) and a missing one: one report."""
+    images = image_folder(tmp_path / "images", [(16, 16), (16, 16), (20, 16), (16, 16), (16, 16)])
     (images / "img01.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 40)  # a PNG signature, then garbage
     (images / "img02.txt").write_text("")
+    (images / "img03.txt").write_bytes("a caf\u00e9 on the grass".encode("latin-1"))
+    (images / "img04.txt").unlink()
     out = tmp_path / "sub" / "out"
     assert run_precompute(sd3_dir, images, out) == 2
-    assert "1 of 3 images are not readable" in caplog.text and "img01.png" in caplog.text
+    assert (f"--images {images}: 3 bad input(s) (not UTF-8 text: 1, no same-named .txt caption: 1, not a readable "
+            f"image: 1)") in caplog.text and "iconv -f latin1 -t utf-8" in caplog.text
+    assert f"{images / 'img03.txt'}: not UTF-8 text (byte 0xe9 at offset 5)" in caplog.text
+    assert f"{images / 'img04.png'}: no same-named .txt caption" in caplog.text
+    assert f"{images / 'img01.png'}: not a readable image" in caplog.text
     assert not (tmp_path / "sub").exists()  # checked before the output directory or any encoder
     (images / "img01.png").unlink()
     (images / "img01.txt").unlink()
+    (images / "img03.txt").write_text("a caf\u00e9 on the grass")
+    (images / "img04.png").unlink()
     assert run_precompute(sd3_dir, images, out) == 0
-    assert "1 of 2 images have an empty caption" in caplog.text
-    assert len(LatentDataset(out)) == 2
+    assert "1 of 3 images have an empty caption" in caplog.text
+    assert len(LatentDataset(out)) == 3
 
 
 def test_an_interrupted_precompute_says_the_rerun_resumes(sd3_dir, tmp_path, monkeypatch, caplog):
