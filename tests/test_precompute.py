@@ -140,6 +140,13 @@ def test_bad_inputs_are_named_before_compute(sd3_dir, tmp_path, caplog):
     assert "none.jsonl does not exist" in caplog.text
     (images / "img01.txt").write_text("a dog")
     assert run_precompute(sd3_dir, images, tmp_path / "out") == 0
+    # a model too small for the images: the error names the resolution the user chose, and both ways out
+    assert main([*FINETUNE, f"data.path={tmp_path / 'out'}", "model.pos_embed_max_size=2",
+                 f"logging.output_dir={tmp_path / 'run'}"]) == 2
+    assert (f"data.path={tmp_path / 'out'} was precomputed at --resolution 16: its latents, up to 8 a side, make a "
+            f"patch grid of 4 a side (model.patch_size=2), and the model's position table covers 2 "
+            f"(model.pos_embed_max_size=2). Precompute the images again at --resolution 8 or less, or set "
+            f"model.pos_embed_max_size=4 or more") in caplog.text
     assert run_precompute(sd3_dir, images, tmp_path / "out", "--aspect-buckets") == 2  # not the settings it began with
     assert "was started with other settings: aspect_buckets: False -> True" in caplog.text
     for suffix in (".png", ".txt"):  # one image replaced by another: named, not a fingerprint's hashes
