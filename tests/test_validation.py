@@ -1,6 +1,7 @@
 """Validation: held-out items never train, the held-out loss is a deterministic curve, flips follow (seed,
 epoch, item), a missing VAE is named before training, and validation off loads and runs nothing."""
 
+import json
 import logging
 import re
 
@@ -12,6 +13,7 @@ import runtime.validation as validation
 from data.images import caption_lines, save_grid
 from data.latents import LatentDataset
 from data.loader import StepBatchSampler, StepDataset, split_holdout
+from runtime.distributed import World
 from tests.conftest import metric_rows, write_latent_shards
 from train_mmdit_stable import main
 
@@ -83,6 +85,21 @@ def test_a_grid_of_two_prompts_has_two_columns_and_whole_captions(tmp_path):
     save_grid(torch.zeros(2, 3, 32, 32), ["a red circle", "a dog on the grass"], tmp_path / "grid.png")
     assert Image.open(tmp_path / "grid.png").width == 2 * (256 + 8)  # no empty columns
     assert caption_lines(["a red circle"], 256) == [["a red circle"]]  # not "red circle"
+
+
+def test_a_run_stopped_during_its_final_validation_does_it_when_rerun(tmp_path):
+    """A run at its last step is finished once validation.json records the final validation of that step (a rerun
+    then does nothing: tests/test_training.py); without it (stopped during it), or with an earlier step's (a run
+    continued with a higher training.max_steps), the rerun does it. Without a final validation, nothing is owed."""
+    final = validation.Validation(2, True, 4, None, [], World(), torch.device("cpu"))
+    assert not final.finished(tmp_path, 4)
+    (tmp_path / "validation.json").write_text(json.dumps({"step": 2, "val/loss": 0.5}))
+    assert not final.finished(tmp_path, 4)
+    (tmp_path / "validation.json").write_text(json.dumps({"step": 4, "val/loss": 0.4}))
+    assert final.finished(tmp_path, 4)
+    (tmp_path / "validation.json").write_text("[4")  # not JSON (edited by hand): done again, not a traceback
+    assert not final.finished(tmp_path, 4)
+    assert validation.Validation(2, False, 4, None, [], World(), torch.device("cpu")).finished(tmp_path / "new", 4)
 
 
 def test_at_end_false_ends_a_run_at_its_last_checkpoint(tiny, tmp_path):
