@@ -5,6 +5,7 @@ import json
 import logging
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -83,8 +84,15 @@ def test_validation_off_builds_and_runs_nothing(latent_run, tmp_path, monkeypatc
 def test_a_grid_of_two_prompts_has_two_columns_and_whole_captions(tmp_path):
     from PIL import Image
     save_grid(torch.zeros(2, 3, 32, 32), ["a red circle", "a dog on the grass"], tmp_path / "grid.png")
-    assert Image.open(tmp_path / "grid.png").width == 2 * (256 + 8)  # no empty columns
+    grid = Image.open(tmp_path / "grid.png")
+    assert grid.width == 2 * (256 + 8)  # no empty columns
     assert caption_lines(["a red circle"], 256) == [["a red circle"]]  # not "red circle"
+    # the words as drawn under each cell: a space is 5 or more blank columns, about a letter's width (the letters
+    # of a word are 1-2 apart); PIL's scalable default font drew spaces 3-4 wide, and the words ran together
+    label = np.array(grid.convert("L").crop((0, 256, grid.width, grid.height))) < 128
+    for cell, words in ((0, 3), (1, 5)):
+        inked = np.flatnonzero(label[:, cell * 264 : (cell + 1) * 264].any(0))
+        assert 1 + int((np.diff(inked) > 5).sum()) == words
 
 
 def test_a_run_stopped_during_its_final_validation_does_it_when_rerun(tmp_path):
