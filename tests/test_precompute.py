@@ -21,7 +21,8 @@ import train_mmdit_stable
 from data.latents import LatentDataset
 from data.precompute.images import open_image, resize_crop, to_unit_range
 from data.precompute.inputs import EXIF_ORIENTATION, image_size
-from data.precompute.units import encode_unit
+from data.precompute.ranks import Progress, Ranks
+from data.precompute.units import PROGRESS, encode_unit
 from errors import InputError
 from models.diffusers_io import LORA_WEIGHTS
 from models.vae import VAE, load_vae
@@ -207,6 +208,22 @@ def test_an_interrupted_precompute_says_the_rerun_resumes(sd3_dir, tmp_path, mon
     monkeypatch.undo()
     assert run_precompute(sd3_dir, images, tmp_path / "out") == 0
     assert "resuming: 1 of 2 units already finished" in caplog.text
+
+
+def test_the_progress_bar_has_a_rate_from_its_first_line_and_draws_its_last_line_once(tmp_path, capsys):
+    """A large model on a CPU, 40 s for its first image: 40.0 s/img, not "0.0 img/s"; the full bar is drawn once
+    (it was drawn four times: a log shows every line), and a resume with nothing left draws no bar."""
+    (tmp_path / PROGRESS).mkdir()
+    progress = Progress(tmp_path, Ranks(), 2, 0)
+    progress.start -= 40
+    for _ in range(2):
+        progress(images=1)
+        progress(units=1)
+    assert progress.finish([]) == []
+    lines = capsys.readouterr().out.replace("\r", "\n").splitlines()
+    assert [line.endswith("40.0 s/img]") for line in lines if "0/2" in line] == [False, True], lines
+    assert len([line for line in lines if "2/2" in line]) == 1 and not any("0.0 img/s" in line for line in lines)
+    assert Progress(tmp_path, Ranks(), 2, 2).finish([]) == [] and capsys.readouterr().out == ""
 
 
 def test_flipped_copies_and_validation_prompts_are_stored(sd3_dir, tmp_path):
