@@ -2,7 +2,8 @@
 # Launcher of this project's entry points: ./launch.sh SCRIPT.py [arguments]
 # (./train_mmdit_stable.sh is ./launch.sh train_mmdit_stable.py; NPROC_PER_NODE=8 ./launch.sh precompute_latents.py
 # ... encodes on 8 processes.) It uses .venv beside it when there is one, and runs in the directory you call it
-# from, so relative paths (--config, data.path, --out) mean what they mean there.
+# from, so relative paths (--config, data.path, --out) mean what they mean there. ./launch.sh --help prints this;
+# ./launch.sh SCRIPT.py --help, the script's options (on one process).
 #
 # One process when there is at most one GPU and no distributed variable is set; otherwise torchrun:
 #   NPROC_PER_NODE  processes on this node (default: the GPUs in CUDA_VISIBLE_DEVICES, else all; at least 1)
@@ -19,7 +20,12 @@
 # (runtime/directory_lock.py).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-script="${1:?usage: ./launch.sh SCRIPT.py [arguments]}"
+usage() { sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; }  # the comment above
+case "${1:-}" in
+  -h|--help) usage; exit 0 ;;
+  "") usage >&2; exit 2 ;;
+esac
+script="$1"
 shift
 [[ -f "$script" || ! -f "$here/$script" ]] || script="$here/$script"  # this checkout's entry point, from anywhere
 if [[ -z "${PYTHON:-}" ]]; then
@@ -52,7 +58,9 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-
 # OMP_NUM_THREADS=1 gives 0.70 and 1.00); a GPU run's few CPU ops do not notice.
 export GOMP_SPINCOUNT=${GOMP_SPINCOUNT:-1000}
 
-if [[ "$nproc" == 1 && "$nnodes" == 1 && -z "${MASTER_ADDR:-}${RDZV_ENDPOINT:-}${MAX_RESTARTS:-}" ]]; then
+help_asked() { local a; for a in "$@"; do case "$a" in -h|--help) return 0 ;; esac; done; return 1; }
+if [[ "$nproc" == 1 && "$nnodes" == 1 && -z "${MASTER_ADDR:-}${RDZV_ENDPOINT:-}${MAX_RESTARTS:-}" ]] ||
+   help_asked "$@"; then  # a script's --help once, not once per process
   exec "$PYTHON" "$script" "$@"  # the launcher becomes the worker: ending it ends the run
 fi
 

@@ -15,8 +15,8 @@ Nothing is downloaded. The dataset records the family; training checks it agains
 
 Inputs:
 - --images DIR: every image file with a same-named .txt caption beside it; --manifest FILE: JSONL of
-  {"image": path relative to the manifest, "caption": text}. Every image and caption is checked before
-  anything is written or loaded; one bad input stops the run (fix it and rerun).
+  {"image": path relative to the manifest, "caption": text}. Every image and caption (UTF-8 text) is checked
+  before anything is written or loaded; bad inputs stop the run, all named at once (fix them and rerun).
 - --shards PATTERN ...: webdataset tar shards as img2dataset writes them (data/webdataset.py): local paths, globs,
   brace ranges ('data/{00000..00999}.tar') or `pipe:` commands ('pipe:aws s3 cp s3://b/{00000..00999}.tar -').
   A bad sample (corrupt image, no caption, unsupported format) is skipped, counted and named in its shard's
@@ -123,9 +123,9 @@ def read_inputs(args: argparse.Namespace) -> tuple[list[Unit], dict]:
         return units, {"inputs": fingerprint(units, None), INPUT_NAMES: [unit.name for unit in units]}
     if args.caption_field:
         raise PrecomputeError("--caption-field applies to --shards inputs (folders and manifests give captions)")
-    items = read_image_folder(args.images) if args.images else read_manifest(args.manifest)
-    check_items(items)
+    items, bad = read_image_folder(args.images) if args.images else read_manifest(args.manifest)
     source = f"--images {args.images}" if args.images else f"--manifest {args.manifest}"
+    check_items(items, bad, source)
     units = item_units(items, args.shard_size, source)
     names = [str(path) for path, _ in items] if len(items) <= MAX_INPUT_NAMES else None  # precompute.json stays small
     return units, {"inputs": fingerprint(units, items), INPUT_NAMES: names}

@@ -128,6 +128,11 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
         if start_step > training.max_steps:
             raise ConfigError(f"training.max_steps={training.max_steps} is below the step of "
                               f"{checkpointer.last_complete}; raise it to continue")
+    if start_step == training.max_steps and validation.finished(run_dir, start_step):
+        checkpointer.close()
+        log.info("%s is already finished at step %d: nothing to do (raise training.max_steps to train it further)",
+                 run_dir, start_step)
+        return 0
     if world.is_main:
         save_run_config(run_dir, cfg, world.world_size)
     log.info("MMDiT %.2fM params, %.2fM trained; %d items (%d held out); global batch %d over %d process(es) (%s); "

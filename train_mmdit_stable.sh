@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # Launcher: ./train_mmdit_stable.sh [--config FILE] [key=value ...]
 # Arguments pass through to train_mmdit_stable.py as config overrides, on one process or under torchrun as
-# launch.sh decides (its header lists NPROC_PER_NODE, NNODES, MASTER_ADDR, MAX_RESTARTS, ...; SIGTERM and Ctrl-C
-# checkpoint and exit 0). ENABLE_PROFILING=true turns on the scheduled profiler (PROFILE_STEPS=N: active steps).
+# launch.sh decides (./launch.sh --help lists NPROC_PER_NODE, NNODES, MASTER_ADDR, MAX_RESTARTS, ...; SIGTERM and
+# Ctrl-C checkpoint and exit 0). ENABLE_PROFILING=true turns on the scheduled profiler (PROFILE_STEPS=N: active
+# steps).
 set -euo pipefail
+if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then
+  sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"  # the comment above, then train_mmdit_stable.py's options
+  echo
+fi
 extra=()
 if [[ "${ENABLE_PROFILING:-false}" == "true" ]]; then
   echo "profiling is on: the profiled steps run slower and traces land in <run dir>/tensorboard" >&2

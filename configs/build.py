@@ -55,14 +55,39 @@ def transformer_config(cfg: DictConfig, latent_channels: int, latent_sizes: list
         channels = latent_channels * m.patch_size**2  # p x p latents packed into a token
         return FluxConfig(in_channels=channels, out_channels=channels, num_single_layers=m.num_single_layers,
                           guidance_embeds=m.guidance_embeds, axes_dims_rope=list(m.axes_dims_rope), **common)
-    for size in latent_sizes:
-        if max(size) // m.patch_size > m.pos_embed_max_size:
-            raise ConfigError(f"model.pos_embed_max_size={m.pos_embed_max_size} is smaller than the "
-                              f"{size[0] // m.patch_size}x{size[1] // m.patch_size} patch grid")
     return MMDiTConfig(sample_size=m.sample_size, patch_size=m.patch_size, in_channels=latent_channels,
                        out_channels=latent_channels, caption_projection_dim=m.num_attention_heads * m.attention_head_dim,
                        pos_embed_max_size=m.pos_embed_max_size, qk_norm=m.qk_norm,
                        dual_attention_layers=list(m.dual_attention_layers), **common)
+
+
+def check_position_table(cfg: DictConfig, dataset) -> None:
+    """SD3's position table covers patch grids of up to model.pos_embed_max_size a side. Latents larger than that
+    come from a latent dataset's precompute resolution, which is what the user chose: the error names it, and
+    what to change (FLUX.1's rotary positions have no such limit)."""
+    m = cfg.model
+    if m.family != "sd3":
+        return
+    parts = getattr(dataset, "datasets", [dataset])
+    for number, part in enumerate(parts):
+        largest = max(max(size) for size in part.latent_sizes)
+        if largest // m.patch_size <= m.pos_embed_max_size:
+            continue
+        grid = f"a patch grid of {largest // m.patch_size} a side (model.patch_size={m.patch_size})"
+        table = (f"model.pos_embed_max_size={m.pos_embed_max_size}" +
+                 (f", from model.init_from={m.init_from}" if m.init_from else ""))
+        if not hasattr(part, "index"):  # the shapes data: its size is fixed
+            raise ConfigError(f"{table} is smaller than {grid}")
+        resolution = part.index["resolution"]
+        key = f"data.datasets[{number}].path" if len(parts) > 1 else "data.path"
+        covered = m.pos_embed_max_size * m.patch_size  # latent pixels a side
+        fits = ("about " if len(part.latent_sizes) > 1 else "") + str(resolution * covered // largest)
+        raise ConfigError(
+            f"{key}={part.directory} was precomputed at --resolution {resolution}: its latents, up to {largest} a "
+            f"side, make {grid}, and the model's position table covers {m.pos_embed_max_size} ({table}). Precompute "
+            f"the images again at --resolution {fits} or less" + (
+                " (model.init_from's table cannot be enlarged)" if m.init_from else
+                f", or set model.pos_embed_max_size={largest // m.patch_size} or more"))
 
 
 def build_transformer(cfg: DictConfig, latent_channels: int, latent_sizes: list[tuple[int, int]], joint_dim: int,
@@ -161,6 +186,7 @@ def build_model(cfg: DictConfig, dataset, tokenizer: WordTokenizer | PipelineTok
         t = cfg.text_encoder
         text_encoder = TinyTextEncoder(len(tokenizer.vocab), tokenizer.max_length, t.dim, t.num_layers, t.num_heads)
         dims = (t.dim, t.dim)
+    check_position_table(cfg, dataset)
     transformer = build_transformer(cfg, channels, sizes, *dims)
     guidance = cfg.flux.train_guidance if cfg.model.guidance_embeds else None  # FLUX.1-dev's embedding
     return TextToImage(transformer, text_encoder, guidance)

@@ -4,10 +4,13 @@ import textwrap
 from pathlib import Path
 
 import torch
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, ImageFont
 
 CELL = 256  # grid cells are about this wide: small samples are upscaled (nearest), large ones shrunk
-CHAR_WIDTH, LINE_HEIGHT = 6, 12  # PIL's default bitmap font
+# PIL's bitmap font: every character, a space too, 6 px wide, so a caption wraps by its length. PIL's default
+# since Pillow 10.1 is a scalable font whose space is 2 px wide at its 10 px size: the words ran together.
+FONT = ImageFont.load_default_imagefont()
+CHAR_WIDTH, LINE_HEIGHT = 6, 12
 
 
 def to_unit(x: torch.Tensor) -> torch.Tensor:
@@ -45,7 +48,7 @@ def save_grid(images: torch.Tensor, captions: list[str], path: Path, columns: in
     for i, (image, label) in enumerate(zip(images, lines)):
         x, y = (i % columns) * (cell + 8), (i // columns) * (cell_height + label_height)
         grid.paste(to_pil(image, cell), (x + 4, y))
-        draw.multiline_text((x + 4, y + cell_height + 2), "\n".join(label), fill="black", spacing=0)
+        draw.multiline_text((x + 4, y + cell_height + 2), "\n".join(label), fill="black", font=FONT, spacing=0)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     grid.save(path)
     Path(path).with_suffix(".txt").write_text("\n".join(captions) + "\n")

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from data.images import save_grid
+from data.latents import publish_json
 from models.pipeline import Sampler, generate, initial_noise
 from models.rectified_flow import VALIDATION_STREAM, interpolate, per_sample_loss, sample_key
 from optim.ema import EMA
@@ -34,6 +35,7 @@ from perf.precision import autocast
 from runtime.distributed import World, gather_objects, is_distributed
 
 log = logging.getLogger("mmdit")
+FINAL = "validation.json"  # in the run directory: the final validation's step and metrics
 
 
 def share(items: list, world: World) -> tuple[list, int]:
@@ -121,6 +123,15 @@ class HeldOutLoss:
         return {f"{self.prefix}loss": float(means.mean()), **out}
 
 
+def final_step(run_dir: Path) -> int | None:
+    """The step of the final validation `validation.json` records; None without one (or one that does not read:
+    the final validation is then done again, and rewrites it)."""
+    try:
+        return json.loads((run_dir / FINAL).read_text()).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 class Validation:
     """`every` > 0: at every `every`-th step and, with `at_end`, at the end. Images that are scored (the shapes
     data) are also made at the end of a run with validation off: the run's final score is what `make train`
@@ -135,9 +146,20 @@ class Validation:
         """At every `every`-th step but the last (`at_end` covers that, after the final checkpoint)."""
         return self.every > 0 and done % self.every == 0 and done != self.max_steps
 
+    @property
+    def runs_at_end(self) -> bool:
+        return self.final and (self.every > 0 or bool(self.images and self.images.score))
+
+    def finished(self, run_dir: Path, step: int) -> bool:
+        """Whether a run at its last step has nothing left to do: no final validation, or one recorded for this
+        step in `validation.json` (a run stopped during it does it when rerun). Rank 0's reading, on every rank."""
+        done = (not self.runs_at_end or final_step(run_dir) == step) if self.world.is_main else None
+        return gather_objects(done)[0]
+
     def at_end(self, model, ema: EMA, run_dir: Path, logger) -> None:
-        """The final validation; its metrics also go to `validation.json`."""
-        if not self.final or (self.every == 0 and not (self.images and self.images.score)):
+        """The final validation; its metrics and step also go to `validation.json`, written last: the record
+        that the run is finished."""
+        if not self.runs_at_end:
             return
         if self.images is not None and self.world.is_main:  # it can take longer than a short run's training
             log.info("final validation: sampling %d caption(s) from the EMA weights, %d Euler steps each (cfg %g)%s",
@@ -145,8 +167,8 @@ class Validation:
                      ", then scoring their prompt fidelity" if self.images.score else "")
             log.info("(validation.at_end=false ends a run at its last checkpoint instead)")
         metrics = self(model, ema, self.max_steps, run_dir, logger)
-        if metrics and self.world.is_main:
-            (run_dir / "validation.json").write_text(json.dumps(metrics, indent=1))
+        if self.world.is_main:
+            publish_json(run_dir / FINAL, {"step": self.max_steps, **metrics})
 
     def __call__(self, model, ema: EMA, step: int, run_dir: Path, logger) -> dict[str, float]:
         """Run it (every rank); rank 0 writes the grid and logs the metrics, which it returns."""

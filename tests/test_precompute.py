@@ -21,7 +21,8 @@ import train_mmdit_stable
 from data.latents import LatentDataset
 from data.precompute.images import open_image, resize_crop, to_unit_range
 from data.precompute.inputs import EXIF_ORIENTATION, image_size
-from data.precompute.units import encode_unit
+from data.precompute.ranks import Progress, Ranks
+from data.precompute.units import PROGRESS, encode_unit
 from errors import InputError
 from models.diffusers_io import LORA_WEIGHTS
 from models.vae import VAE, load_vae
@@ -131,15 +132,22 @@ def test_bad_inputs_are_named_before_compute(sd3_dir, tmp_path, caplog):
     images = image_folder(tmp_path / "images", [(16, 16), (16, 16)])
     (images / "img01.txt").unlink()
     assert run_precompute(sd3_dir, images, tmp_path / "out") == 2
-    assert "1 images have no same-named .txt caption" in caplog.text and "img01.png" in caplog.text
+    assert f"{images / 'img01.png'}: no same-named .txt caption" in caplog.text
     manifest = tmp_path / "m.jsonl"
     manifest.write_text('{"image": "images/img00.png", "caption": "a cat"}\n{"img": "x"}\n')
     assert precompute_latents.main(["--model", str(sd3_dir), "--manifest", str(manifest), "--out", str(tmp_path / "o")]) == 2
-    assert "line 2: expected" in caplog.text
+    assert f'{manifest} line 2: not an {{"image": ..., "caption": ...}} line' in caplog.text
     assert precompute_latents.main(["--model", str(sd3_dir), "--manifest", str(tmp_path / "none.jsonl"), "--out", "x"]) == 2
     assert "none.jsonl does not exist" in caplog.text
     (images / "img01.txt").write_text("a dog")
     assert run_precompute(sd3_dir, images, tmp_path / "out") == 0
+    # a model too small for the images: the error names the resolution the user chose, and both ways out
+    assert main([*FINETUNE, f"data.path={tmp_path / 'out'}", "model.pos_embed_max_size=2",
+                 f"logging.output_dir={tmp_path / 'run'}"]) == 2
+    assert (f"data.path={tmp_path / 'out'} was precomputed at --resolution 16: its latents, up to 8 a side, make a "
+            f"patch grid of 4 a side (model.patch_size=2), and the model's position table covers 2 "
+            f"(model.pos_embed_max_size=2). Precompute the images again at --resolution 8 or less, or set "
+            f"model.pos_embed_max_size=4 or more") in caplog.text
     assert run_precompute(sd3_dir, images, tmp_path / "out", "--aspect-buckets") == 2  # not the settings it began with
     assert "was started with other settings: aspect_buckets: False -> True" in caplog.text
     for suffix in (".png", ".txt"):  # one image replaced by another: named, not a fingerprint's hashes
@@ -158,20 +166,29 @@ def test_bad_inputs_are_named_before_compute(sd3_dir, tmp_path, caplog):
     assert "--bucket-step 6 must be a multiple of 4 (VAE downsampling 2 x patch 2)" in caplog.text
 
 
-def test_a_corrupt_image_is_named_before_anything_is_written_and_removing_it_lets_the_same_command_run(
+def test_every_bad_input_is_named_at_once_before_anything_is_written_and_fixing_them_lets_the_same_command_run(
         sd3_dir, tmp_path, caplog):
-    images = image_folder(tmp_path / "images", [(16, 16), (16, 16), (20, 16)])
+    """A corrupt image, a latin-1 caption (an error: the encoding is not guessed) and a missing one: one report."""
+    images = image_folder(tmp_path / "images", [(16, 16), (16, 16), (20, 16), (16, 16), (16, 16)])
     (images / "img01.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 40)  # a PNG signature, then garbage
     (images / "img02.txt").write_text("")
+    (images / "img03.txt").write_bytes("a caf\u00e9 on the grass".encode("latin-1"))
+    (images / "img04.txt").unlink()
     out = tmp_path / "sub" / "out"
     assert run_precompute(sd3_dir, images, out) == 2
-    assert "1 of 3 images are not readable" in caplog.text and "img01.png" in caplog.text
+    assert (f"--images {images}: 3 bad input(s) (not UTF-8 text: 1, no same-named .txt caption: 1, not a readable "
+            f"image: 1)") in caplog.text and "iconv -f latin1 -t utf-8" in caplog.text
+    assert f"{images / 'img03.txt'}: not UTF-8 text (byte 0xe9 at offset 5)" in caplog.text
+    assert f"{images / 'img04.png'}: no same-named .txt caption" in caplog.text
+    assert f"{images / 'img01.png'}: not a readable image" in caplog.text
     assert not (tmp_path / "sub").exists()  # checked before the output directory or any encoder
     (images / "img01.png").unlink()
     (images / "img01.txt").unlink()
+    (images / "img03.txt").write_text("a caf\u00e9 on the grass")
+    (images / "img04.png").unlink()
     assert run_precompute(sd3_dir, images, out) == 0
-    assert "1 of 2 images have an empty caption" in caplog.text
-    assert len(LatentDataset(out)) == 2
+    assert "1 of 3 images have an empty caption" in caplog.text
+    assert len(LatentDataset(out)) == 3
 
 
 def test_an_interrupted_precompute_says_the_rerun_resumes(sd3_dir, tmp_path, monkeypatch, caplog):
@@ -191,6 +208,22 @@ def test_an_interrupted_precompute_says_the_rerun_resumes(sd3_dir, tmp_path, mon
     monkeypatch.undo()
     assert run_precompute(sd3_dir, images, tmp_path / "out") == 0
     assert "resuming: 1 of 2 units already finished" in caplog.text
+
+
+def test_the_progress_bar_has_a_rate_from_its_first_line_and_draws_its_last_line_once(tmp_path, capsys):
+    """A large model on a CPU, 40 s for its first image: 40.0 s/img, not "0.0 img/s"; the full bar is drawn once
+    (it was drawn four times: a log shows every line), and a resume with nothing left draws no bar."""
+    (tmp_path / PROGRESS).mkdir()
+    progress = Progress(tmp_path, Ranks(), 2, 0)
+    progress.start -= 40
+    for _ in range(2):
+        progress(images=1)
+        progress(units=1)
+    assert progress.finish([]) == []
+    lines = capsys.readouterr().out.replace("\r", "\n").splitlines()
+    assert [line.endswith("40.0 s/img]") for line in lines if "0/2" in line] == [False, True], lines
+    assert len([line for line in lines if "2/2" in line]) == 1 and not any("0.0 img/s" in line for line in lines)
+    assert Progress(tmp_path, Ranks(), 2, 2).finish([]) == [] and capsys.readouterr().out == ""
 
 
 def test_flipped_copies_and_validation_prompts_are_stored(sd3_dir, tmp_path):

@@ -2,6 +2,7 @@
 (resume, refusal, fall-back), checkpoint failures, and the sampler and export around it."""
 
 import errno
+import logging
 import json
 import shutil
 from pathlib import Path
@@ -69,14 +70,21 @@ def test_micro_batch_split_does_not_change_the_math(tiny, tmp_path):
         assert losses(tmp_path / name) == pytest.approx(losses(tmp_path / "1x16"), rel=1e-5)
 
 
-def test_run_directory_resume_and_sampling(tiny, tmp_path):
+def test_run_directory_resume_and_sampling(tiny, tmp_path, caplog):
     run_dir = tmp_path / "run"
-    assert main(tiny("training.max_steps=4", "checkpoint.every=2", "validation.every=2", "validation.at_end=true")) == 0
+    command = tiny("training.max_steps=4", "checkpoint.every=2", "validation.every=2", "validation.at_end=true")
+    assert main(command) == 0
     assert [p.name for p in checkpoints(run_dir)] == ["step_00000002", "step_00000004"]
     assert (run_dir / "config.yaml").is_file() and (run_dir / "validation.json").is_file()
     assert (run_dir / "samples" / "step_00000002.png").is_file() and (run_dir / "samples" / "step_00000004.png").is_file()
-    assert set(json.loads((run_dir / "validation.json").read_text())) == {"fidelity/color", "fidelity/shape",
+    assert set(json.loads((run_dir / "validation.json").read_text())) == {"step", "fidelity/color", "fidelity/shape",
                                                                          "fidelity/position"}
+    # The same command again: finished, final validation included; nothing is redone or written.
+    caplog.set_level(logging.INFO, logger="mmdit")
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()}
+    assert main(command) == 0
+    assert f"{run_dir} is already finished at step 4: nothing to do (raise training.max_steps" in caplog.text
+    assert before == {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()}
 
     # Interrupted after step 4 of 6 and resumed: the same weights as the uninterrupted run, bit for bit.
     assert main(tiny("training.max_steps=6", "checkpoint.every=2", run="straight")) == 0

@@ -1,9 +1,11 @@
 """Validation: held-out items never train, the held-out loss is a deterministic curve, flips follow (seed,
 epoch, item), a missing VAE is named before training, and validation off loads and runs nothing."""
 
+import json
 import logging
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ import runtime.validation as validation
 from data.images import caption_lines, save_grid
 from data.latents import LatentDataset
 from data.loader import StepBatchSampler, StepDataset, split_holdout
+from runtime.distributed import World
 from tests.conftest import metric_rows, write_latent_shards
 from train_mmdit_stable import main
 
@@ -81,8 +84,30 @@ def test_validation_off_builds_and_runs_nothing(latent_run, tmp_path, monkeypatc
 def test_a_grid_of_two_prompts_has_two_columns_and_whole_captions(tmp_path):
     from PIL import Image
     save_grid(torch.zeros(2, 3, 32, 32), ["a red circle", "a dog on the grass"], tmp_path / "grid.png")
-    assert Image.open(tmp_path / "grid.png").width == 2 * (256 + 8)  # no empty columns
+    grid = Image.open(tmp_path / "grid.png")
+    assert grid.width == 2 * (256 + 8)  # no empty columns
     assert caption_lines(["a red circle"], 256) == [["a red circle"]]  # not "red circle"
+    # the words as drawn under each cell: a space is 5 or more blank columns, about a letter's width (the letters
+    # of a word are 1-2 apart); PIL's scalable default font drew spaces 3-4 wide, and the words ran together
+    label = np.array(grid.convert("L").crop((0, 256, grid.width, grid.height))) < 128
+    for cell, words in ((0, 3), (1, 5)):
+        inked = np.flatnonzero(label[:, cell * 264 : (cell + 1) * 264].any(0))
+        assert 1 + int((np.diff(inked) > 5).sum()) == words
+
+
+def test_a_run_stopped_during_its_final_validation_does_it_when_rerun(tmp_path):
+    """A run at its last step is finished once validation.json records the final validation of that step (a rerun
+    then does nothing: tests/test_training.py); without it (stopped during it), or with an earlier step's (a run
+    continued with a higher training.max_steps), the rerun does it. Without a final validation, nothing is owed."""
+    final = validation.Validation(2, True, 4, None, [], World(), torch.device("cpu"))
+    assert not final.finished(tmp_path, 4)
+    (tmp_path / "validation.json").write_text(json.dumps({"step": 2, "val/loss": 0.5}))
+    assert not final.finished(tmp_path, 4)
+    (tmp_path / "validation.json").write_text(json.dumps({"step": 4, "val/loss": 0.4}))
+    assert final.finished(tmp_path, 4)
+    (tmp_path / "validation.json").write_text("[4")  # not JSON (edited by hand): done again, not a traceback
+    assert not final.finished(tmp_path, 4)
+    assert validation.Validation(2, False, 4, None, [], World(), torch.device("cpu")).finished(tmp_path / "new", 4)
 
 
 def test_at_end_false_ends_a_run_at_its_last_checkpoint(tiny, tmp_path):

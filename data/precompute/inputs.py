@@ -4,6 +4,7 @@ input is checked before anything is written."""
 import hashlib
 import json
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -20,6 +21,9 @@ log = logging.getLogger("mmdit")
 IMAGE_SUFFIXES = {f".{suffix}" for suffix in SHARD_IMAGE_SUFFIXES}  # of folder inputs: what shards may hold
 EXIF_ORIENTATION = 0x0112
 MASK_NAME = f".{MASK_SUFFIX}"  # `NAME.mask.png` beside an image of a folder or manifest
+NO_CAPTION, NOT_UTF8 = "no same-named .txt caption", "not UTF-8 text"
+UTF8_HINT = "; captions are read as UTF-8 (convert a latin-1 file with iconv -f latin1 -t utf-8)"
+BAD_INPUTS_LISTED = 50  # of a folder's or manifest's bad inputs, listed in the error (all are counted)
 
 
 class PrecomputeError(InputError):
@@ -43,39 +47,59 @@ def read_text(path: Path, what: str) -> str:
         raise PrecomputeError(f"{what} {path} is not readable UTF-8 text ({e})") from None
 
 
-def read_image_folder(directory: Path) -> list[tuple[Path, str]]:
+def read_caption(path: Path) -> tuple[str | None, str | None]:
+    """(caption, None), or (None, why it cannot be used). Only UTF-8: another encoding (latin-1, Windows-1252)
+    cannot be told from the bytes, and a wrong guess would train on other characters than the file's."""
+    try:
+        return path.read_text(encoding="utf-8").strip(), None
+    except UnicodeDecodeError as e:
+        return None, f"{NOT_UTF8} (byte 0x{e.object[e.start]:02x} at offset {e.start})"
+    except OSError as e:
+        return None, f"not readable ({e.strerror})"
+
+
+def read_image_folder(directory: Path) -> tuple[list[tuple[Path, str | None]], list[tuple[str, str]]]:
+    """Every image of the folder with its caption (None where there is no usable one), and those problems as
+    (file, why), for `check_items` to report with the unreadable images."""
     if not directory.is_dir():
         raise PrecomputeError(f"--images {directory} is not a directory")
     images = sorted(p for p in directory.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES
                     and not p.name.lower().endswith(MASK_NAME))
     if not images:
         raise PrecomputeError(f"--images {directory}: no image files ({sorted(IMAGE_SUFFIXES)})")
-    uncaptioned = [str(p) for p in images if not p.with_suffix(".txt").is_file()]
-    if uncaptioned:
-        raise PrecomputeError(f"--images {directory}: {len(uncaptioned)} images have no same-named .txt caption, "
-                              f"e.g. {uncaptioned[:3]}")
-    return [(p, read_text(p.with_suffix(".txt"), "caption").strip()) for p in images]
+    items, bad = [], []
+    for image in images:
+        caption_file = image.with_suffix(".txt")
+        caption, problem = read_caption(caption_file) if caption_file.is_file() else (None, NO_CAPTION)
+        items.append((image, caption))
+        if problem:
+            bad.append((str(image if problem == NO_CAPTION else caption_file), problem))
+    return items, bad
 
 
-def read_manifest(path: Path) -> list[tuple[Path, str]]:
+def read_manifest(path: Path) -> tuple[list[tuple[Path, str]], list[tuple[str, str]]]:
+    """The manifest's images with their captions, and its bad lines and missing images as (where, why), for
+    `check_items`."""
     if not path.is_file():
         raise PrecomputeError(f"--manifest {path} does not exist")
-    items = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    items, bad = [], []
+    for number, line in enumerate(read_text(path, "--manifest").splitlines(), 1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
             image, caption = path.parent / record["image"], record["caption"]
         except (ValueError, KeyError, TypeError) as e:
-            raise PrecomputeError(f"--manifest {path} line {number}: expected "
-                                  f'{{"image": ..., "caption": ...}} ({type(e).__name__}: {e})') from None
-        if not image.is_file():
-            raise PrecomputeError(f"--manifest {path} line {number}: image {image} does not exist")
-        items.append((image, str(caption)))
-    if not items:
+            bad.append((f"--manifest {path} line {number}", f'not an {{"image": ..., "caption": ...}} line '
+                        f"({type(e).__name__}: {e})"))
+            continue
+        if image.is_file():
+            items.append((image, str(caption)))
+        else:
+            bad.append((str(image), f"does not exist (--manifest line {number})"))
+    if not items and not bad:
         raise PrecomputeError(f"--manifest {path} lists no images")
-    return items
+    return items, bad
 
 
 def image_size(path: Path) -> tuple[int, int]:
@@ -88,20 +112,26 @@ def image_size(path: Path) -> tuple[int, int]:
             rotated = image.getexif().get(EXIF_ORIENTATION) in (5, 6, 7, 8)
             return image.size[::-1] if rotated else image.size
     except (OSError, SyntaxError, ValueError) as e:  # PIL reports some broken files as SyntaxError
-        raise PrecomputeError(f"{path}: not a readable image ({e})") from None
+        raise BadSample(f"not a readable image ({e})") from None
 
 
-def check_items(items: list[tuple[Path, str]]) -> None:
-    """Folder and JSONL inputs: one error listing every unreadable image; a warning for empty captions."""
-    bad = []
+def check_items(items: list[tuple[Path, str | None]], bad: list[tuple[str, str]], source: str) -> None:
+    """Folder and JSONL inputs: one error naming every bad input (the readers' `bad`, and unreadable images), so
+    that one round of fixes is enough; a warning for empty captions."""
+    unreadable = []
     for path, _ in items:
         try:
             image_size(path)
-        except PrecomputeError as e:
-            bad.append(str(e))
+        except BadSample as e:
+            unreadable.append((str(path), str(e)))
+    bad = bad + unreadable
     if bad:
-        raise PrecomputeError(f"{len(bad)} of {len(items)} images are not readable; remove or replace them and rerun "
-                              f"(nothing was written): {bad[:5]}")
+        kinds = Counter(why.partition(" (")[0] for _, why in bad)
+        raise PrecomputeError(
+            f"{source}: {len(bad)} bad input(s) ({', '.join(f'{kind}: {n}' for kind, n in kinds.most_common())}); fix or remove them and rerun "
+            f"(nothing was written){UTF8_HINT if NOT_UTF8 in kinds else ''}:\n  " +
+            "\n  ".join(f"{where}: {why}" for where, why in bad[:BAD_INPUTS_LISTED]) +
+            (f"\n  ... and {len(bad) - BAD_INPUTS_LISTED} more" if len(bad) > BAD_INPUTS_LISTED else ""))
     empty = [str(path) for path, caption in items if not caption]
     if empty:
         log.warning("%d of %d images have an empty caption (trained as unconditional), e.g. %s", len(empty),

@@ -48,14 +48,16 @@ class Ranks:
 
 class Progress:
     """A rank's images and units, written to `out/.progress/` every few seconds; rank 0 shows a bar over all
-    units with images/s in all and per rank, and waits there for the other ranks to finish."""
+    units with the images encoded per second, in all and per rank, and waits there for the other ranks to finish.
+    A line is drawn when what it shows changes, and the last one once, when the bar closes (a log file keeps
+    every line drawn)."""
 
     def __init__(self, out: Path, ranks: Ranks, units: int, done: int):
         self.path = out / PROGRESS / f"rank-{ranks.rank:05d}.json"
         self.ranks, self.start, self.written = ranks, time.monotonic(), 0.0
         self.state = dict(NOT_STARTED, failed=[])
-        self.bar = None
-        if ranks.rank == 0:
+        self.bar, self.shown = None, None
+        if ranks.rank == 0 and done < units:  # with every unit finished before, there is nothing to show
             from tqdm import tqdm
             self.bar = tqdm(total=units, initial=done, unit="unit", desc="precompute", file=sys.stdout)
 
@@ -65,15 +67,16 @@ class Progress:
         self.state["failed_units"] += failed
         if time.monotonic() - self.written > 2 or units or failed:
             self.write()
+            if self.bar is not None:
+                self.show(self.states())
 
     def write(self) -> None:
         self.state["seconds"] = time.monotonic() - self.start
         self.written = time.monotonic()
         publish_json(self.path, self.state)
-        if self.bar is not None:
-            self.show()
 
-    def show(self) -> list[dict]:
+    def states(self) -> list[dict]:
+        """Every rank's last written state."""
         states = []
         for rank in range(self.ranks.size):
             path = self.path.with_name(f"rank-{rank:05d}.json")
@@ -81,13 +84,19 @@ class Progress:
                 states.append(json.loads(path.read_text()))
             except (OSError, ValueError):  # not started yet
                 states.append(NOT_STARTED)
-        rates = [s["images"] / s["seconds"] if s["seconds"] else 0.0 for s in states]
-        self.bar.n = self.bar.initial + sum(s["units"] for s in states)
-        failed = sum(s["failed_units"] for s in states)
-        self.bar.set_postfix_str(f"{sum(rates):.1f} img/s" + (
-            f" ({' '.join(f'{r:.1f}' for r in rates)} per rank)" if self.ranks.size > 1 else "") +
-            (f", {failed} failed" if failed else ""), refresh=True)
         return states
+
+    def show(self, states: list[dict], draw: bool = True) -> None:
+        """Set the bar to `states`, and draw it if what it shows changed, unless every unit is accounted for:
+        that line is drawn once, by `finish`."""
+        failed = sum(s["failed_units"] for s in states)
+        shown = (self.bar.initial + sum(s["units"] for s in states),
+                 rate_text(states, self.ranks.size) + (f", {failed} failed" if failed else ""))
+        if shown == self.shown:
+            return
+        self.shown = shown
+        self.bar.n = shown[0]
+        self.bar.set_postfix_str(shown[1], refresh=draw and shown[0] + failed < self.bar.total)
 
     def finish(self, failed: list[str]) -> list[str]:
         """This rank is done; on rank 0, wait for the others. Returns the units that failed on any rank."""
@@ -95,9 +104,23 @@ class Progress:
         self.write()
         if self.bar is None:
             return failed
-        states = self.show()
+        states = self.states()
         while not all(s["finished"] for s in states):
+            self.show(states)
             time.sleep(1)
-            states = self.show()
-        self.bar.close()
+            states = self.states()
+        self.show(states, draw=False)
+        self.bar.close()  # draws the last line
         return [f for s in states for f in s["failed"]]
+
+
+def rate_text(states: list[dict], ranks: int) -> str:
+    """Images per second over all ranks (seconds per image below one a second: a large model on a CPU), and
+    each rank's in the same unit under several ranks ("-": none encoded yet); empty before the first image."""
+    rates = [s["images"] / s["seconds"] if s["images"] else None for s in states]
+    total = sum(r for r in rates if r)
+    if not total:
+        return ""
+    unit, value = ("img/s", lambda r: r) if total >= 1 else ("s/img", lambda r: 1 / r)
+    return f"{value(total):.1f} {unit}" + (
+        f" ({' '.join('-' if r is None else f'{value(r):.1f}' for r in rates)} per rank)" if ranks > 1 else "")
