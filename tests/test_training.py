@@ -1,7 +1,6 @@
 """The training loop end to end in one process: determinism, the micro-batch split, the run directory
 (resume, refusal, fall-back), checkpoint failures, and the sampler and export around it."""
 
-import errno
 import logging
 import json
 import shutil
@@ -10,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.distributed.checkpoint.state_dict_saver as dcp_saver
 
 import sample_mmdit
 from configs.build import build_model, build_tokenizer
@@ -18,7 +16,7 @@ from configs.schema import load_config
 from data.shapes import ShapesDataset
 from models.rectified_flow import draw_sample_noise, interpolate, per_sample_loss
 from perf.checkpoint import checkpoints, read_checkpoint
-from tests.conftest import SYSFS_NEW, assert_close, final_weights, losses, metric_rows
+from tests.conftest import SYSFS_NEW, assert_close, checkpoint_disk_full, final_weights, losses, metric_rows
 from train_mmdit_stable import main
 
 
@@ -129,27 +127,15 @@ def test_sampler_rejects_unknown_words_and_missing_checkpoints(tiny, tmp_path, c
         assert f"--out {SYSFS_NEW / 'o'}: cannot create or write into {SYSFS_NEW / 'o'} (at {SYSFS_NEW})" in caplog.text
 
 
-def fail_writes_of(step: int, monkeypatch):
-    """Make writing the checkpoint of `step` fail as a full disk would."""
-    real_save = dcp_saver.save
-
-    def save(state, *, storage_writer, **kwargs):
-        if f"step_{step:08d}" in str(storage_writer.path):
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real_save(state, storage_writer=storage_writer, **kwargs)
-
-    monkeypatch.setattr(dcp_saver, "save", save)
-
-
 def test_failed_checkpoint_write_leaves_training_running(tiny, tmp_path, monkeypatch, caplog):
-    fail_writes_of(4, monkeypatch)
+    checkpoint_disk_full(monkeypatch, "step_00000004")
     assert main(tiny("training.max_steps=6", "checkpoint.every=2", "checkpoint.keep_last=5")) == 0
     assert "checkpoint of step 4" in caplog.text and "No space left on device" in caplog.text
     assert [p.name for p in checkpoints(tmp_path / "run")] == ["step_00000002", "step_00000006"]
 
 
 def test_failed_final_checkpoint_is_an_error_exit(tiny, tmp_path, monkeypatch):
-    fail_writes_of(3, monkeypatch)
+    checkpoint_disk_full(monkeypatch, "step_00000003")
     assert main(tiny("training.max_steps=3")) == 1
     assert checkpoints(tmp_path / "run") == []
 
