@@ -201,8 +201,9 @@ def sigkill_after(overrides: list[str], line_marker: str, log: Path) -> None:
 
 
 def metric_rows(run_dir: Path) -> list[dict]:
-    """The rows of a run's metrics.jsonl."""
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """The rows of a run's metrics.jsonl (a line cut by a kill mid-write is none)."""
+    from runtime.metrics import read_rows
+    return read_rows(run_dir / "metrics.jsonl")
 
 
 def checkpoint_disk_full(monkeypatch, where: str = "") -> None:
