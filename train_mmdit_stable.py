@@ -38,6 +38,7 @@ from runtime.directory_lock import lock_directory
 from runtime.distributed import World, destroy_distributed, init_distributed, stop_together, world_from_env
 from runtime.metrics import RunLogger, TrainingLog, save_loss_curve
 from runtime.nonfinite import NonFiniteGuard
+from runtime.outputs import Output
 from runtime.preemption import PreemptionHandler, mark_exit
 from runtime.step_stats import (MemoryStats, SigmaBuckets, StepTimer, Throughput, peak_flops,
                                 train_flops_per_sample)
@@ -193,7 +194,8 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
             return mark_exit(world.rank, "preempted", status=0)
         validation.at_end(model, ema, run_dir, logger)
     if world.is_main:
-        save_loss_curve(run_dir / "metrics.jsonl", run_dir / "loss_curve.png")
+        curve = run_dir / "loss_curve.png"
+        Output("loss curve").write(curve, save_loss_curve, run_dir / "metrics.jsonl", curve, partial=(curve,))
         log.info("done: run directory %s", run_dir)
     return 0
 
