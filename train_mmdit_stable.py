@@ -134,8 +134,9 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
         log.info("%s is already finished at step %d: nothing to do (raise training.max_steps to train it further)",
                  run_dir, start_step)
         return 0
-    if world.is_main:
-        save_run_config(run_dir, cfg, world.world_size)
+    with stop_together(), checkpointer.closed_on_error():  # a run directory that cannot take it stops every rank
+        if world.is_main:
+            save_run_config(run_dir, cfg, world.world_size)
     log.info("MMDiT %.2fM params, %.2fM trained; %d items (%d held out); global batch %d over %d process(es) (%s); "
              "%s; steps %d -> %d; run dir %s", sum(p.numel() for p in unwrap(model).transformer.parameters()) / 1e6,
              sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6, len(items), len(holdout),

@@ -1,8 +1,10 @@
 """The training loop end to end in one process: determinism, the micro-batch split, the run directory
 (resume, refusal, fall-back), checkpoint failures, and the sampler and export around it."""
 
-import logging
+import errno
 import json
+import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -12,8 +14,10 @@ import torch.distributed.checkpoint as dcp
 
 import sample_mmdit
 from configs.build import build_model, build_tokenizer
+from configs.run_dir import save_run_config
 from configs.schema import load_config
 from data.shapes import ShapesDataset
+from errors import ConfigError
 from models.rectified_flow import draw_sample_noise, interpolate, per_sample_loss
 from perf.checkpoint import checkpoints, read_checkpoint
 from tests.conftest import SYSFS_NEW, assert_close, checkpoint_disk_full, final_weights, losses, metric_rows
@@ -109,6 +113,25 @@ def test_run_directory_of_another_model_is_refused_untouched(tiny, tmp_path, cap
     assert "model.num_layers: 2 -> 3" in caplog.text and "training.seed: 0 -> 5" in caplog.text  # each, old -> new
     assert "output_dir" in caplog.text
     assert before == {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()}
+
+
+def test_a_run_config_the_disk_refuses_leaves_the_last_one_whole(tmp_path, monkeypatch):
+    """config.yaml records what the directory's checkpoints mean: a full disk that takes only part of the new one
+    must leave the last one as it was, and the start stops in one line naming the directory and the reason."""
+    save_run_config(tmp_path, load_config(), world_size=1)
+    before = {p.name: p.read_text() for p in tmp_path.iterdir()}
+    real_write_text = Path.write_text
+
+    def disk_full(path: Path, text: str, *args, **kwargs):
+        real_write_text(path, text[:100], *args, **kwargs)  # what fitted
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Path, "write_text", disk_full)
+    with pytest.raises(ConfigError) as info:
+        save_run_config(tmp_path, load_config(overrides=["optimizer.lr=1e-3"]), world_size=1)
+    assert str(info.value) == (f"logging.output_dir={tmp_path}: cannot create or write into {tmp_path}: No space left "
+                               f"on device")
+    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == before
 
 
 def test_sampler_rejects_unknown_words_and_missing_checkpoints(tiny, tmp_path, caplog):
