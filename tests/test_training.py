@@ -1,11 +1,15 @@
 """The training loop end to end in one process: determinism, the micro-batch split, the run directory
-(resume, refusal, fall-back), checkpoint failures, and the sampler and export around it."""
+(resume, refusal, fall-back), checkpoint failures and a disk that fills up mid-run (that one in a process of
+its own), and the sampler and export around it."""
 
 import errno
 import json
 import logging
 import os
+import shlex
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,8 +23,9 @@ from configs.schema import load_config
 from data.shapes import ShapesDataset
 from errors import ConfigError
 from models.rectified_flow import draw_sample_noise, interpolate, per_sample_loss
-from perf.checkpoint import checkpoints, read_checkpoint
-from tests.conftest import SYSFS_NEW, assert_close, checkpoint_disk_full, final_weights, losses, metric_rows
+from perf.checkpoint import checkpoints, read_checkpoint, verify
+from tests.conftest import (ROOT, SYSFS_NEW, TIMEOUT_S, assert_close, checkpoint_disk_full, final_weights, losses,
+                            metric_rows)
 from train_mmdit_stable import main
 
 
@@ -161,6 +166,82 @@ def test_failed_final_checkpoint_is_an_error_exit(tiny, tmp_path, monkeypatch):
     checkpoint_disk_full(monkeypatch, "step_00000003")
     assert main(tiny("training.max_steps=3")) == 1
     assert checkpoints(tmp_path / "run") == []
+
+
+def test_a_disk_that_fills_up_mid_run_costs_outputs_not_the_run(tiny, tmp_path):
+    """A real full disk: a 4 MiB tmpfs, in a mount namespace of its own, that another writer fills as soon as the
+    checkpoint of step 2 is complete and frees at step 9. Every output that fails says so once, with the path and
+    the reason, training goes on, metrics.jsonl is written again once there is space, and the run ends with exit
+    1 because its final checkpoint (which needs more than the disk has) was not written; the checkpoint of step 2
+    stays intact and no temporary checkpoint directory is left."""
+    unshare = ["unshare", "-m"] if os.geteuid() == 0 else ["unshare", "-rm"]  # -r: root in a user namespace
+    try:
+        probe = subprocess.run([*unshare, "mount", "-t", "tmpfs", "tmpfs", str(tmp_path)], capture_output=True,
+                               text=True)
+    except FileNotFoundError as e:
+        pytest.skip(f"no unshare here to mount a tmpfs: {e}")
+    if probe.returncode:
+        pytest.skip(f"mounting a tmpfs is not permitted here ({shlex.join(probe.args[:3])}: {probe.stderr.strip()})")
+    disk, copy = tmp_path / "disk", tmp_path / "copy"
+    disk.mkdir()
+    run = subprocess.run([*unshare, sys.executable, "-c", "import sys; from tests.test_training import "
+                          "run_on_a_disk_that_fills; run_on_a_disk_that_fills(*sys.argv[1:])", str(disk), str(copy),
+                          *tiny("training.max_steps=10", "checkpoint.every=2", "validation.every=5",
+                                "profiler.enabled=true", "profiler.skip_first=4", "profiler.active_steps=1",
+                                run="disk/run")],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S)
+    said, run_dir = run.stdout, disk / "run"
+    assert run.returncode == 1, said
+    full = "(OSError: [Errno 28] No space left on device)"
+    assert said.count(f"TensorBoard: could not write {run_dir / 'tensorboard'} {full}") == 1, said  # then off
+    assert said.count(f"sample grid: could not write {run_dir / 'samples' / 'step_00000005.png'} {full}") == 1
+    assert f"profiler trace: could not write {run_dir / 'tensorboard' / 'rank0.'}" in said  # the trace of step 7
+    # the validation row is short: it may fit where a training row did not, so metrics.jsonl may recover early
+    assert f"metrics.jsonl: could not write {run_dir / 'metrics.jsonl'} {full}" in said
+    assert "metrics.jsonl: written again" in said.split(" 9/10 ")[1]
+    for step in (4, 6, 8, 10):
+        assert (f"checkpoint of step {step} into {run_dir / 'checkpoints'} failed: rank 0: OSError: [Errno 28] No "
+                f"space left on device") in said
+    assert said.rstrip().endswith("the final checkpoint was not written; exiting with an error") and \
+        "Traceback" not in said
+    assert [p.name for p in (copy / "checkpoints").iterdir()] == ["step_00000002"]
+    assert verify(copy / "checkpoints" / "step_00000002") is None
+    steps = [json.loads(line)["step"] for line in (copy / "metrics.jsonl").read_text().splitlines()]  # every line
+    assert steps[:2] == [1, 2] and steps[-1] == 10 and len(steps) < 10 and steps == sorted(steps)
+    assert not (copy / "samples").exists() or not list((copy / "samples").iterdir())  # no cut picture
+
+
+def run_on_a_disk_that_fills(disk: str, copy_to: str, *overrides: str) -> None:
+    """main(overrides) on a 4 MiB tmpfs mounted at `disk` (in this process's own mount namespace), which another
+    writer fills once the checkpoint of step 2 is complete and frees at step 9; then the run directory is copied
+    to `copy_to` (the tmpfs goes with the namespace), and the process exits with the run's status."""
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", disk], check=True)
+    ballast = Path(disk) / "ballast"
+
+    class OtherWriter(logging.Handler):  # runs in the thread that logs, before that thread goes on
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().endswith("step_00000002 complete"):
+                fill(ballast)
+            elif " 9/10 " in record.getMessage():
+                ballast.unlink()
+
+    logging.getLogger("mmdit").addHandler(OtherWriter())
+    status = main(list(overrides))
+    shutil.copytree(Path(disk) / "run", copy_to)
+    sys.exit(status)
+
+
+def fill(path: Path) -> None:
+    """Zeros into `path` until the disk takes no more."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        while os.write(fd, bytes(1 << 20)):
+            pass
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+    finally:
+        os.close(fd)
 
 
 def test_resume_applies_todays_optimizer_settings_and_guards_the_run(tiny, tmp_path, caplog):
