@@ -38,6 +38,7 @@ from runtime.directory_lock import lock_directory
 from runtime.distributed import World, destroy_distributed, init_distributed, stop_together, world_from_env
 from runtime.metrics import RunLogger, TrainingLog, save_loss_curve
 from runtime.nonfinite import NonFiniteGuard
+from runtime.outputs import Output
 from runtime.preemption import PreemptionHandler, mark_exit
 from runtime.step_stats import (MemoryStats, SigmaBuckets, StepTimer, Throughput, peak_flops,
                                 train_flops_per_sample)
@@ -133,8 +134,9 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
         log.info("%s is already finished at step %d: nothing to do (raise training.max_steps to train it further)",
                  run_dir, start_step)
         return 0
-    if world.is_main:
-        save_run_config(run_dir, cfg, world.world_size)
+    with stop_together(), checkpointer.closed_on_error():  # a run directory that cannot take it stops every rank
+        if world.is_main:
+            save_run_config(run_dir, cfg, world.world_size)
     log.info("MMDiT %.2fM params, %.2fM trained; %d items (%d held out); global batch %d over %d process(es) (%s); "
              "%s; steps %d -> %d; run dir %s", sum(p.numel() for p in unwrap(model).transformer.parameters()) / 1e6,
              sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6, len(items), len(holdout),
@@ -193,7 +195,8 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
             return mark_exit(world.rank, "preempted", status=0)
         validation.at_end(model, ema, run_dir, logger)
     if world.is_main:
-        save_loss_curve(run_dir / "metrics.jsonl", run_dir / "loss_curve.png")
+        curve = run_dir / "loss_curve.png"
+        Output("loss curve").write(curve, save_loss_curve, run_dir / "metrics.jsonl", curve, partial=(curve,))
         log.info("done: run directory %s", run_dir)
     return 0
 

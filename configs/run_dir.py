@@ -16,7 +16,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from configs.schema import load_config
 from errors import ConfigError
 from formats import check_format
-from runtime.directory_lock import writable_directory
+from runtime.directory_lock import unwritable, writable_directory
 
 log = logging.getLogger("mmdit")
 RUN_FORMAT = 2  # run.json's "format"; directories of format 1 (before run.json) are refused
@@ -92,9 +92,19 @@ def identity_changes(old: DictConfig, new: DictConfig) -> list[str]:
 
 
 def save_run_config(run_dir: Path, cfg: DictConfig, world_size: int) -> None:
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
-    (run_dir / RUN_INFO).write_text(json.dumps({"format": RUN_FORMAT, "world_size": world_size,
-                                                 "strategy": cfg.parallel.strategy}))
+    """config.yaml and run.json, each whole or not at all (a temporary file, renamed): a full disk must not
+    leave a cut record of what the directory's checkpoints mean. A directory where they cannot be written is
+    refused, before any training."""
+    info = {"format": RUN_FORMAT, "world_size": world_size, "strategy": cfg.parallel.strategy}
+    records = {"config.yaml": OmegaConf.to_yaml(cfg), RUN_INFO: json.dumps(info)}
+    for name, text in records.items():
+        tmp = run_dir / f".{name}.tmp"
+        try:
+            tmp.write_text(text)
+            tmp.replace(run_dir / name)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise ConfigError(unwritable(f"logging.output_dir={run_dir}", run_dir, e)) from None
 
 
 def flat_keys(tree: dict, prefix: str = "") -> dict:

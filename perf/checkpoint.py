@@ -412,9 +412,9 @@ class Checkpointer:
                          self.staging_bytes / 2**20, "pinned" if self.device.type == "cuda" else "pageable")
             response = dcp.async_save(states, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
                                       process_group=self.group, async_stager=self.stager, no_dist=self.group is None)
-        except Exception as e:  # the same path as a failed background write
-            log.error("checkpoint of step %d failed: %s: %s; the last complete checkpoint is %s", step,
-                      type(e).__name__, e, self.last_complete)
+        except (Exception, dcp.CheckpointException) as e:  # the same path as a failed background write
+            log.error("checkpoint of step %d failed: %s; the last complete checkpoint is %s", step, reason(e),
+                      self.last_complete)
             self.pending = Future()
             self.pending.set_exception(e)
             self.report_errors()
@@ -422,12 +422,12 @@ class Checkpointer:
         self.staging, upload = response.staging_completion, response.upload_completion  # staged in the background
         meta = json.loads(json.dumps({**self.meta, "step": step, "format": FORMAT}))  # a copy, now
         if self.executor is not None:
-            self.pending = self.executor.submit(self.publish, step, tmp, upload, meta)
+            self.pending = self.executor.submit(self.publish, step, tmp, upload, meta, last)
         else:
             self.pending = Future()
             try:
-                self.pending.set_result(self.publish(step, tmp, upload, meta))
-            except Exception as e:
+                self.pending.set_result(self.publish(step, tmp, upload, meta, last))
+            except (Exception, dcp.CheckpointException) as e:
                 self.pending.set_exception(e)
             self.report_errors()
         self.last_stall_s = time.perf_counter() - start
@@ -463,9 +463,10 @@ class Checkpointer:
             self.staging.result()
             self.staging, self.last_staging_wait_s = None, time.perf_counter() - start
 
-    def publish(self, step: int, tmp: Path, upload: Future, meta: dict) -> Path:
+    def publish(self, step: int, tmp: Path, upload: Future, meta: dict, last: bool = False) -> Path:
         """After DCP wrote every rank's files: hash them, write state.json, config.yaml and the manifest, rename.
-        Every rank learns the outcome, so a failure is one on every rank."""
+        Every rank learns the outcome, so a failure is one on every rank (`last`: the run's final save, after which
+        training does not continue)."""
         try:
             upload.result()  # a rank failing inside DCP fails it on every rank
             try:
@@ -483,12 +484,12 @@ class Checkpointer:
             outcome = broadcast(outcome, self.group)
             if outcome is not None:
                 raise OSError(f"{tmp}: {outcome}")
-        except Exception as e:
+        except (Exception, dcp.CheckpointException) as e:  # DCP's own is a BaseException
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-            log.error("checkpoint of step %d into %s failed: %s: %s; the last complete checkpoint is %s%s", step,
-                      tmp.parent, type(e).__name__, e, self.last_complete,
-                      "" if self.fail_on_error else "; training continues")
+            log.error("checkpoint of step %d into %s failed: %s; the last complete checkpoint is %s%s", step,
+                      tmp.parent, reason(e), self.last_complete,
+                      "" if self.fail_on_error or last else "; training continues")
             raise
         final = tmp.with_name(f"step_{step:08d}")
         log.info("checkpoint %s complete", final)
@@ -526,7 +527,7 @@ class Checkpointer:
             self.last_complete, self.last_error = future.result(), None
             return
         self.last_error = (f"checkpoint of step {self.pending_step} into {checkpoint_root(self.run_dir)} failed: "
-                           f"{type(error).__name__}: {error}")  # logged where it failed
+                           f"{reason(error)}")  # logged where it failed
         if self.fail_on_error:
             raise CheckpointWriteError(self.last_error) from error
 
@@ -578,6 +579,21 @@ def single_threaded(executor: ThreadPoolExecutor) -> None:
     threads = torch.get_num_threads()
     executor.submit(one_thread).result()
     torch.set_num_threads(threads)
+
+
+def reason(error: BaseException) -> str:
+    """An error in one line; DCP's CheckpointException (whose text holds every failed rank's traceback) as the
+    error of each rank that failed. An error raised while handling an OSError comes after that OSError, the
+    reason: on a full disk torch.save's writer fails with "unexpected pos 704 vs 598" during the write's ENOSPC."""
+    if isinstance(error, dcp.CheckpointException):
+        return "; ".join(f"rank {rank}: {reason(e)}" for rank, (e, _) in sorted(error.failures.items()))
+    text, cause, seen = f"{type(error).__name__}: {error}", error, set()
+    while cause is not None and not isinstance(cause, OSError) and id(cause) not in seen:
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    if not isinstance(cause, OSError) or cause is error:
+        return text
+    return f"{type(cause).__name__}: {cause} (then {text})"
 
 
 def dotted(path: tuple) -> str:

@@ -1,13 +1,19 @@
 """Where a run's numbers and pictures go: metrics.jsonl, TensorBoard and (optionally) Weights & Biases.
 
-Only rank 0 writes; on other ranks every method is a no-op. TensorBoard and wandb are best-effort: a
-missing package or a failing service is one warning, and training goes on with the other sinks.
+Only rank 0 writes; on other ranks every method is a no-op. No sink stops training (runtime/outputs.py):
+- metrics.jsonl, the primary record, is written a whole line at a time; a row that cannot be written (a full
+  disk) is dropped, with no cut line left to merge with the next, and each later row is tried again.
+- TensorBoard and wandb: a missing package, a failing service or a failed write is one warning, and that sink is
+  off for the rest of the run (an event file cut mid-record cannot be continued).
 """
 
 import json
 import logging
+import os
+import threading
 import time
 import uuid
+from contextlib import suppress
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +23,7 @@ from PIL import Image, ImageDraw
 
 from perf.compile import compile_metrics
 from runtime.distributed import mean_over_ranks
+from runtime.outputs import Output
 
 log = logging.getLogger("mmdit")
 
@@ -26,34 +33,47 @@ class RunLogger:
     metrics.jsonl and TensorBoard (wandb keeps its own history)."""
 
     def __init__(self, run_dir: Path, cfg: DictConfig, enabled: bool, start_step: int = 0):
+        path = run_dir / "metrics.jsonl"
+        self.metrics_output = Output("metrics.jsonl", "its rows are dropped until one can be written; the run goes on")
         if enabled:
-            drop_rows_after(run_dir / "metrics.jsonl", start_step)
-        self.jsonl = open(run_dir / "metrics.jsonl", "a") if enabled else None
+            Output("metrics.jsonl", f"the rows of steps after {start_step} stay beside the redone ones; the run "
+                   f"goes on").write(path, drop_rows_after, path, start_step, partial=(rewritten(path),))
+        self.jsonl = JsonLines(path) if enabled else None
         on = enabled and cfg.logging.tensorboard
         self.tensorboard = start_tensorboard(run_dir / "tensorboard", start_step) if on else None
+        self.tensorboard_output = Output("TensorBoard", "TensorBoard is off for the rest of the run (an event file "
+                                                        "cut mid-record cannot be continued); the run goes on")
         self.wandb = start_wandb(run_dir, cfg) if enabled and cfg.logging.wandb.enabled else None
 
     def scalars(self, step: int, record: dict[str, float]) -> None:
         if self.jsonl is None:
             return
-        self.jsonl.write(json.dumps({"step": step, **record, "time": time.time()}) + "\n")
-        self.jsonl.flush()
-        if self.tensorboard:
+        self.metrics_output.write(self.jsonl.path, self.jsonl.append, {"step": step, **record, "time": time.time()})
+
+        def add_scalars(writer) -> None:
             for key, value in record.items():
-                self.tensorboard.add_scalar(key, value, step)
-            self.tensorboard.flush()
+                writer.add_scalar(key, value, step)
+            writer.flush()
+        self.to_tensorboard(add_scalars)
         self.to_wandb(record, step)
 
     def image(self, step: int, tag: str, path: Path, captions: list[str]) -> None:
         """A sample grid (a PNG on disk) with its captions."""
         if self.jsonl is None:
             return
-        if self.tensorboard:
-            self.tensorboard.add_image(tag, np.asarray(Image.open(path).convert("RGB")), step, dataformats="HWC")
-            self.tensorboard.add_text(f"{tag}/captions", "  \n".join(captions), step)
-            self.tensorboard.flush()
+
+        def add_image(writer) -> None:
+            writer.add_image(tag, np.asarray(Image.open(path).convert("RGB")), step, dataformats="HWC")
+            writer.add_text(f"{tag}/captions", "  \n".join(captions), step)
+            writer.flush()
+        self.to_tensorboard(add_image)
         if self.wandb:
             self.to_wandb({tag: self.wandb.Image(str(path), caption=" | ".join(captions))}, step)
+
+    def to_tensorboard(self, write) -> None:
+        """`write(writer)`; a failure turns TensorBoard off."""
+        if self.tensorboard and not self.tensorboard_output.write(self.tensorboard.log_dir, write, self.tensorboard):
+            self.tensorboard = None
 
     def to_wandb(self, record: dict, step: int) -> None:
         if not self.wandb:
@@ -65,11 +85,10 @@ class RunLogger:
             self.wandb = None
 
     def close(self) -> None:
-        if self.jsonl:
-            self.jsonl.close()
+        if self.jsonl:  # a network filesystem may report a failed write only now
+            Output("metrics.jsonl").write(self.jsonl.path, self.jsonl.close)
             self.jsonl = None
-        if self.tensorboard:
-            self.tensorboard.close()
+        self.to_tensorboard(lambda writer: writer.close())
         if self.wandb:
             try:
                 self.wandb.finish()
@@ -120,21 +139,65 @@ class TrainingLog:
         return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{self.max_steps} {elapsed:.0f}s <{left:.0f}s"
 
 
+class JsonLines:
+    """An append-only file of JSON rows, written a whole line at a time: a write that fails part-way (a full disk)
+    is cut back to the last whole line before the error goes on, so no cut line is left to merge with the next
+    row; the file is opened at the first row, so that a failed open is a failed row too."""
+
+    def __init__(self, path: Path):
+        self.path, self.fd, self.end = path, None, 0  # end: where the whole lines end
+
+    def append(self, row: dict) -> None:
+        line = (json.dumps(row) + "\n").encode()
+        try:
+            if self.fd is None:
+                self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                self.end = os.fstat(self.fd).st_size
+            elif os.fstat(self.fd).st_size > self.end:  # the cut of an earlier failure could not be undone then
+                os.ftruncate(self.fd, self.end)
+            rest = memoryview(line)
+            while rest:  # a full disk may take part of a write before it refuses the rest
+                rest = rest[os.write(self.fd, rest):]
+        except OSError:
+            if self.fd is not None:
+                with suppress(OSError):  # if not now, before the next row
+                    os.ftruncate(self.fd, self.end)
+            raise
+        self.end += len(line)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            os.close(fd)
+
+
+def parse_row(line: str) -> dict | None:
+    """A line of metrics.jsonl as its row; None for a line that is not one whole row (cut by a kill mid-write)."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return row if isinstance(row, dict) and isinstance(row.get("step"), int) else None
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The whole rows of a metrics.jsonl."""
+    return [row for line in path.read_text().splitlines() if (row := parse_row(line)) is not None]
+
+
+def rewritten(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp")
+
+
 def drop_rows_after(path: Path, step: int) -> None:
     """Rewrite metrics.jsonl without the rows of steps after `step` (and lines cut by a kill), atomically."""
     if not path.is_file():
         return
     lines = path.read_text().splitlines()
-    kept = []
-    for line in lines:
-        try:
-            if json.loads(line)["step"] <= step:
-                kept.append(line)
-        except (json.JSONDecodeError, KeyError, TypeError):
-            continue
+    kept = [line for line in lines if (row := parse_row(line)) is not None and row["step"] <= step]
     if len(kept) == len(lines):
         return
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = rewritten(path)
     tmp.write_text("".join(f"{line}\n" for line in kept))
     tmp.replace(path)
 
@@ -142,12 +205,28 @@ def drop_rows_after(path: Path, step: int) -> None:
 def start_tensorboard(log_dir: Path, start_step: int):
     try:
         from torch.utils.tensorboard import SummaryWriter
+        if not isinstance(threading.excepthook, QuietTensorBoardWriterErrors):
+            threading.excepthook = QuietTensorBoardWriterErrors(threading.excepthook)
 
         # hide what an interrupted run logged after the step this start resumes from: those steps are redone
         return SummaryWriter(str(log_dir), purge_step=start_step + 1)
-    except Exception as e:  # ImportError without the tensorboard package
-        log.warning("TensorBoard logging is off: %s: %s (pip install tensorboard)", type(e).__name__, e)
+    except Exception as e:  # ImportError without the tensorboard package; an unwritable directory
+        log.warning("TensorBoard logging is off: %s: %s%s", type(e).__name__, e,
+                    " (pip install tensorboard)" if isinstance(e, ImportError) else "")
         return None
+
+
+class QuietTensorBoardWriterErrors:
+    """threading.excepthook without the traceback of a failed write in TensorBoard's writer thread: the thread
+    ends, its error is raised again in the training thread at the next flush, and RunLogger reports it there as
+    one warning. Every other thread's error goes to the hook before, as it did."""
+
+    def __init__(self, previous):
+        self.previous = previous
+
+    def __call__(self, args) -> None:
+        if not (issubclass(args.exc_type, OSError) and type(args.thread).__module__.startswith("tensorboard.")):
+            self.previous(args)
 
 
 def start_wandb(run_dir: Path, cfg: DictConfig):
@@ -180,7 +259,7 @@ def smoothed(values: np.ndarray, span: float = 0.05) -> np.ndarray:
 
 def save_loss_curve(metrics_path: Path, out: Path, size: tuple[int, int] = (640, 360)) -> None:
     """The loss of every logged step (raw, and smoothed) as a PNG with a step axis."""
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines()]
+    rows = read_rows(metrics_path)
     points = sorted({r["step"]: r["loss"] for r in rows if "loss" in r and np.isfinite(r["loss"])}.items())
     if len(points) < 2:
         return

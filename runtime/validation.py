@@ -33,6 +33,7 @@ from optim.ema import EMA
 from perf.parallel import reshard, unwrap
 from perf.precision import autocast
 from runtime.distributed import World, gather_objects, is_distributed
+from runtime.outputs import Output
 
 log = logging.getLogger("mmdit")
 FINAL = "validation.json"  # in the run directory: the final validation's step and metrics
@@ -141,6 +142,7 @@ class Validation:
                  losses: list[HeldOutLoss], world: World, device: torch.device):
         self.every, self.final, self.max_steps, self.images, self.losses = every, at_end, max_steps, images, losses
         self.world, self.device = world, device
+        self.grids = Output("sample grid")
 
     def due(self, done: int) -> bool:
         """At every `every`-th step but the last (`at_end` covers that, after the final checkpoint)."""
@@ -168,7 +170,8 @@ class Validation:
             log.info("(validation.at_end=false ends a run at its last checkpoint instead)")
         metrics = self(model, ema, self.max_steps, run_dir, logger)
         if self.world.is_main:
-            publish_json(run_dir / FINAL, {"step": self.max_steps, **metrics})
+            Output(FINAL, "rerunning the command does the final validation again").write(
+                run_dir / FINAL, publish_json, run_dir / FINAL, {"step": self.max_steps, **metrics})
 
     def __call__(self, model, ema: EMA, step: int, run_dir: Path, logger) -> dict[str, float]:
         """Run it (every rank); rank 0 writes the grid and logs the metrics, which it returns."""
@@ -181,8 +184,9 @@ class Validation:
                 metrics |= scores
                 if images is not None:
                     grid = run_dir / "samples" / f"step_{step:08d}.png"
-                    save_grid(images, captions, grid)
-                    logger.image(step, "samples", grid, captions)
+                    if self.grids.write(grid, save_grid, images, captions, grid,
+                                        partial=(grid, grid.with_suffix(".txt"))):
+                        logger.image(step, "samples", grid, captions)
         if metrics and self.world.is_main:
             logger.scalars(step, metrics)
             log.info("step %d validation: %s", step, "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()

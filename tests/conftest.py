@@ -1,5 +1,6 @@
 """Shared test helpers: tiny runs, comparisons that can fail, and ranks in real processes."""
 
+import errno
 import itertools
 import json
 import multiprocessing
@@ -200,8 +201,23 @@ def sigkill_after(overrides: list[str], line_marker: str, log: Path) -> None:
 
 
 def metric_rows(run_dir: Path) -> list[dict]:
-    """The rows of a run's metrics.jsonl."""
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """The rows of a run's metrics.jsonl (a line cut by a kill mid-write is none)."""
+    from runtime.metrics import read_rows
+    return read_rows(run_dir / "metrics.jsonl")
+
+
+def checkpoint_disk_full(monkeypatch, where: str = "") -> None:
+    """Make writing the checkpoint files whose path contains `where` fail as on a full disk, inside DCP's file
+    writer: what the checkpointer gets is then DCP's own wrapping of the error, as from a real disk."""
+    from torch.distributed.checkpoint import filesystem
+    real_write_item = filesystem._write_item
+
+    def write_item(transforms, stream, *args, **kwargs):
+        if where in str(stream.name):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write_item(transforms, stream, *args, **kwargs)
+
+    monkeypatch.setattr(filesystem, "_write_item", write_item)
 
 
 def final_weights(run_dir: Path, part: str = "model") -> dict[str, torch.Tensor]:

@@ -2,7 +2,6 @@
 that training cannot disturb, back-pressure, failures that leave the last checkpoint intact, and where the
 staged copy lives."""
 
-import errno
 import json
 import logging
 import os
@@ -17,7 +16,7 @@ import torch.distributed.checkpoint.state_dict_saver as dcp_saver
 from errors import ConfigError, InputError
 from perf.checkpoint import (Checkpointer, CheckpointWriteError, checkpoints, prune_checkpoints,
                              read_checkpoint, read_meta, remove_leftovers, verify)
-from tests.conftest import assert_close
+from tests.conftest import assert_close, checkpoint_disk_full
 
 SHARD = "__0_0.distcp"  # the tensors one writer wrote
 
@@ -261,14 +260,11 @@ def test_a_failed_write_is_reported_and_the_previous_checkpoint_stays(tmp_path, 
     ckpt = checkpointer(tmp_path, keep_last=1, async_save=async_save, fail_on_error=False)
     ckpt.save(1)
     ckpt.wait()
-
-    def disk_full(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(dcp_saver, "save", disk_full)
+    checkpoint_disk_full(monkeypatch)
     ckpt.save(2)
     ckpt.wait()
-    assert "checkpoint of step 2" in caplog.text and "No space left on device" in caplog.text
+    assert (f"checkpoint of step 2 into {tmp_path / 'checkpoints'} failed: rank 0: OSError: [Errno 28] No space left "
+            f"on device") in caplog.text
     assert "the last complete checkpoint is" in caplog.text and "step_00000001" in caplog.text
     assert ckpt.last_error is not None
     assert [p.name for p in checkpoints(tmp_path)] == ["step_00000001"]  # not pruned, still intact

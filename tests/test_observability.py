@@ -1,6 +1,8 @@
 """The profiler and the numbers and pictures a run shows: traces, metrics.jsonl, TensorBoard, wandb."""
 
+import errno
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -16,6 +18,7 @@ from configs.schema import load_config
 from data.shapes import ShapesDataset
 from models.attention import math_attention, use_attention
 from perf.profiler import build_profiler
+from runtime.metrics import RunLogger
 from runtime.step_stats import SigmaBuckets, train_flops_per_sample
 from tests.conftest import TINY
 from tests.conftest import metric_rows as rows
@@ -95,13 +98,43 @@ def test_loss_curve_smoothed_line_ends_at_the_logged_loss(tmp_path):
     steps = np.arange(100, 1501, 100)
     losses = 0.08 + 1.42 * np.exp(-steps / 150) + np.random.default_rng(0).normal(0, 0.01, len(steps))
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": int(s), "loss": float(v)}) + "\n"
-                                                    for s, v in zip(steps, losses)))
+                                                    for s, v in zip(steps, losses)) + '{"step": 1600, "lo')  # killed
     save_loss_curve(tmp_path / "metrics.jsonl", tmp_path / "loss_curve.png")
     image = np.asarray(Image.open(tmp_path / "loss_curve.png").convert("RGB"))
     height, (top, bottom, right) = image.shape[0], (30, 40, 20)
     dark = np.flatnonzero((image[:, image.shape[1] - right - 1] == (20, 60, 200)).all(axis=1))
     end_loss = losses.max() - (dark.mean() - top) / (height - top - bottom) * (losses.max() - losses.min())
     assert end_loss == pytest.approx(losses[-3:].mean(), abs=0.02)
+
+
+def test_a_metrics_row_the_disk_refuses_is_dropped_whole_and_the_next_one_written(tmp_path, monkeypatch, caplog):
+    """A full disk takes part of a row and refuses the rest: the cut line must go (the next row would be written
+    after it, into the same line), with one warning naming the file and the reason; the rows after are tried
+    again, and once there is space they are written, with one line saying so."""
+    caplog.set_level(logging.INFO, logger="mmdit")
+    logger = RunLogger(tmp_path, load_config(overrides=["logging.tensorboard=false"]), enabled=True)
+    logger.scalars(1, {"loss": 1.0})
+    real_write, written_part = os.write, []
+
+    def disk_full(fd: int, data) -> int:
+        if fd != logger.jsonl.fd:
+            return real_write(fd, data)
+        if not written_part:
+            written_part.append(fd)
+            return real_write(fd, data[:20])  # what fitted
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "write", disk_full)
+    logger.scalars(2, {"loss": 0.5})
+    logger.scalars(3, {"loss": 0.4})
+    assert written_part  # the write did fail part-way
+    monkeypatch.setattr(os, "write", real_write)  # space was freed
+    logger.scalars(4, {"loss": 0.3})
+    logger.close()
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 4]
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and f"{tmp_path / 'metrics.jsonl'} (OSError: [Errno 28] No space left" in warnings[0]
+    assert caplog.text.count("metrics.jsonl: written again") == 1
 
 
 def test_sigma_buckets_average_per_noise_level():

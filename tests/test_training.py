@@ -1,24 +1,31 @@
 """The training loop end to end in one process: determinism, the micro-batch split, the run directory
-(resume, refusal, fall-back), checkpoint failures, and the sampler and export around it."""
+(resume, refusal, fall-back), checkpoint failures and a disk that fills up mid-run (that one in a process of
+its own), and the sampler and export around it."""
 
 import errno
-import logging
 import json
+import logging
+import os
+import shlex
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.distributed.checkpoint.state_dict_saver as dcp_saver
 
 import sample_mmdit
 from configs.build import build_model, build_tokenizer
+from configs.run_dir import save_run_config
 from configs.schema import load_config
 from data.shapes import ShapesDataset
+from errors import ConfigError
 from models.rectified_flow import draw_sample_noise, interpolate, per_sample_loss
-from perf.checkpoint import checkpoints, read_checkpoint
-from tests.conftest import SYSFS_NEW, assert_close, final_weights, losses, metric_rows
+from perf.checkpoint import checkpoints, read_checkpoint, verify
+from tests.conftest import (ROOT, SYSFS_NEW, TIMEOUT_S, assert_close, checkpoint_disk_full, final_weights, losses,
+                            metric_rows)
 from train_mmdit_stable import main
 
 
@@ -113,6 +120,25 @@ def test_run_directory_of_another_model_is_refused_untouched(tiny, tmp_path, cap
     assert before == {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()}
 
 
+def test_a_run_config_the_disk_refuses_leaves_the_last_one_whole(tmp_path, monkeypatch):
+    """config.yaml records what the directory's checkpoints mean: a full disk that takes only part of the new one
+    must leave the last one as it was, and the start stops in one line naming the directory and the reason."""
+    save_run_config(tmp_path, load_config(), world_size=1)
+    before = {p.name: p.read_text() for p in tmp_path.iterdir()}
+    real_write_text = Path.write_text
+
+    def disk_full(path: Path, text: str, *args, **kwargs):
+        real_write_text(path, text[:100], *args, **kwargs)  # what fitted
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Path, "write_text", disk_full)
+    with pytest.raises(ConfigError) as info:
+        save_run_config(tmp_path, load_config(overrides=["optimizer.lr=1e-3"]), world_size=1)
+    assert str(info.value) == (f"logging.output_dir={tmp_path}: cannot create or write into {tmp_path}: No space left "
+                               f"on device")
+    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == before
+
+
 def test_sampler_rejects_unknown_words_and_missing_checkpoints(tiny, tmp_path, caplog):
     assert main(tiny("training.max_steps=1")) == 0
     prompts = tmp_path / "prompts.txt"
@@ -129,29 +155,96 @@ def test_sampler_rejects_unknown_words_and_missing_checkpoints(tiny, tmp_path, c
         assert f"--out {SYSFS_NEW / 'o'}: cannot create or write into {SYSFS_NEW / 'o'} (at {SYSFS_NEW})" in caplog.text
 
 
-def fail_writes_of(step: int, monkeypatch):
-    """Make writing the checkpoint of `step` fail as a full disk would."""
-    real_save = dcp_saver.save
-
-    def save(state, *, storage_writer, **kwargs):
-        if f"step_{step:08d}" in str(storage_writer.path):
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real_save(state, storage_writer=storage_writer, **kwargs)
-
-    monkeypatch.setattr(dcp_saver, "save", save)
-
-
 def test_failed_checkpoint_write_leaves_training_running(tiny, tmp_path, monkeypatch, caplog):
-    fail_writes_of(4, monkeypatch)
+    checkpoint_disk_full(monkeypatch, "step_00000004")
     assert main(tiny("training.max_steps=6", "checkpoint.every=2", "checkpoint.keep_last=5")) == 0
     assert "checkpoint of step 4" in caplog.text and "No space left on device" in caplog.text
     assert [p.name for p in checkpoints(tmp_path / "run")] == ["step_00000002", "step_00000006"]
 
 
 def test_failed_final_checkpoint_is_an_error_exit(tiny, tmp_path, monkeypatch):
-    fail_writes_of(3, monkeypatch)
+    checkpoint_disk_full(monkeypatch, "step_00000003")
     assert main(tiny("training.max_steps=3")) == 1
     assert checkpoints(tmp_path / "run") == []
+
+
+def test_a_disk_that_fills_up_mid_run_costs_outputs_not_the_run(tiny, tmp_path):
+    """A real full disk: a 4 MiB tmpfs, in a mount namespace of its own, that another writer fills as soon as the
+    checkpoint of step 2 is complete and frees at step 9. Every output that fails says so with the path and the
+    reason, training goes on, metrics.jsonl is written again once there is space, and the run ends with exit 1
+    because its final checkpoint (which needs more than the disk has) was not written; the checkpoint of step 2
+    stays intact and no temporary checkpoint directory is left."""
+    if not shutil.which("unshare"):
+        pytest.skip("no unshare here to mount a tmpfs in a namespace of the test's own")
+    refusals = []
+    for unshare in [["unshare", "-m"]] * (os.geteuid() == 0) + [["unshare", "-rm"]]:  # -r: root in a user namespace
+        probe = subprocess.run([*unshare, "mount", "-t", "tmpfs", "tmpfs", str(tmp_path)], capture_output=True,
+                               text=True)
+        if probe.returncode == 0:
+            break
+        refusals.append(f"{shlex.join(unshare)}: {probe.stderr.strip()}")
+    else:
+        pytest.skip(f"mounting a tmpfs is not permitted here ({'; '.join(refusals)})")
+    disk, copy = tmp_path / "disk", tmp_path / "copy"
+    disk.mkdir()
+    run = subprocess.run([*unshare, sys.executable, "-c", "import sys; from tests.test_training import "
+                          "run_on_a_disk_that_fills; run_on_a_disk_that_fills(*sys.argv[1:])", str(disk), str(copy),
+                          *tiny("training.max_steps=10", "checkpoint.every=2", "validation.every=5",
+                                "profiler.enabled=true", "profiler.skip_first=4", "profiler.active_steps=1",
+                                run="disk/run")],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S)
+    said, run_dir = run.stdout, disk / "run"
+    assert run.returncode == 1, said
+    full = "(OSError: [Errno 28] No space left on device)"
+    assert said.count(f"TensorBoard: could not write {run_dir / 'tensorboard'} {full}") == 1, said  # then off
+    assert said.count(f"sample grid: could not write {run_dir / 'samples' / 'step_00000005.png'} {full}") == 1
+    assert f"profiler trace: could not write {run_dir / 'tensorboard' / 'rank0.'}" in said  # the trace of step 7
+    # a shorter row (the validation's) may fit where a longer one did not: metrics.jsonl may recover before step 10
+    assert f"metrics.jsonl: could not write {run_dir / 'metrics.jsonl'} {full}" in said
+    assert "metrics.jsonl: written again" in said
+    for step in (4, 6, 8, 10):
+        assert (f"checkpoint of step {step} into {run_dir / 'checkpoints'} failed: rank 0: OSError: [Errno 28] No "
+                f"space left on device") in said
+    assert said.rstrip().endswith("the final checkpoint was not written; exiting with an error") and \
+        "Traceback" not in said
+    assert [p.name for p in (copy / "checkpoints").iterdir()] == ["step_00000002"]
+    assert verify(copy / "checkpoints" / "step_00000002") is None
+    steps = [json.loads(line)["step"] for line in (copy / "metrics.jsonl").read_text().splitlines()]  # every line
+    assert steps[:2] == [1, 2] and steps[-1] == 10 and len(steps) < 10 and steps == sorted(steps)
+    assert not (copy / "samples").exists() or not list((copy / "samples").iterdir())  # no cut picture
+
+
+def run_on_a_disk_that_fills(disk: str, copy_to: str, *overrides: str) -> None:
+    """main(overrides) on a 4 MiB tmpfs mounted at `disk` (in this process's own mount namespace), which another
+    writer fills once the checkpoint of step 2 is complete and frees at step 9; then the run directory is copied
+    to `copy_to` (the tmpfs goes with the namespace), and the process exits with the run's status."""
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", disk], check=True)
+    ballast = Path(disk) / "ballast"
+
+    class OtherWriter(logging.Handler):  # runs in the thread that logs, before that thread goes on
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().endswith("step_00000002 complete"):
+                fill(ballast)
+            elif " 9/10 " in record.getMessage():
+                ballast.unlink()
+
+    logging.getLogger("mmdit").addHandler(OtherWriter())
+    status = main(list(overrides))
+    shutil.copytree(Path(disk) / "run", copy_to)
+    sys.exit(status)
+
+
+def fill(path: Path) -> None:
+    """Zeros into `path` until the disk takes no more."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        while os.write(fd, bytes(1 << 20)):
+            pass
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+    finally:
+        os.close(fd)
 
 
 def test_resume_applies_todays_optimizer_settings_and_guards_the_run(tiny, tmp_path, caplog):
