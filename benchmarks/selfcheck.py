@@ -108,7 +108,7 @@ def run_row(row: Row, overrides: list[str], steps: int, out: Path) -> dict:
     """Train `row` in this process (one rank of it) for 2 x `steps` steps, measuring the second half; writes and
     returns this rank's result."""
     import train_mmdit_stable
-    from runtime.metrics import TrainingLog
+    from runtime.metrics import TrainingLog, read_rows
     rank = int(os.environ.get("RANK", 0))
     window = SyncWindow(steps)
     real_log, real_build = TrainingLog.step, train_mmdit_stable.build_adamw
@@ -122,7 +122,7 @@ def run_row(row: Row, overrides: list[str], steps: int, out: Path) -> dict:
             window.close()
         real_log(self, done, loss, grad_norm, lr)
         if done == 2 * steps and rank == 0 and "step_s" not in window.measured:  # the row's own run only
-            record = json.loads(Path(self.logger.jsonl.name).read_text().splitlines()[-1])
+            record = read_rows(self.logger.jsonl.path)[-1]
             window.measured.update(step_s=record["time/step_s"], images_per_s=record["samples_per_s"],
                                    mfu=record.get("mfu"), peak_memory_gib=record.get(
                                        "memory/peak_allocated_gib", record.get("memory/peak_rss_gib")))

@@ -65,21 +65,23 @@ def test_sigkill_at_random_moments_never_loses_the_run(tmp_path):
     assert_close(final_weights(run_dir), final_weights(tmp_path / "reference"))
 
 
-STEPS = 12  # the signal comes at the first logged step: 11 remain, ~0.1 s each, and slower on a busy machine
-LAUNCHED = [*TINY, "training.train_batch_size=4", f"training.max_steps={STEPS}", "checkpoint.every=1000",
-            "sampling.steps=1"]
+# The signal comes at the first logged step. A run that must then resume and finish has 23 steps left (~0.1 s
+# each, and slower on a busy machine): enough for the signal to arrive first (with 11, the run once finished first).
+STEPS = 24
+LAUNCHED = [*TINY, "training.train_batch_size=4", "checkpoint.every=1000", "sampling.steps=1"]
 LAUNCHER_ENV = {**os.environ, "PYTHON": sys.executable, "NPROC_PER_NODE": "2", "PYTHONUNBUFFERED": "1"}
 
 
-def launch(run_dir: Path) -> list[str]:
-    return [str(ROOT / "train_mmdit_stable.sh"), *LAUNCHED, f"logging.output_dir={run_dir}"]
+def launch(run_dir: Path, steps: int = STEPS) -> list[str]:
+    return [str(ROOT / "train_mmdit_stable.sh"), *LAUNCHED, f"training.max_steps={steps}",
+            f"logging.output_dir={run_dir}"]
 
 
-def signal_a_launch(run_dir: Path, send) -> str:
+def signal_a_launch(run_dir: Path, send, steps: int = STEPS) -> str:
     """Two workers under the launcher (in a session of its own, as a terminal runs a command); once they train,
     `send(launcher)`. The launcher must exit 0 after both checkpointed, with no traceback; returns its output."""
     import threading
-    proc = subprocess.Popen(launch(run_dir), env=LAUNCHER_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(launch(run_dir, steps), env=LAUNCHER_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
@@ -95,7 +97,7 @@ def signal_a_launch(run_dir: Path, send) -> str:
     assert "pre-empted: all 2 local worker(s) checkpointed" in output, output[-3000:]
     assert "SignalException" not in output and "Traceback" not in output, output[-3000:]
     last = checkpoints(run_dir)[-1]
-    assert verify(last) is None and 0 < read_meta(last)["step"] < STEPS
+    assert verify(last) is None and 0 < read_meta(last)["step"] < steps
     return output
 
 
@@ -103,7 +105,8 @@ def test_sigterm_to_the_launcher_of_two_processes_exits_zero_and_resumes_exactly
     """What a scheduler does to a torchrun job: SIGTERM to the launcher. Both workers checkpoint and exit, the
     launcher exits 0 (not torchrun's SignalException), and the same command then finishes with the weights of
     an uninterrupted run."""
-    trains(2, [*LAUNCHED, f"logging.output_dir={tmp_path / 'straight'}"], tmp_path)  # the same math, quicker
+    trains(2, [*LAUNCHED, f"training.max_steps={STEPS}", f"logging.output_dir={tmp_path / 'straight'}"],
+           tmp_path)  # the same math, quicker
     signal_a_launch(tmp_path / "run", lambda proc: proc.send_signal(signal.SIGTERM))
     last = checkpoints(tmp_path / "run")[-1]
     again = subprocess.run(launch(tmp_path / "run"), env=LAUNCHER_ENV, capture_output=True, text=True, timeout=300)
@@ -114,5 +117,5 @@ def test_sigterm_to_the_launcher_of_two_processes_exits_zero_and_resumes_exactly
 def test_ctrl_c_under_the_launcher_of_two_processes_exits_zero_without_a_traceback(tmp_path):
     """What a terminal does on Ctrl-C: SIGINT to every process of the foreground group (the launcher, torchrun and
     the workers, unless torchrun is in a group of its own). torchrun answered it with SignalException, exit 1."""
-    output = signal_a_launch(tmp_path / "run", lambda proc: os.killpg(proc.pid, signal.SIGINT))
+    output = signal_a_launch(tmp_path / "run", lambda proc: os.killpg(proc.pid, signal.SIGINT), steps=100000)
     assert "received SIGINT" in output
