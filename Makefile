@@ -30,7 +30,10 @@ $(TEST): pyproject.toml
 train: $(BASE)
 	PYTHON=$(PY) ./train_mmdit_stable.sh $(ARGS)
 
+# The project is byte-compiled first: where PYTHONDONTWRITEBYTECODE is set (these machines set it) each of the ~300
+# Python processes the suite starts would compile its modules again.
 test: $(TEST)
+	$(PY) -m compileall -q configs data models optim perf runtime tests benchmarks $(wildcard *.py)
 	$(PY) -m pytest -q -n 2 --dist worksteal $(PYTEST_ARGS)
 
 # Each plugin in a short real run on this machine's GPUs (or CPU): a table of passed / failed / not runnable,
