@@ -81,8 +81,11 @@ def signal_a_launch(run_dir: Path, send, steps: int = STEPS) -> str:
     """Two workers under the launcher (in a session of its own, as a terminal runs a command); once they train,
     `send(launcher)`. The launcher must exit 0 after both checkpointed, with no traceback; returns its output."""
     import threading
+    # with SIGINT as a terminal leaves it: a process started with a signal ignored keeps it ignored, and bash cannot
+    # trap it (some earlier test leaves the pytest worker ignoring SIGINT: the launch then trained on, unsignalled)
     proc = subprocess.Popen(launch(run_dir, steps), env=LAUNCHER_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
     reader.start()
@@ -90,7 +93,11 @@ def signal_a_launch(run_dir: Path, send, steps: int = STEPS) -> str:
     while not any(" loss " in line for line in lines) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
     send(proc)
-    proc.wait(timeout=120)
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # the launcher's end takes torchrun and the workers with it (runtime/parent_death.py)
+        raise AssertionError(f"the launch did not stop:\n{''.join(lines)[-3000:]}") from None
     reader.join(timeout=10)
     output = "".join(lines)
     assert proc.returncode == 0, output[-3000:]
