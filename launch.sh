@@ -55,7 +55,7 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-
 # CPU threads (torch's GNU OpenMP) wait for work by spinning 300k times before they sleep: on an idle machine that
 # is fastest, but where another job keeps the cores busy the spinning threads take turns with it and training ran
 # at 0.47 of its best. A short spin loses least across both (benchmarks/threads.py: 0.77 idle, 0.82 busy, where
-# OMP_NUM_THREADS=1 gives 0.70 and 1.00); a GPU run's few CPU ops do not notice.
+# OMP_NUM_THREADS=1 gives 0.70 and 1.00; whole idle runs showed no loss); a GPU run's few CPU ops do not notice.
 export GOMP_SPINCOUNT=${GOMP_SPINCOUNT:-1000}
 
 help_asked() { local a; for a in "$@"; do case "$a" in -h|--help) return 0 ;; esac; done; return 1; }
