@@ -82,7 +82,7 @@ def signal_a_launch(run_dir: Path, send, steps: int = STEPS) -> str:
     `send(launcher)`. The launcher must exit 0 after both checkpointed, with no traceback; returns its output."""
     import threading
     # with SIGINT as a terminal leaves it: a process started with a signal ignored keeps it ignored, and bash cannot
-    # trap it (some earlier test leaves the pytest worker ignoring SIGINT: the launch then trained on, unsignalled)
+    # trap it (from a pytest process that ignores SIGINT, the launch trained on, unsignalled)
     proc = subprocess.Popen(launch(run_dir, steps), env=LAUNCHER_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
