@@ -14,6 +14,7 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from configs.schema import load_config
+from data.latents import publish_text
 from errors import ConfigError
 from formats import check_format
 from runtime.directory_lock import unwritable, writable_directory
@@ -98,12 +99,9 @@ def save_run_config(run_dir: Path, cfg: DictConfig, world_size: int) -> None:
     info = {"format": RUN_FORMAT, "world_size": world_size, "strategy": cfg.parallel.strategy}
     records = {"config.yaml": OmegaConf.to_yaml(cfg), RUN_INFO: json.dumps(info)}
     for name, text in records.items():
-        tmp = run_dir / f".{name}.tmp"
         try:
-            tmp.write_text(text)
-            tmp.replace(run_dir / name)
+            publish_text(run_dir / name, text)
         except OSError as e:
-            tmp.unlink(missing_ok=True)
             raise ConfigError(unwritable(f"logging.output_dir={run_dir}", run_dir, e)) from None
 
 

@@ -59,10 +59,14 @@ def shard_record(directory: Path, file: str, count: int, latent_size) -> dict:
 
 
 def publish_json(path: Path, record: dict) -> None:
-    """Write a JSON file whole or not at all (a reader never sees part of it): a temporary file, renamed."""
+    publish_text(path, json.dumps(record, indent=1))
+
+
+def publish_text(path: Path, text: str) -> None:
+    """Write a file whole or not at all (a reader never sees part of it): a temporary file, renamed."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        tmp.write_text(json.dumps(record, indent=1))
+        tmp.write_text(text)
         tmp.replace(path)
     except OSError:  # no space left: nothing of it stays
         tmp.unlink(missing_ok=True)

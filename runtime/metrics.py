@@ -21,6 +21,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from PIL import Image, ImageDraw
 
+from data.latents import publish_text
 from perf.compile import compile_metrics
 from runtime.distributed import mean_over_ranks
 from runtime.outputs import Output
@@ -37,7 +38,7 @@ class RunLogger:
         self.metrics_output = Output("metrics.jsonl", "its rows are dropped until one can be written; the run goes on")
         if enabled:
             Output("metrics.jsonl", f"the rows of steps after {start_step} stay beside the redone ones; the run "
-                   f"goes on").write(path, drop_rows_after, path, start_step, partial=(rewritten(path),))
+                   f"goes on").write(path, drop_rows_after, path, start_step)
         self.jsonl = JsonLines(path) if enabled else None
         on = enabled and cfg.logging.tensorboard
         self.tensorboard = start_tensorboard(run_dir / "tensorboard", start_step) if on else None
@@ -185,10 +186,6 @@ def read_rows(path: Path) -> list[dict]:
     return [row for line in path.read_text().splitlines() if (row := parse_row(line)) is not None]
 
 
-def rewritten(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp")
-
-
 def drop_rows_after(path: Path, step: int) -> None:
     """Rewrite metrics.jsonl without the rows of steps after `step` (and lines cut by a kill), atomically."""
     if not path.is_file():
@@ -197,9 +194,7 @@ def drop_rows_after(path: Path, step: int) -> None:
     kept = [line for line in lines if (row := parse_row(line)) is not None and row["step"] <= step]
     if len(kept) == len(lines):
         return
-    tmp = rewritten(path)
-    tmp.write_text("".join(f"{line}\n" for line in kept))
-    tmp.replace(path)
+    publish_text(path, "".join(f"{line}\n" for line in kept))
 
 
 def start_tensorboard(log_dir: Path, start_step: int):
