@@ -11,3 +11,11 @@ class InputError(ValueError):
 
 class ConfigError(InputError):
     """A config key's value, or a combination of them, cannot run."""
+
+
+class FieldError(ValueError):
+    """A config section's value is out of range (raised where the section is checked: configs/schema.py, a model
+    family's record); the config loader prefixes the section's name and makes it a ConfigError."""
+
+    def __init__(self, name: str, value, expected: str):
+        super().__init__(f"{name} must be {expected}, got {value}")

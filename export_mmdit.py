@@ -24,13 +24,12 @@ from pathlib import Path
 
 import torch
 
-from configs.schema import FLUX_PACKING, load_config
+from configs.schema import load_config
 from errors import InputError
 from formats import DTYPES
 from models.diffusers_io import (CheckpointFormatError, check_state_dict, export_diffusers_lora,
                                  export_diffusers_transformer, transformers4_clip_names)
 from models.families import FAMILIES, transformer_of_record
-from models.flux.kohya import export_kohya_lora, outside_the_blocks
 from perf.checkpoint import find_checkpoint, read_checkpoint
 from runtime.directory_lock import writable_directory
 
@@ -47,9 +46,10 @@ def export(checkpoint: Path, out: Path, use_ema: bool = True, dtype: torch.dtype
         raise CheckpointFormatError(f"{checkpoint} predates export support (no 'mmdit' in state.json); "
                                     f"resume it for one step to write a new checkpoint")
     family = FAMILIES[meta.get("family", "sd3")]  # recorded since FLUX.1
-    if lora_format == "kohya" and (family.name != "flux" or not meta["lora"]):
-        what = "a full fine-tune (no adapters)" if family.name == "flux" else f"of model.family={family.name}"
-        raise InputError(f"--format kohya writes a FLUX.1 LoRA, and {checkpoint} is {what}: export it in the "
+    if lora_format == "kohya" and (family.kohya is None or not meta["lora"]):
+        what = "a full fine-tune (no adapters)" if family.kohya else f"of model.family={family.name}"
+        kinds = " or ".join(f.title for f in FAMILIES.values() if f.kohya)
+        raise InputError(f"--format kohya writes a {kinds} LoRA, and {checkpoint} is {what}: export it in the "
                          f"default format (--format peft)")
     weights = {**tensors["model"], **(tensors["ema"] if use_ema else {})}  # the EMA covers trained parameters
     part = lambda prefix: {k.removeprefix(prefix): v for k, v in weights.items() if k.startswith(prefix)}
@@ -61,23 +61,16 @@ def export(checkpoint: Path, out: Path, use_ema: bool = True, dtype: torch.dtype
             adapters[family.text_encoders.PARTS[encoder][0]] = (clip, settings)
         if lora_format == "peft":
             return export_diffusers_lora(adapters, out, dtype)
-        config = family.config(**meta["mmdit"])
-        written = export_kohya_lora(adapters, (config.hidden_size, config.num_layers, config.num_single_layers),
-                                    out, dtype, source=str(checkpoint))
-        dropped = outside_the_blocks(transformer)
-        if dropped:
-            log.warning("%s adapts %s outside the blocks: ComfyUI and Forge apply them, diffusers (0.42) drops them "
-                        "from a kohya file; load the default --format peft in diffusers", checkpoint, dropped)
-        return written
+        return family.kohya(adapters, family.config(**meta["mmdit"]), out, dtype, str(checkpoint))
     model = transformer_of_record(family.name, meta["mmdit"])
     check_state_dict(model.state_dict(), transformer, checkpoint)
     model.load_state_dict(transformer)
-    if family.name == "flux":
+    if family.packing:
         packing = load_config(checkpoint / "config.yaml", resolve=False).model.patch_size
-        if packing != FLUX_PACKING:
-            log.warning("%s packs %dx%d latents into a token (model.patch_size=%d): FluxTransformer2DModel loads "
-                        "it, FluxPipeline (which packs %dx%d) cannot drive it", checkpoint, packing, packing, packing,
-                        FLUX_PACKING, FLUX_PACKING)
+        if packing != family.packing:
+            log.warning("%s packs %dx%d latents into a token (model.patch_size=%d): %s loads it, %s (which packs "
+                        "%dx%d) cannot drive it", checkpoint, packing, packing, packing, family.diffusers_class,
+                        family.pipeline_class, family.packing, family.packing)
     return export_diffusers_transformer(model, out, dtype)
 
 

@@ -13,6 +13,7 @@ at --resolution.
 """
 
 import argparse
+import dataclasses
 import functools
 import sys
 from pathlib import Path
@@ -22,41 +23,28 @@ import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from configs.build import build_data, build_model
-from configs.schema import ARCHITECTURE_KEYS, FLUX_PACKING, Config, family_defaults
+from configs.build import build_data, build_model, example_text
+from configs.schema import Config, family_defaults
+from data.latents import text_shapes
 from errors import ConfigError, InputError
-from models.families import read_config
+from models.families import FAMILIES, read_config
 from models.lora import apply_lora
 from models.quantized import quantize_linears
 from runtime.memory_plan import GIB, cheapest_checkpointing, count_model, plan
 
-# The released transformers' sizes (docs/sd3-architecture.md, docs/flux.md)
-RELEASED = {
-    "sd3-medium": {"num_layers": 24, "num_attention_heads": 24, "attention_head_dim": 64, "patch_size": 2,
-                   "sample_size": 128, "pos_embed_max_size": 192, "qk_norm": None, "dual_attention_layers": []},
-    "sd35-medium": {"num_layers": 24, "num_attention_heads": 24, "attention_head_dim": 64, "patch_size": 2,
-                    "sample_size": 128, "pos_embed_max_size": 384, "qk_norm": "rms_norm",
-                    "dual_attention_layers": list(range(13))},
-    "sd35-large": {"num_layers": 38, "num_attention_heads": 38, "attention_head_dim": 64, "patch_size": 2,
-                   "sample_size": 128, "pos_embed_max_size": 192, "qk_norm": "rms_norm", "dual_attention_layers": []},
-    "flux-dev": {"family": "flux", "num_layers": 19, "num_single_layers": 38, "num_attention_heads": 24,
-                 "attention_head_dim": 128, "patch_size": 2, "qk_norm": "rms_norm", "axes_dims_rope": [16, 56, 56],
-                 "guidance_embeds": True},
-    "flux-schnell": {"family": "flux", "num_layers": 19, "num_single_layers": 38, "num_attention_heads": 24,
-                     "attention_head_dim": 128, "patch_size": 2, "qk_norm": "rms_norm", "axes_dims_rope": [16, 56, 56],
-                     "guidance_embeds": False},
-}
-# What the transformer sees of a sample of the released pipelines: SD3's CLIP-L + CLIP-G (77) and T5 (256) tokens,
-# pooled CLIP-L ++ CLIP-G; FLUX.1's T5 tokens (512 for dev, 256 for schnell) and CLIP-L's pooled output. Both
-# VAEs give 16-channel latents at 1/8 of the resolution.
-SD3_TEXT = {"tokens": 77 + 256, "joint": 4096, "pooled": 2048, "latent_channels": 16, "vae_factor": 8}
-FLUX_TEXT = {"tokens": 512, "joint": 4096, "pooled": 768, "latent_channels": 16, "vae_factor": 8}
+# The released transformers' sizes (each family's record: models/<family>/family.py)
+RELEASED = {name: {"family": family.name, **settings} for family in FAMILIES.values()
+            for name, settings in family.released.items()}
 
 
 def released_text(cfg) -> dict:
-    if cfg.model.family == "sd3":
-        return SD3_TEXT
-    return {**FLUX_TEXT, "tokens": 512 if cfg.model.guidance_embeds else 256}
+    """What the transformer sees of a sample of the family's released pipeline: its text and latents."""
+    return family_text(FAMILIES[cfg.model.family], cfg.model)
+
+
+def family_text(family, settings) -> dict:
+    """The same for a transformer of `settings` (model.* values, as attributes) of `family`."""
+    return {**dataclasses.asdict(family.released_text), "tokens": family.text_tokens(settings)}
 
 
 def planning_config(path: str, overrides: list[str], model: str | None):
@@ -75,9 +63,7 @@ def planning_config(path: str, overrides: list[str], model: str | None):
     found = read_config_or_none(cfg.model.init_from) if cfg.model.init_from else None
     if found:
         family, config = found
-        architecture = {"family": family.name, **{k: getattr(config, k) for k in ARCHITECTURE_KEYS[family.name]}}
-        if family.name == "flux":
-            architecture.update(patch_size=FLUX_PACKING, qk_norm="rms_norm")
+        architecture = {"family": family.name, **family.settings(config)}
     elif name:
         architecture = RELEASED[name]
     elif cfg.data.name == "shapes":
@@ -106,7 +92,8 @@ def data_like(cfg, resolution: int):
     text = released_text(cfg)
     side = resolution // text["vae_factor"]
     return SimpleNamespace(latent_channels=text["latent_channels"], latent_sizes=[(side, side)],
-                           text_dims=(text["joint"], text["pooled"]), text_tokens=text["tokens"]), None
+                           text_dims=(text["joint"], text["pooled"]), text_tokens=text["tokens"],
+                           text_shapes=text_shapes(text["tokens"], (text["joint"], text["pooled"]), text["masked"])), None
 
 
 def count(cfg, dataset, tokenizer, quantization: str):
@@ -118,12 +105,7 @@ def count(cfg, dataset, tokenizer, quantization: str):
         if lora.enabled and quantization != "none":
             quantize_linears(model.transformer, quantization)
         shape = (dataset.latent_channels, *dataset.latent_sizes[-1])
-        if tokenizer is not None:  # a text encoder in the model: the shapes data's, or SD3's run in the step
-            text = tokenizer([""])
-        else:
-            joint, pooled = dataset.text_dims
-            text = {"prompt_embeds": torch.empty(1, dataset.text_tokens, joint),
-                    "pooled_prompt_embeds": torch.empty(1, pooled)}
+        text = example_text(dataset, tokenizer)
         inputs = (torch.empty(1, *shape), torch.empty(1), text)
     compute = 4 if cfg.training.dtype == "fp32" else 2
     return count_model(model, inputs, activation_bytes=compute, frozen_bytes=compute)  # frozen: the compute dtype

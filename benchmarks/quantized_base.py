@@ -57,15 +57,16 @@ def latent_dataset(checkpoint: Path, out: Path, items: int = 2048) -> Path:
     for start in range(0, items, 512):
         rows = [dataset[i] for i in range(start, min(start + 512, items))]
         with torch.no_grad():
-            hidden, pooled = model.text_encoder(**tokenizer([r["caption"] for r in rows]))
+            text = model.text_encoder(**tokenizer([r["caption"] for r in rows]))
         name = f"shard-{start // 512:05d}-32x32.safetensors"
-        save_safetensors({"latents": torch.stack([r["latents"] for r in rows]), "prompt_embeds": hidden,
-                          "pooled_prompt_embeds": pooled}, out / name,
+        save_safetensors({"latents": torch.stack([r["latents"] for r in rows]), "prompt_embeds": text["prompt_embeds"],
+                          "pooled_prompt_embeds": text["pooled_prompt_embeds"]}, out / name,
                          {"captions": json.dumps([r["caption"] for r in rows])})
         shards.append(shard_record(out, name, len(rows), (32, 32)))
         captions.append([r["caption"] for r in rows])
     with torch.no_grad():
-        hidden, pooled = model.text_encoder(**tokenizer([""]))
+        text = model.text_encoder(**tokenizer([""]))
+    hidden, pooled = text["prompt_embeds"], text["pooled_prompt_embeds"]
     save_safetensors({"prompt_embeds": hidden, "pooled_prompt_embeds": pooled}, out / "empty_prompt.safetensors")
     write_index(out, shards, captions, {"channels": 3, "text_embeddings": True, "text_tokens": hidden.shape[1],
                                         "text_dims": [hidden.shape[2], pooled.shape[1]], "flipped": False})

@@ -63,6 +63,7 @@ sys.path.insert(0, str(ROOT))  # the project folders import by their names
 from configs.build import build_trained_model  # noqa: E402
 from configs.schema import Config, family_defaults  # noqa: E402
 from errors import ConfigError, InputError  # noqa: E402
+from models.blocks import packing  # noqa: E402
 from models.flux.model import SingleTransformerBlock  # noqa: E402
 from models.rectified_flow import interpolate, per_sample_loss  # noqa: E402
 from plan_memory import RELEASED, released_text  # noqa: E402
@@ -680,7 +681,7 @@ def outside_census(model: nn.Module, data: SimpleNamespace, batch: int, dtype: s
     with FakeTensorMode(allow_non_fake_inputs=True), cuda_autocast_policy(fused_rms_norm_kernel=True):  # nf4 levels
         fake_parameters(model)
         if singles is not None:  # FLUX's rotary tables: made once per shape and kept, not per step
-            p = model.transformer.packing(data.latent_channels)
+            p = packing(model.transformer.cfg.in_channels, data.latent_channels)
             model.transformer.rope(data.text_tokens, h // p, w // p, torch.device("cpu"))
         x0, noise = (torch.empty(batch, data.latent_channels, h, w) for _ in range(2))
         sigma = torch.empty(batch)

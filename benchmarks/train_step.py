@@ -99,6 +99,7 @@ from configs.build import build_model, build_trained_model  # noqa: E402
 from configs.schema import check_sections  # noqa: E402
 from errors import ConfigError  # noqa: E402
 from formats import DTYPES  # noqa: E402
+from models.families import FAMILIES  # noqa: E402
 from models.lora import apply_lora  # noqa: E402
 from models.rectified_flow import interpolate, per_sample_loss  # noqa: E402
 from optim.adamw import build_adamw  # noqa: E402
@@ -106,7 +107,7 @@ from optim.ema import EMA  # noqa: E402
 from perf.attention import BACKENDS, SDPA_KERNELS, apply_attention_backend, choose, joint_lengths  # noqa: E402
 from perf.parallel import apply_parallelism, unwrap  # noqa: E402
 from perf.precision import autocast, configure_cuda_math, grad_scaler  # noqa: E402
-from plan_memory import FLUX_TEXT, SD3_TEXT, planning_config  # noqa: E402
+from plan_memory import RELEASED, family_text, planning_config  # noqa: E402
 from runtime.distributed import World  # noqa: E402
 from runtime.host_syncs import HostSyncCounter, cuda_sync_counter  # noqa: E402
 from runtime.nonfinite import NonFiniteGuard  # noqa: E402
@@ -181,6 +182,8 @@ def flux_anchor(cfg, data: SimpleNamespace, device: torch.device):
 SD3_TINY = {"num_layers": 2, "num_attention_heads": 2, "attention_head_dim": 16, "sample_size": 16,
             "pos_embed_max_size": 8}
 TINY = {"text": {"tokens": 8, "joint": 32, "pooled": 16}, "resolution": 128}
+SD3_TEXT, FLUX_TEXT = (family_text(FAMILIES[RELEASED[name]["family"]], SimpleNamespace(**RELEASED[name]))
+                       for name in ("sd3-medium", "flux-dev"))
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import torch.nn as nn
 from omegaconf import DictConfig
 
 from data.images import to_unit
-from data.latents import LatentDataset, vae_folder
+from data.latents import TEXT_FIELDS, LatentDataset, empty_text, vae_folder
 from data.loader import Collate, split_holdout
 from data.mixture import MixedDataset
 from data.shapes import MAX_CAPTION_WORDS, VOCABULARY, ShapesDataset
@@ -21,9 +21,7 @@ from errors import ConfigError, InputError
 from formats import DTYPES
 from models.diffusers_io import CheckpointFormatError
 from models.families import FAMILIES, family_of_pipeline, open_weights, read_config
-from models.flux.model import FluxConfig
 from models.lora import apply_lora
-from models.sd3.model import MMDiTConfig
 from models.quantized import QuantizedLinear, dequantize, quantize, quantize_linears
 from models.pipeline import Sampler
 from models.rectified_flow import batch_sigmas, resolution_shift
@@ -40,25 +38,15 @@ def build_tokenizer() -> WordTokenizer:
     return WordTokenizer(VOCABULARY, MAX_CAPTION_WORDS)
 
 
-def transformer_config(cfg: DictConfig, latent_channels: int, latent_sizes: list[tuple[int, int]], joint_dim: int,
-                       pooled_dim: int) -> MMDiTConfig | FluxConfig:
+def transformer_config(cfg: DictConfig, latent_channels: int, latent_sizes: list[tuple[int, int]],
+                       text_dims: tuple[int, int]):
     """The transformer's config (diffusers' config.json keys) of model.family, sized for the data."""
-    m = cfg.model
+    m, family = cfg.model, FAMILIES[cfg.model.family]
     for size in latent_sizes:
         if size[0] % m.patch_size or size[1] % m.patch_size:
             raise ConfigError(f"model.patch_size={m.patch_size} does not divide the {size[0]}x{size[1]} latents "
-                              f"({'patches' if m.family == 'sd3' else 'packed tokens'} of {m.patch_size}x{m.patch_size})")
-    common = dict(num_layers=m.num_layers, attention_head_dim=m.attention_head_dim,
-                  num_attention_heads=m.num_attention_heads, joint_attention_dim=joint_dim,
-                  pooled_projection_dim=pooled_dim)
-    if m.family == "flux":
-        channels = latent_channels * m.patch_size**2  # p x p latents packed into a token
-        return FluxConfig(in_channels=channels, out_channels=channels, num_single_layers=m.num_single_layers,
-                          guidance_embeds=m.guidance_embeds, axes_dims_rope=list(m.axes_dims_rope), **common)
-    return MMDiTConfig(sample_size=m.sample_size, patch_size=m.patch_size, in_channels=latent_channels,
-                       out_channels=latent_channels, caption_projection_dim=m.num_attention_heads * m.attention_head_dim,
-                       pos_embed_max_size=m.pos_embed_max_size, qk_norm=m.qk_norm,
-                       dual_attention_layers=list(m.dual_attention_layers), **common)
+                              f"({'packed tokens' if family.packing else 'patches'} of {m.patch_size}x{m.patch_size})")
+    return family.build_config(m, latent_channels, tuple(text_dims))
 
 
 def check_position_table(cfg: DictConfig, dataset) -> None:
@@ -90,9 +78,9 @@ def check_position_table(cfg: DictConfig, dataset) -> None:
                 f", or set model.pos_embed_max_size={largest // m.patch_size} or more"))
 
 
-def build_transformer(cfg: DictConfig, latent_channels: int, latent_sizes: list[tuple[int, int]], joint_dim: int,
-                      pooled_dim: int) -> nn.Module:
-    config = transformer_config(cfg, latent_channels, latent_sizes, joint_dim, pooled_dim)
+def build_transformer(cfg: DictConfig, latent_channels: int, latent_sizes: list[tuple[int, int]],
+                      text_dims: tuple[int, int]) -> nn.Module:
+    config = transformer_config(cfg, latent_channels, latent_sizes, text_dims)
     return FAMILIES[cfg.model.family].transformer(config)
 
 
@@ -187,7 +175,7 @@ def build_model(cfg: DictConfig, dataset, tokenizer: WordTokenizer | PipelineTok
         text_encoder = TinyTextEncoder(len(tokenizer.vocab), tokenizer.max_length, t.dim, t.num_layers, t.num_heads)
         dims = (t.dim, t.dim)
     check_position_table(cfg, dataset)
-    transformer = build_transformer(cfg, channels, sizes, *dims)
+    transformer = build_transformer(cfg, channels, sizes, dims)
     guidance = cfg.flux.train_guidance if cfg.model.guidance_embeds else None  # FLUX.1-dev's embedding
     return TextToImage(transformer, text_encoder, guidance)
 
@@ -369,15 +357,14 @@ def item_text(tokenizer: WordTokenizer | PipelineTokenizers | None, item: dict, 
     """A dataset item's text input of the model, repeated `rows` times."""
     if tokenizer is not None:
         return tokenizer([item["caption"]] * rows)
-    return {k: item[k][None].expand(rows, *item[k].shape) for k in ("prompt_embeds", "pooled_prompt_embeds")}
+    return {k: item[k][None].expand(rows, *item[k].shape) for k in TEXT_FIELDS if k in item}
 
 
 def example_text(dataset, tokenizer: WordTokenizer | PipelineTokenizers | None) -> dict[str, torch.Tensor]:
     """One sample's text input of the model (the empty caption), to count its FLOPs."""
     if tokenizer is not None:
         return tokenizer([""])
-    joint, pooled = dataset.text_dims
-    return {"prompt_embeds": torch.zeros(1, dataset.text_tokens, joint), "pooled_prompt_embeds": torch.zeros(1, pooled)}
+    return empty_text(dataset.text_shapes)
 
 
 def text_tokens(dataset, tokenizer: WordTokenizer | PipelineTokenizers | None) -> int:

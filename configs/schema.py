@@ -17,20 +17,12 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from errors import ConfigError
+from errors import ConfigError, FieldError
 from models.diffusers_io import CheckpointFormatError
 from models.families import FAMILIES, read_config
-from models.flux.model import flux_axes
 from models.lora import TEXT_ENCODER_PARTS
 
 DEFAULT_CONFIG = Path(__file__).parent / "shapes.yaml"
-
-
-class FieldError(ValueError):
-    """A section's value is out of range; `load_config` prefixes the section's name."""
-
-    def __init__(self, name: str, value, expected: str):
-        super().__init__(f"{name} must be {expected}, got {value}")
 
 
 def positive(section, *names: str) -> None:  # None: a family default, set by `load_config`
@@ -54,13 +46,15 @@ def fraction(section, *names: str) -> None:
 @dataclass
 class ModelConfig:
     # sd3: SD3 / SD3.5's joint blocks over [image, text]; flux: FLUX.1's double-stream blocks (SD3's with rotary
-    # positions) then single-stream blocks (attention and MLP in parallel, cheaper per token). With init_from the
+    # positions) then single-stream blocks (attention and MLP in parallel, cheaper per token); qwen_image:
+    # Qwen-Image's dual-stream blocks (SD3's, with rotary positions and masked text padding). With init_from the
     # folder's class decides, and a family set here must agree with it
-    family: Literal["sd3", "flux"] = "sd3"
-    # latent pixels per token side: sd3 patchifies with a conv, flux packs p x p latents (FLUX.1: 2); a smaller
-    # value sees finer detail but costs ~4x tokens per halving
+    family: Literal[tuple(FAMILIES)] = "sd3"
+    # latent pixels per token side: sd3 patchifies with a conv, flux and qwen_image pack p x p latents (their
+    # pipelines: 2); a smaller value sees finer detail but costs ~4x tokens per halving
     patch_size: int = 4
-    # sd3: joint blocks; flux: double-stream blocks. None: the family's demo size (sd3 6; flux 3, with 4 single)
+    # sd3, qwen_image: joint blocks; flux: double-stream blocks. None: the family's demo size (sd3 and qwen_image 6;
+    # flux 3, with 4 single)
     num_layers: Optional[int] = None
     # flux: single-stream blocks after the double ones; None: 2 x num_layers (FLUX.1's ratio), or 4 in the demo
     num_single_layers: Optional[int] = None
@@ -71,48 +65,34 @@ class ModelConfig:
     # per-head q,k RMSNorm (SD3.5, and always in FLUX): stabler at high lr
     qk_norm: Optional[Literal["rms_norm"]] = "rms_norm"
     dual_attention_layers: List[int] = field(default_factory=list)  # sd3 (SD3.5): image-only attn2 in these blocks
-    # flux: rotary channels per position axis (unused, row, column), summing to attention_head_dim; None: FLUX.1's
-    # split (16/56/56 of 128), scaled to the head dim
+    # flux, qwen_image: rotary channels per position axis (FLUX.1: unused, row, column; Qwen-Image: frame, row,
+    # column), summing to attention_head_dim; None: their split (16/56/56 of 128), scaled to the head dim
     axes_dims_rope: Optional[List[int]] = None
     # flux: a guidance embedding, as FLUX.1-dev (guidance-distilled) has; schnell and models trained from scratch
     # without distillation have none
     guidance_embeds: bool = False
-    # a diffusers transformer directory (SD3Transformer2DModel or FluxTransformer2DModel) to start from; sets the
-    # family and the sizes above
+    # a diffusers transformer directory (SD3Transformer2DModel, FluxTransformer2DModel, QwenImageTransformer2DModel)
+    # or a family's original single file to start from; sets the family and the sizes above
     init_from: Optional[str] = None
 
     def __post_init__(self):
         positive(self, "patch_size", "num_layers", "num_attention_heads", "attention_head_dim", "sample_size",
                  "pos_embed_max_size")
         non_negative(self, "num_single_layers")
-        if self.family == "flux":
-            self.check_flux()
-            return
-        for name, unused in (("num_single_layers", 0), ("axes_dims_rope", None), ("guidance_embeds", False)):
-            if getattr(self, name) not in (None, unused):
-                raise FieldError(name, getattr(self, name), f"{unused} with family=sd3 (a FLUX.1 setting: set "
-                                 f"model.family=flux)")
-        if (self.num_attention_heads * self.attention_head_dim) % 4:
-            raise FieldError("num_attention_heads", self.num_attention_heads, f"such that heads * "
-                             f"attention_head_dim ({self.attention_head_dim}) divides by 4 (the 2-D sin-cos "
-                             f"position table splits the width four ways)")
-        if self.sample_size < self.patch_size:
-            raise FieldError("sample_size", self.sample_size, f">= patch_size ({self.patch_size})")
-        outside = [i for i in self.dual_attention_layers if not 0 <= i < self.num_layers]
-        if outside:
-            raise FieldError("dual_attention_layers", list(self.dual_attention_layers),
-                             f"block indices in 0..{self.num_layers - 1}")
+        family = FAMILIES[self.family]
+        for name in FAMILY_OPTIONS.keys() - set(family.options):
+            value = getattr(self, name)
+            if value not in UNSET.get(name, ()) and value != FAMILY_OPTIONS[name]:
+                users = [f.name for f in FAMILIES.values() if name in f.options]
+                raise FieldError(name, value, f"unset with family={self.family} (a setting of "
+                                 f"{' and '.join(f'family={u}' for u in users)})")
+        family.check(self)
 
-    def check_flux(self) -> None:
-        if self.dual_attention_layers:
-            raise FieldError("dual_attention_layers", list(self.dual_attention_layers), "[] with family=flux (an "
-                             "SD3.5 feature)")
-        if self.qk_norm != "rms_norm":
-            raise FieldError("qk_norm", self.qk_norm, "rms_norm with family=flux (FLUX.1 always normalises q and k)")
-        axes = list(self.axes_dims_rope or [])
-        if len(axes) != 3 or sum(axes) != self.attention_head_dim or any(d % 2 for d in axes):
-            raise FieldError("axes_dims_rope", axes, f"three even numbers that sum to attention_head_dim "
-                             f"({self.attention_head_dim})")
+
+# the model.* keys some family uses (Family.options), with their defaults: another family leaves them so
+FAMILY_OPTIONS = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                  for f in dataclasses.fields(ModelConfig) if any(f.name in fam.options for fam in FAMILIES.values())}
+UNSET = {"num_single_layers": (0,)}  # what a family without such blocks may also say
 
 
 @dataclass
@@ -515,17 +495,6 @@ def check_combinations(cfg: DictConfig) -> None:
 
 
 PATH_KEYS = ("data.path", "data.text_encoders_from", "model.init_from", "logging.output_dir", "validation.vae_from")
-# the sizes a diffusers transformer folder fixes, by family (the rest, like channels and text widths, come from the
-# data)
-ARCHITECTURE_KEYS = {"sd3": ("patch_size", "num_layers", "num_attention_heads", "attention_head_dim", "sample_size",
-                             "pos_embed_max_size", "qk_norm", "dual_attention_layers"),
-                     "flux": ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim",
-                              "axes_dims_rope", "guidance_embeds")}
-FLUX_PACKING = 2  # FluxPipeline packs 2x2 latents of its 16-channel VAE into a token: model.patch_size of FLUX.1
-# (double / joint, single) blocks of the tiny model a family trains when its sizes are left unset (the shapes demo):
-# sd3's 6 joint blocks; flux's 3 double- and 4 single-stream ones, which train in about sd3's time and read position
-# from the caption (FLUX.1's ratio, 2 + 4, learned it in one run of three: docs/flux.md)
-DEMO_LAYERS = {"sd3": (6, 0), "flux": (3, 4)}
 SET_WHOLE = "a section is set key by key (training.seed=1), a list whole ('data.datasets=[{path: a}, {path: b}]')"
 # keys that moved to the section a reader looks in: a config that still uses the old name is told the new one
 RENAMED = {"sampling.every": "validation.every", "logging.save_freq": "checkpoint.every",
@@ -685,19 +654,18 @@ def check_guidance_keys(cfg: DictConfig, given: DictConfig) -> None:
 
 
 def family_defaults(cfg: DictConfig) -> None:
-    """The values a family gives the keys left unset (None): sizes of its demo model, its rotary split, the LoRA
-    targets of diffusers' script for it."""
-    m = cfg.model
+    """The values a family gives the keys left unset (None): sizes of its demo model, values it derives from
+    others (FLUX.1's single blocks and rotary split), the LoRA targets of diffusers' script for it."""
+    m, family = cfg.model, FAMILIES[cfg.model.family]
     if m.num_layers is None:
-        m.num_layers, single = DEMO_LAYERS[m.family]
-        if m.num_single_layers is None:
-            m.num_single_layers = single
+        for key, value in family.demo.items():
+            if m[key] is None:
+                m[key] = value
+    family.fill_defaults(m)
     if m.num_single_layers is None:
-        m.num_single_layers = 2 * m.num_layers if m.family == "flux" else 0
-    if m.family == "flux" and m.axes_dims_rope is None:
-        m.axes_dims_rope = flux_axes(m.attention_head_dim)
+        m.num_single_layers = 0
     if cfg.lora.target_modules is None:
-        cfg.lora.target_modules = list(FAMILIES[m.family].lora_targets)
+        cfg.lora.target_modules = list(family.lora_targets)
 
 
 def architecture_from_init(cfg: DictConfig, explicit: set[str]) -> None:
@@ -708,18 +676,16 @@ def architecture_from_init(cfg: DictConfig, explicit: set[str]) -> None:
         family, config = read_config(Path(folder))
     except CheckpointFormatError as e:
         raise ConfigError(f"model.init_from={folder}: {e}") from None
-    theirs = {**dataclasses.asdict(config), "family": family.name}
-    if family.name == "flux":
-        theirs.update(patch_size=FLUX_PACKING, qk_norm="rms_norm")
-    for key in ("family", *ARCHITECTURE_KEYS[family.name], *(("patch_size", "qk_norm") if family.name == "flux" else ())):
+    theirs = {"family": family.name, **family.settings(config)}
+    for key, value in theirs.items():
         ours = cfg.model[key]
         ours = OmegaConf.to_object(ours) if isinstance(ours, ListConfig) else ours
-        if key == "family" and key in explicit and ours != theirs[key]:
+        if key == "family" and key in explicit and ours != value:
             raise ConfigError(f"model.family={ours}, and model.init_from={folder} holds a {family.name} transformer "
                               f"({family.diffusers_class}): use a config of that family (configs/{family.name}_*.yaml)"
                               f" or a {ours} checkpoint")
-        if key in explicit and ours != theirs[key]:
-            raise ConfigError(f"model.{key}={ours} contradicts {folder}/config.json ({key}: {theirs[key]}); the "
+        if key in explicit and ours != value:
+            raise ConfigError(f"model.{key}={ours} contradicts {folder}/config.json ({key}: {value}); the "
                               f"architecture comes from model.init_from: leave model.{key} unset, or point "
                               f"model.init_from at a transformer of that architecture")
-        cfg.model[key] = theirs[key]
+        cfg.model[key] = value

@@ -6,10 +6,12 @@ A dataset directory (written by precompute_latents.py) holds
       latents               [N, C, h, w]  VAE latents, shifted and scaled for the MMDiT (models/vae.py)
       latents_flipped       [N, C, h, w]  optional (--random-flip): the latents of the image mirrored left-right
       prompt_embeds         [N, L, J]     text-token embeddings (SD3: CLIP-L ++ CLIP-G, padded, then T5)
-      pooled_prompt_embeds  [N, P]        pooled text embeddings
+      pooled_prompt_embeds  [N, P]        pooled text embeddings, where the family has them (SD3, FLUX.1)
+      prompt_embeds_mask    [N, L]        1 for a token, 0 for padding, where the family's text is padded to L
+                                          (Qwen-Image): `text_shapes` says which a dataset has
       loss_mask             [N, 1, h, w]  optional: per-latent-element loss weights in [0, 1] from the image's
                                           mask (white = 1); shards without it belong to items without a mask
-  (the two text fields are absent from datasets of `--text-embeddings none`, whose captions training encodes:
+  (the text fields are absent from datasets of `--text-embeddings none`, whose captions training encodes:
   data.text_encoding=on_the_fly), and the captions as a JSON list under the header key "captions";
 - `dataset.json`: the format, the shards in order with their item count, latent size, bytes and sha256 (what a
   published shard must still be), the fields' sizes, whether text embeddings are stored, the VAE and pipeline
@@ -44,8 +46,27 @@ INDEX_DIR = "index"
 EMPTY_PROMPT = "empty_prompt.safetensors"
 VALIDATION_PROMPTS = "validation_prompts.safetensors"  # encodings of --validation-prompts (optional)
 PRECOMPUTE_SETTINGS = "precompute.json"  # written first by precompute; dataset.json is written last
-TEXT_FIELDS = ("prompt_embeds", "pooled_prompt_embeds")
+TEXT_FIELDS = ("prompt_embeds", "pooled_prompt_embeds", "prompt_embeds_mask")  # what `text_shapes` may name
 log = logging.getLogger("mmdit")
+
+
+def text_shapes(tokens: int, dims: tuple[int, int], masked: bool = False) -> dict[str, tuple[int, ...]]:
+    """The text fields of one item and their shapes: the token embeddings [tokens, dims[0]], the pooled vector
+    [dims[1]] where the family has one (dims[1] > 0), and the padding mask [tokens] where its text is padded."""
+    joint, pooled = dims
+    shapes = {"prompt_embeds": (tokens, joint)}
+    if pooled:
+        shapes["pooled_prompt_embeds"] = (pooled,)
+    if masked:
+        shapes["prompt_embeds_mask"] = (tokens,)
+    return shapes
+
+
+def empty_text(shapes: dict[str, tuple[int, ...]], batch: int = 1) -> dict[str, torch.Tensor]:
+    """Text fields of `batch` items, zero but for the mask (every token present): the shapes, for counting FLOPs
+    and planning memory."""
+    return {name: (torch.ones if name == "prompt_embeds_mask" else torch.zeros)(batch, *shape)
+            for name, shape in shapes.items()}
 
 
 class DataFormatError(InputError):
@@ -136,7 +157,7 @@ def check_shards(directory: Path, shards: list[dict]) -> None:
 
 
 class LatentDataset(torch.utils.data.Dataset):
-    """Items: `latents` (float32), `caption`, and `prompt_embeds` / `pooled_prompt_embeds` (float32) with
+    """Items: `latents` (float32), `caption`, and the text fields of `text_shapes` (float32) with
     `text_embeddings` (the dataset must store them; without, training encodes the captions), and `loss_mask`
     ([1, h, w] float32; all ones for an item without a mask) with `masks` (None: if the dataset has masks)."""
 
@@ -160,8 +181,10 @@ class LatentDataset(torch.utils.data.Dataset):
                                   f"alpha channel and no NAME.mask.png beside them); set data.use_masks=auto or false")
         self.masks = self.has_masks if masks is None else masks
         self.text_tokens, self.text_dims = self.index.get("text_tokens"), tuple(self.index.get("text_dims") or ())
+        self.text_mask = bool(self.index.get("text_mask"))  # recorded since Qwen-Image
+        self.text_shapes = text_shapes(self.text_tokens, self.text_dims, self.text_mask) if self.text_dims else {}
         self.fields = ["latents", *(["latents_flipped"] if self.index["flipped"] else []),
-                       *(TEXT_FIELDS if self.text_encoded else [])]
+                       *(self.text_shapes if self.text_encoded else [])]
         arrays = {name: np.load(self.directory / INDEX_DIR / f"{name}.npy", mmap_mode="r")
                   for name in ("shard", "row", "bucket", "caption_start")}
         self.shard_of, self.row_of, self.bucket_of, self.caption_start = (arrays[k] for k in
@@ -217,8 +240,7 @@ class LatentDataset(torch.utils.data.Dataset):
             return None, None
         with self.open(path) as f:
             count = f.get_slice("prompt_embeds").get_shape()[0]
-            expected = {"prompt_embeds": [count, self.text_tokens, self.text_dims[0]],
-                        "pooled_prompt_embeds": [count, self.text_dims[1]]}
+            expected = {field: [count, *shape] for field, shape in self.text_shapes.items()}
             found = {field: f.get_slice(field).get_shape() if field in f.keys() else "nothing" for field in expected}
             if found != expected:
                 raise DataFormatError(f"{path}: fields should have shapes {expected}, found {found}")
@@ -244,9 +266,8 @@ class LatentDataset(torch.utils.data.Dataset):
             path = self.directory / record["file"]
             f = self.open(path)
             (n, (h, w)), c = (record["count"], record["latent_size"]), self.latent_channels
-            expected = {"latents": [n, c, h, w], "latents_flipped": [n, c, h, w],
-                        "prompt_embeds": [n, self.text_tokens, *self.text_dims[:1]],
-                        "pooled_prompt_embeds": [n, *self.text_dims[1:]], "loss_mask": [n, 1, h, w]}
+            expected = {"latents": [n, c, h, w], "latents_flipped": [n, c, h, w], "loss_mask": [n, 1, h, w],
+                        **{field: [n, *shape] for field, shape in self.text_shapes.items()}}
             fields = [*self.fields, *(["loss_mask"] if self.masks and record.get("masks") else [])]
             expected = {field: expected[field] for field in fields}
             found = {field: (f.get_slice(field).get_shape() if field in f.keys() else "missing") for field in expected}

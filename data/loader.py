@@ -19,6 +19,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from data.latents import TEXT_FIELDS
 from data.mixture import Mixture
 from errors import ConfigError
 from models.rectified_flow import FLIP_STREAM, HOLDOUT_STREAM, ORDER_STREAM, draw_sample_noise, sample_key
@@ -225,7 +226,7 @@ class Collate:
         if self.tokenizer is not None:  # token ids, for a text encoder in the model
             return self.tokenizer(["" if drop else item["caption"] for item, drop in zip(items, dropped.tolist())])
         text = {}
-        for key in ("prompt_embeds", "pooled_prompt_embeds"):
+        for key in (k for k in TEXT_FIELDS if k in items[0]):
             values = torch.stack([item[key] for item in items])
             empty = self.empty_prompt[key] if self.empty_prompt else torch.zeros_like(values[:1])
             text[key] = torch.where(dropped.view(-1, *[1] * (values.dim() - 1)), empty.to(values.dtype), values)

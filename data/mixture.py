@@ -64,16 +64,16 @@ class MixedDataset(torch.utils.data.Dataset):
     def __init__(self, datasets: list, names: list[str], weights: list[float]):
         first = datasets[0]
         for name, d in zip(names[1:], datasets[1:]):
-            ours = (d.latent_channels, d.text_dims, d.text_tokens, d.text_encoded)
-            theirs = (first.latent_channels, first.text_dims, first.text_tokens, first.text_encoded)
+            ours = (d.latent_channels, d.text_shapes, d.text_encoded)
+            theirs = (first.latent_channels, first.text_shapes, first.text_encoded)
             if ours != theirs:
-                raise InputError(f"data.datasets: {name} has (latent channels, text widths, text tokens, text "
-                                 f"embeddings) {ours}, {names[0]} {theirs}: precompute them with the same pipeline "
-                                 f"and --text-embeddings")
+                raise InputError(f"data.datasets: {name} has (latent channels, text fields, text embeddings) {ours}, "
+                                 f"{names[0]} {theirs}: precompute them with the same pipeline and --text-embeddings")
         self.datasets, self.names, self.weights = datasets, names, weights
         self.offsets = np.cumsum([0, *(len(d) for d in datasets)])
         self.latent_sizes = sorted({size for d in datasets for size in d.latent_sizes})
         self.latent_channels, self.text_dims, self.text_tokens = first.latent_channels, first.text_dims, first.text_tokens
+        self.text_mask, self.text_shapes = first.text_mask, first.text_shapes
         self.text_encoded, self.empty_prompt = first.text_encoded, first.empty_prompt
         self.index, self.directory = first.index, first.directory  # the pipeline and VAE (validation, tokenizers)
         self.commonest_size = first.commonest_size

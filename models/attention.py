@@ -1,4 +1,5 @@
-"""The attention every MMDiT block computes: q, k, v as [batch, heads, tokens, head_dim], no mask.
+"""The attention every MMDiT block computes: q, k, v as [batch, heads, tokens, head_dim], and a key mask [batch, 1,
+1, tokens] (True: attend) where a family's text has padding (Qwen-Image), else None.
 
 Which kernel computes it is a choice the model carries: each attention module holds its `attention_kernel`
 (SDPA, PyTorch's own choice, by default), set for a whole model from outside by `use_attention`
@@ -14,13 +15,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, k, v)
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The reference: softmax(q k^T / sqrt(d)) v, computed in fp32."""
+def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference: softmax(q k^T / sqrt(d)) v, computed in fp32 (masked keys weigh nothing)."""
     scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
     return (scores.softmax(dim=-1) @ v.float()).to(q.dtype)
 
 
@@ -29,7 +32,7 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def use_attention(model: nn.Module, kernel) -> nn.Module:
-    """Every attention of `model` computed by `kernel(q, k, v)`; returns the model."""
+    """Every attention of `model` computed by `kernel(q, k, v, mask=None)`; returns the model."""
     for module in attention_modules(model):
         module.attention_kernel = kernel
     return model

@@ -1,7 +1,8 @@
 """What every MMDiT here is built from, written once: initial values, timestep embedding, adaLN modulation,
-attention over one or two streams (with rotary positions where the family uses them), the feed-forward, and the
-joint (double-stream) block that SD3 / SD3.5 and FLUX.1 share. Submodule names follow diffusers, so released
-state dicts map key for key. The families assemble these in models/sd3/model.py and models/flux/model.py.
+attention over one or two streams (with rotary positions and a text padding mask where the family uses them), the
+feed-forward, packing latents into tokens, rotary tables, and the joint (double-stream) block that SD3 / SD3.5 and
+FLUX.1 share. Submodule names follow diffusers, so released state dicts map key for key. The families assemble these
+in their folders (models/sd3/model.py, models/flux/model.py, models/qwen_image/model.py).
 """
 
 import math
@@ -86,20 +87,23 @@ class MLPEmbedder(nn.Module):
 
 
 class TimeTextEmbed(nn.Module):
-    """temb = timestep embedding (+ guidance embedding, FLUX.1-dev) + pooled-text embedding."""
+    """temb = timestep embedding (+ guidance embedding, FLUX.1-dev) (+ pooled-text embedding, where the family has
+    pooled text: `pooled_dim` > 0). The sinusoidal features enter the embedders in the pooled text's dtype, or in
+    `dtype` without one (Qwen-Image: the image tokens')."""
 
     def __init__(self, dim: int, pooled_dim: int, guidance: bool = False):
         super().__init__()
         self.timestep_embedder = MLPEmbedder(256, dim)
         self.guidance_embedder = MLPEmbedder(256, dim) if guidance else None
-        self.text_embedder = MLPEmbedder(pooled_dim, dim)
+        self.text_embedder = MLPEmbedder(pooled_dim, dim) if pooled_dim else None
 
-    def forward(self, timestep: torch.Tensor, pooled: torch.Tensor,
-                guidance: torch.Tensor | None = None) -> torch.Tensor:
-        temb = self.timestep_embedder(timestep_features(timestep).to(pooled.dtype))
+    def forward(self, timestep: torch.Tensor, pooled: torch.Tensor | None = None, guidance: torch.Tensor | None = None,
+                dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = pooled.dtype if pooled is not None else dtype
+        temb = self.timestep_embedder(timestep_features(timestep).to(dtype))
         if self.guidance_embedder is not None:
-            temb = temb + self.guidance_embedder(timestep_features(guidance).to(pooled.dtype))
-        return temb + self.text_embedder(pooled)
+            temb = temb + self.guidance_embedder(timestep_features(guidance).to(dtype))
+        return temb if self.text_embedder is None else temb + self.text_embedder(pooled)
 
 
 # ----------------------------------------------------------------------------------------------- modulation
@@ -177,6 +181,56 @@ class AdaLNContinuous(nn.Module):
         return modulate(layer_norm(x), shift, scale)
 
 
+# ----------------------------------------------------------------------------------------------- tokens and positions
+
+
+def pack(latents: torch.Tensor, p: int) -> torch.Tensor:
+    """[B, C, H, W] -> [B, H/p * W/p, C * p * p], each token a p x p patch in (channel, row, column) order: how
+    FLUX.1's and Qwen-Image's pipelines turn latents into tokens."""
+    b, c, h, w = latents.shape
+    x = latents.view(b, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // p) * (w // p), c * p * p)
+
+
+def unpack(tokens: torch.Tensor, h: int, w: int, p: int) -> torch.Tensor:
+    """The inverse of `pack` for latents of h x w."""
+    b, _, d = tokens.shape
+    x = tokens.view(b, h // p, w // p, d // (p * p), p, p).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, d // (p * p), h, w)
+
+
+def packing(in_channels: int, latent_channels: int) -> int:
+    """The side p of the latent patch a token packs: in_channels = latent channels x p x p."""
+    p = math.isqrt(in_channels // latent_channels)
+    if latent_channels * p * p != in_channels:
+        raise ValueError(f"{latent_channels}-channel latents do not pack into in_channels={in_channels} "
+                         f"(channels x p x p)")
+    return p
+
+
+def rotary_axes(head_dim: int) -> list[int]:
+    """The split of a head's channels over the (first, row, column) position axes that FLUX.1 and Qwen-Image use,
+    16/56/56 of 128, for any head dim that allows even parts."""
+    first = 2 * max(1, round(head_dim / 16))
+    rest = head_dim - first
+    row = 2 * (rest // 4)
+    return [first, row, rest - row]
+
+
+def rope_1d(dim: int, positions: torch.Tensor, theta: float = 10000) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [L, dim] of one position axis, frequencies theta^(-2i/dim) in float64, each repeated for its
+    pair (the rotation `apply_rope` applies to adjacent channels)."""
+    freqs = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device) / dim)
+    angles = torch.outer(positions.double(), freqs)
+    return angles.cos().repeat_interleave(2, dim=1).float(), angles.sin().repeat_interleave(2, dim=1).float()
+
+
+def rope_tables(axes: list[int], ids: torch.Tensor, theta: float = 10000) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [L, sum(axes)] of tokens with position ids [L, len(axes)], axis i over axes[i] channels."""
+    tables = [rope_1d(dim, ids[:, i], theta) for i, dim in enumerate(axes)]
+    return torch.cat([cos for cos, _ in tables], dim=-1), torch.cat([sin for _, sin in tables], dim=-1)
+
+
 # ----------------------------------------------------------------------------------------------- attention
 
 
@@ -206,7 +260,7 @@ class SelfAttention(nn.Module):
     def __init__(self, dim: int, heads: int, qk_norm: bool, out_projection: bool = True):
         super().__init__()
         self.heads = heads
-        self.attention_kernel = sdpa_attention  # q, k, v -> out; chosen from outside (models/attention.py)
+        self.attention_kernel = sdpa_attention  # q, k, v, mask -> out; chosen from outside (models/attention.py)
         self.to_q, self.to_k, self.to_v = (nn.Linear(dim, dim) for _ in range(3))
         self.to_out = nn.ModuleList([nn.Linear(dim, dim)]) if out_projection else None
         head_dim = dim // heads
@@ -233,24 +287,26 @@ class JointAttention(SelfAttention):
         self.norm_added_q = RMSNorm(head_dim, eps=1e-6) if qk_norm else nn.Identity()
         self.norm_added_k = RMSNorm(head_dim, eps=1e-6) if qk_norm else nn.Identity()
         self.to_add_out = None if context_pre_only else nn.Linear(dim, dim)
+        self.text_output = not context_pre_only  # off: the text's output is not computed (`to_add_out` unused)
 
     def joint(self, image: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         return torch.cat([text, image] if self.text_first else [image, text], dim=2)
 
-    def forward(self, x: torch.Tensor, c: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, x: torch.Tensor, c: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`mask`: [B, 1, 1, joint tokens], False at the keys no token may attend to (text padding)."""
         q = self.joint(self.norm_q(split_heads(self.to_q(x), self.heads)),
                        self.norm_added_q(split_heads(self.add_q_proj(c), self.heads)))
         k = self.joint(self.norm_k(split_heads(self.to_k(x), self.heads)),
                        self.norm_added_k(split_heads(self.add_k_proj(c), self.heads)))
         v = self.joint(split_heads(self.to_v(x), self.heads), split_heads(self.add_v_proj(c), self.heads))
-        out = merge_heads(self.attention_kernel(apply_rope(q, rope), apply_rope(k, rope), v))
+        out = merge_heads(self.attention_kernel(apply_rope(q, rope), apply_rope(k, rope), v, mask=mask))
         image_tokens, text_tokens = x.shape[1], c.shape[1]
         if self.text_first:
             c_out, x_out = out.split([text_tokens, image_tokens], dim=1)
         else:
             x_out, c_out = out.split([image_tokens, text_tokens], dim=1)
-        return self.to_out[0](x_out), (self.to_add_out(c_out) if self.to_add_out is not None else None)
+        return self.to_out[0](x_out), (self.to_add_out(c_out) if self.text_output else None)
 
 
 class GELUProj(nn.Module):

@@ -1,72 +1,30 @@
-"""The model families, one record each: SD3 / SD3.5 (`sd3`) and FLUX.1 (`flux`). What differs between them
-beyond their modules (the class a diffusers folder names, the keys its config.json may hold, the LoRA targets of
-diffusers' training scripts) is in this table, so the trainer, its plugins and the tools serve every family
-through the same calls. Each transformer module has `cfg` (its config.json keys), `blocks` (the repeated blocks the
-plugins wrap), `initial_value(name, seed)` and `DIFFUSERS_CLASS`.
-
-A diffusers transformer folder says which family it holds (config.json's `_class_name`); a pipeline folder too
-(model_index.json's `_class_name`). A single .safetensors file is FLUX.1's original (BFL) checkpoint
-(models/flux/bfl.py).
+"""The model families the trainer knows, one record each (models/family.py; each family's folder holds its
+record): SD3 / SD3.5 (`sd3`), FLUX.1 (`flux`), Qwen-Image (`qwen_image`). This module finds a family and its config from what the user gives:
+a diffusers transformer folder says which family it holds (config.json's `_class_name`), a pipeline folder too
+(model_index.json's `_class_name`), and a single .safetensors file is a family's original checkpoint, recognised
+by its keys (FLUX.1's BFL file: models/flux/bfl.py).
 """
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn as nn
+from safetensors import safe_open
 
 from models.diffusers_io import CheckpointFormatError, WeightReader, load_diffusers_weights
-from models.flux.bfl import BFLReader, is_bfl_file
-from models.flux.model import Flux, FluxConfig
-from models.flux.text import FluxTextEncoders, FluxTokenizers
-from models.sd3.model import MMDiT, MMDiTConfig
-from models.sd3.text import SD3TextEncoders, SD3Tokenizers
+from models.family import Family
+from models.flux.family import FAMILY as FLUX
+from models.qwen_image.family import FAMILY as QWEN_IMAGE
+from models.sd3.family import FAMILY as SD3
 
 # config.json keys diffusers writes that do not change the architecture
 BOOKKEEPING_KEYS = {"_class_name", "_diffusers_version", "_name_or_path"}
 
-
-@dataclass(frozen=True)
-class Family:
-    name: str  # model.family
-    transformer: type  # the module, built from its config
-    config: type  # the config dataclass: diffusers' config.json keys
-    pipeline_class: str  # model_index.json's _class_name of its pipelines
-    lora_targets: tuple[str, ...]  # the modules diffusers' LoRA training script adapts, by their names in a block
-    text_encoders: type  # its pipeline's frozen text encoders (models/pipeline_text.py)
-    tokenizers: type  # and their tokenizers
-    max_sequence_length: int  # T5 tokens its pipelines use by default
-    # config.json keys of newer diffusers versions this module does not implement: accepted at these values only
-    neutral_values: dict = field(default_factory=dict)
-
-    @property
-    def diffusers_class(self) -> str:
-        return self.transformer.DIFFUSERS_CLASS
-
-
-# diffusers' train_dreambooth_lora_sd3.py: the joint attention's projections
-SD3_LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
-                    "attn.add_v_proj", "attn.to_add_out")
-# diffusers' train_dreambooth_lora_flux.py: the attention projections of both block kinds (a name matches in every
-# block that has it) and the double blocks' feed-forwards. Adding "proj_mlp" adapts the single blocks' MLPs too;
-# "proj_out" would also adapt the final projection, outside the blocks
-FLUX_LORA_TARGETS = ("attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj", "attn.add_q_proj",
-                     "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
-                     "ff_context.net.2")
-
-FAMILIES = {
-    "sd3": Family("sd3", MMDiT, MMDiTConfig, "StableDiffusion3Pipeline", SD3_LORA_TARGETS, SD3TextEncoders,
-                  SD3Tokenizers, 256, {"pos_embed_type": "sincos", "use_pos_embed": True, "context_pre_only": None,
-                                       "qk_norm_eps": 1e-6}),
-    # FLUX.1-dev's pipeline pads T5 to 512 tokens; schnell is used with 256 (precompute_latents.py picks by the
-    # transformer's guidance embedding)
-    "flux": Family("flux", Flux, FluxConfig, "FluxPipeline", FLUX_LORA_TARGETS, FluxTextEncoders, FluxTokenizers,
-                   512),
-}
+FAMILIES: dict[str, Family] = {f.name: f for f in (SD3, FLUX, QWEN_IMAGE)}
 BY_CLASS = {f.diffusers_class: f for f in FAMILIES.values()}
-BY_PIPELINE = {f.pipeline_class: f for f in FAMILIES.values()}
+BY_PIPELINE = {pipeline: f for f in FAMILIES.values() for pipeline in f.pipelines}
 
 
 def family_of_model(transformer: nn.Module) -> Family:
@@ -92,17 +50,37 @@ def family_of_pipeline(folder: Path) -> Family:
     return BY_PIPELINE[name]
 
 
-def open_weights(path: Path) -> WeightReader | BFLReader:
-    """The weights of a transformer folder (diffusers' layout) or of FLUX.1's original single file, read one block
-    of one tensor at a time under diffusers' names."""
-    return BFLReader(Path(path)) if is_bfl_file(path) else WeightReader(Path(path))
+def is_single_file(path: Path) -> bool:
+    return Path(path).is_file() and Path(path).suffix == ".safetensors"
 
 
-def read_config(directory: Path) -> tuple[Family, MMDiTConfig | FluxConfig]:
-    """The family and the config of a diffusers transformer folder (or of FLUX.1's original single file); what
+def single_file_family(path: Path) -> Family:
+    """The family whose original single-file layout a .safetensors file has, from its keys alone."""
+    try:
+        with safe_open(Path(path), "pt") as f:
+            keys = set(f.keys())
+    except Exception as e:  # safetensors raises its own error types for a file that is not one
+        raise CheckpointFormatError(f"{path} is not a readable safetensors file ({e})") from None
+    readers = [f for f in FAMILIES.values() if f.single_file is not None]
+    for family in readers:
+        if family.single_file.recognizes(keys):
+            return family
+    raise CheckpointFormatError(f"{path} is not the original single-file checkpoint of a family this trainer reads ("
+                                f"{'; '.join(f'{f.title}: {f.single_file.LAYOUT}' for f in readers)})")
+
+
+def open_weights(path: Path):
+    """The weights of a transformer folder (diffusers' layout) or of a family's original single file, read one
+    block of one tensor at a time under diffusers' names (`WeightReader`'s calls)."""
+    return single_file_family(path).single_file(Path(path)) if is_single_file(path) else WeightReader(Path(path))
+
+
+def read_config(directory: Path) -> tuple[Family, object]:
+    """The family and the config of a diffusers transformer folder (or of a family's original single file); what
     this project's modules do not implement is named."""
-    if is_bfl_file(directory):
-        return FAMILIES["flux"], BFLReader(Path(directory)).config()
+    if is_single_file(directory):
+        family = single_file_family(directory)
+        return family, family.single_file(Path(directory)).config()
     path = Path(directory) / "config.json"
     if not path.is_file():
         hint = " (a pipeline folder: point at its transformer/ folder)" if (Path(directory) / "model_index.json").is_file() else ""

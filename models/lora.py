@@ -43,7 +43,9 @@ def apply_lora(model: nn.Module, lora) -> nn.Module:
         raise ConfigError(f"lora.target_modules {missing} match no module of the MMDiT "
                           f"(names inside a block, e.g. 'attn.to_q', 'attn2.to_q', 'ff.net.2')")
     model.requires_grad_(False)
-    adapted = {"transformer": (model.transformer, adapter_settings(lora))}
+    # modules whose output reaches nothing (Qwen-Image's last text stream): an adapter there would get no gradient
+    unused = getattr(model.transformer, "unused_modules", list)()
+    adapted = {"transformer": (model.transformer, {**adapter_settings(lora), **({"exclude_modules": unused} if unused else {})})}
     for part, settings in text_encoder_settings(lora).items():
         encoder = getattr(model.text_encoder, part, None)
         if encoder is None:

@@ -28,10 +28,10 @@ class PipelineTokenizers:
         self.folder, self.max_sequence_length = Path(folder), max_sequence_length
         self.parts = {part: AutoTokenizer.from_pretrained(self.folder / tokenizer)
                       for part, (encoder, tokenizer) in self.PARTS.items() if (self.folder / encoder).is_dir()}
-        self.clip_length = self.parts["clip_l"].model_max_length
 
     def length(self, part: str) -> int:
-        return self.max_sequence_length if part == "t5" else self.clip_length
+        """The tokens a part's encoder is given: T5 max_sequence_length, a CLIP its own limit."""
+        return self.max_sequence_length if part == "t5" else self.parts[part].model_max_length
 
     def __call__(self, captions: list[str]) -> dict[str, torch.Tensor]:
         return {f"{part}_ids": tokenizer(captions, padding="max_length", max_length=self.length(part),
@@ -46,13 +46,16 @@ class PipelineTokenizers:
 
 class PipelineTextEncoders(nn.Module):
     """The frozen text encoders of a pipeline folder, one submodule per part; `forward(**tokenizers(captions))`
-    gives (tokens [B, L, joint_dim], pooled [B, pooled_dim]). Build it under `torch.device("meta")` and fill it
+    gives the embeddings by a latent dataset's names (`prompt_embeds` [B, L, joint_dim], and the family's others:
+    `pooled_prompt_embeds` [B, pooled_dim], or the padding mask `prompt_embeds_mask` [B, L]). Build it under `torch.device("meta")` and fill it
     with `read` (or `load`). `PARTS` names each part's encoder and tokenizer folders; `OPTIONAL` the parts a
     pipeline may lack; `build(part, config)` makes a part's module."""
 
     PARTS: dict[str, tuple[str, str]] = {}
     OPTIONAL: tuple[str, ...] = ()
     NAME = ""  # the family, in error messages
+    MASKED = False  # its text is padded, with a `prompt_embeds_mask` (Qwen-Image)
+    pooled_dim = 0  # the width of `pooled_prompt_embeds`, for the families that have them
 
     def __init__(self, folder: Path, max_sequence_length: int):
         super().__init__()
@@ -118,22 +121,28 @@ class PipelineTextEncoders(nn.Module):
             self.readers[part] = WeightReader(self.folder / self.PARTS[part][0], stem="model")
         return self.readers[part]
 
+    def file_key(self, part: str, name: str) -> str:
+        """The key under which a part's files hold its parameter `name` (its own name, unless the family's
+        files name it otherwise)."""
+        return name
+
     def check(self, source: str) -> None:
-        """Every weight is in the pipeline's files, in the right shape, before a byte of them is read."""
+        """Every weight is in the pipeline's files, in the right shape, before a byte of them is read (the files
+        may hold more: a language model's output head, say)."""
         for part in self.present():
-            expected = {name.replace(".base_layer.", "."): p.shape  # LoRA's adapters are not in the files
+            expected = {self.file_key(part, name.replace(".base_layer.", ".")): p.shape  # LoRA's are not in the files
                         for name, p in getattr(self, part).named_parameters() if ".lora_" not in name}
-            found = {k: v for k, v in self.reader(part).shapes.items() if not k.endswith("position_ids")}
+            found = dict(self.reader(part).shapes)
             tied = found.pop("encoder.embed_tokens.weight", None)  # T5's input embedding is shared.weight too
             if tied is not None:
                 found.setdefault("shared.weight", tied)
-            check_shapes(expected, found, f"{source} {self.PARTS[part][0]}/")
+            check_shapes(expected, {k: v for k, v in found.items() if k in expected}, f"{source} {self.PARTS[part][0]}/")
 
     def read(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
         """The block of parameter or buffer `name` (e.g. "t5.shared.weight") at `offsets` of `sizes`, read from
         the pipeline's files."""
         part, _, key = name.replace(".base_layer.", ".").partition(".")  # a LoRA layer's frozen weight
-        reader = self.reader(part)
+        reader, key = self.reader(part), self.file_key(part, key)
         if key.endswith("embeddings.position_ids") and key not in reader.shapes:  # not saved by newer versions
             return torch.arange(offsets[1], offsets[1] + sizes[1]).expand(sizes)
         tied = {"shared.weight": "encoder.embed_tokens.weight", "encoder.embed_tokens.weight": "shared.weight"}

@@ -1,7 +1,10 @@
 """A small text encoder trained jointly with the MMDiT, for caption datasets with a closed vocabulary.
 
-It stands in for SD3's CLIP/T5 stack (models/sd3/text.py): it yields a token sequence [B, L, dim] and a pooled
-vector [B, dim]. Datasets of precomputed embeddings bypass both (see `TextToImage.encode`).
+It stands in for a pipeline's text encoders (models/sd3/text.py, ...): it yields what they yield, under the names a
+latent dataset stores them by (data/latents.py): a token sequence `prompt_embeds` [B, L, dim], a pooled vector
+`pooled_prompt_embeds` [B, dim] and the padding mask `prompt_embeds_mask` [B, L] (1: a word, 0: padding); each
+family's transformer takes those it has inputs for (`TEXT_INPUTS`). Datasets of precomputed embeddings bypass the
+encoder (see `TextToImage.encode`).
 """
 
 import torch
@@ -72,12 +75,13 @@ class TinyTextEncoder(nn.Module):
         bound = module.weight.shape[1] ** -0.5
         return torch.empty(shape).uniform_(-bound, bound, generator=generator)
 
-    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         x = self.token_embedding(input_ids) + self.position_embedding
         for layer in self.layers:
             x = layer(x)
         x = self.final_norm(x)
-        return x, x.mean(dim=1)
+        return {"prompt_embeds": x, "pooled_prompt_embeds": x.mean(dim=1),
+                "prompt_embeds_mask": (input_ids != 0).to(x.dtype)}  # id 0: PAD
 
 
 class TextToImage(nn.Module):
@@ -107,15 +111,16 @@ class TextToImage(nn.Module):
             return torch.empty(shape).normal_(0.0, 1.0 / rank, generator=init_generator(seed, name))
         return getattr(self, part).initial_value(inner.replace(".base_layer.", "."), seed)
 
-    def encode(self, text: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        if "prompt_embeds" in text:
-            return text["prompt_embeds"], text["pooled_prompt_embeds"]
-        return self.text_encoder(**text)
+    def encode(self, text: dict) -> dict[str, torch.Tensor]:
+        """The text's embeddings by their dataset names (precomputed ones as they are)."""
+        return text if "prompt_embeds" in text else self.text_encoder(**text)
 
     def forward(self, x_t: torch.Tensor, sigma: torch.Tensor, text: dict, guidance: float | None = None) -> torch.Tensor:
         """The velocity at noise level sigma, from the text (token ids of the text encoder, or precomputed
         embeddings)."""
-        context, pooled = self.encode(text)
+        embeddings = self.encode(text)
+        inputs = {argument: embeddings[name] for name, argument in self.transformer.TEXT_INPUTS.items()}
         guidance = self.guidance if guidance is None else guidance
-        embedded = {} if guidance is None else {"guidance": torch.full_like(sigma, guidance)}
-        return self.transformer(x_t, context, pooled, sigma * 1000, **embedded)
+        if guidance is not None:
+            inputs["guidance"] = torch.full_like(sigma, guidance)
+        return self.transformer(x_t, timestep=sigma * 1000, **inputs)

@@ -117,9 +117,9 @@ def count_model(model, example_inputs, activation_bytes: int, frozen_bytes: int)
 
     ops = BlockOps(size, [t for t in tree_leaves(example_inputs) if isinstance(t, torch.Tensor)])
 
-    def flash_attention(q, k, v):  # what a flash kernel keeps for the backward: inputs, output, row statistics
+    def flash_attention(q, k, v, mask=None):  # what a flash kernel keeps for the backward: inputs, output, row statistics
         with torch.no_grad(), ops.paused():
-            out = attention.math_attention(q, k, v)
+            out = attention.math_attention(q, k, v, mask)
         statistics = torch.empty(q.shape[:3], dtype=torch.float32, device="meta")
         for t in (q, k, v, out, statistics):
             pack(t)

@@ -25,7 +25,7 @@ RELEASED = {"sd3_medium": dict(num_layers=24, num_attention_heads=24, pos_embed_
                                 dual_attention_layers=list(range(13))),
             "sd35_large": dict(num_layers=38, num_attention_heads=38, pos_embed_max_size=192, qk_norm="rms_norm",
                                dual_attention_layers=[])}
-SD3_INPUTS = dict(latent_channels=16, latent_sizes=[(128, 128)], joint_dim=4096, pooled_dim=2048)
+SD3_INPUTS = dict(latent_channels=16, latent_sizes=[(128, 128)], text_dims=(4096, 2048))
 
 
 @pytest.mark.parametrize("name", ["sd3_medium", "sd3_medium_lora", "sd35_medium", "sd35_medium_lora", "sd35_large",
@@ -93,7 +93,7 @@ def test_flux_configs_are_the_released_architecture_and_fit_where_they_say(name,
     theirs.save_config(tmp_path / "transformer")
     cfg = load_config(CONFIGS / f"{name}.yaml", ["data.path=unused", f"model.init_from={tmp_path / 'transformer'}"])
     assert cfg.model.family == "flux" and cfg.model.patch_size == 2
-    ours = transformer_config(cfg, latent_channels=16, latent_sizes=[(128, 128)], joint_dim=4096, pooled_dim=768)
+    ours = transformer_config(cfg, latent_channels=16, latent_sizes=[(128, 128)], text_dims=(4096, 768))
     assert dataclasses.asdict(ours) == released
     with torch.device("meta"):
         model = Flux(ours)

@@ -203,7 +203,7 @@ def ours(run_dir, use_ema: bool = True):
     """This project's adapted model of the run's last checkpoint: transformer output and CLIP-L's pooled output."""
     model, cfg = load_trained(checkpoints(run_dir)[-1], use_ema)
     with torch.no_grad():
-        return ours_output(model.transformer, flux_inputs()), model.text_encoder(**build_data(cfg)[1](CAPTIONS))[1]
+        return ours_output(model.transformer, flux_inputs()), model.text_encoder(**build_data(cfg)[1](CAPTIONS))["pooled_prompt_embeds"]
 
 
 def theirs(pipe):

@@ -11,7 +11,8 @@ import torch
 
 from models.diffusers_io import export_diffusers_transformer
 from models.families import load_diffusers_transformer, read_config
-from models.flux.model import Flux, FluxConfig, flux_axes, pack, unpack
+from models.blocks import rotary_axes
+from models.flux.model import Flux, FluxConfig, pack, unpack
 from tests.conftest import randomize
 
 diffusers = pytest.importorskip("diffusers")
@@ -130,9 +131,9 @@ def test_rotary_tables_are_computed_once_per_shape():
 
 
 def test_fluxs_split_of_the_head_dim():
-    assert flux_axes(128) == [16, 56, 56]
+    assert rotary_axes(128) == [16, 56, 56]
     for head_dim in (16, 32, 64, 96, 12):
-        axes = flux_axes(head_dim)
+        axes = rotary_axes(head_dim)
         assert sum(axes) == head_dim and all(a % 2 == 0 and a > 0 for a in axes), (head_dim, axes)
 
 
@@ -199,7 +200,7 @@ def diffusers_conversion(checkpoint: dict, width: int) -> dict:
 @pytest.mark.parametrize("prefix", ["", "model.diffusion_model."])  # BFL's file, and ComfyUI's
 def test_the_original_single_file_loads_as_diffusers_converts_it(prefix, tmp_path):
     from safetensors.torch import save_file
-    config = {**config_of("dev-like"), "axes_dims_rope": flux_axes(16)}  # the file holds no rotary split: FLUX.1's
+    config = {**config_of("dev-like"), "axes_dims_rope": rotary_axes(16)}  # the file holds no rotary split: FLUX.1's
     checkpoint = bfl_checkpoint(config)
     save_file({prefix + k: v for k, v in checkpoint.items()}, tmp_path / "flux1-tiny.safetensors")
     reference = diffusers.FluxTransformer2DModel(**config).eval()
@@ -242,5 +243,6 @@ def test_a_single_file_that_is_not_complete_is_named(tmp_path):
                                                     r"missing \['single_blocks\.1\.linear2\.weight'\]"):
         read_config(tmp_path / "broken.safetensors")
     save_file({"weight": torch.zeros(2)}, tmp_path / "other.safetensors")
-    with pytest.raises(CheckpointFormatError, match="other.safetensors is not a FLUX.1 checkpoint in the original"):
+    with pytest.raises(CheckpointFormatError, match=r"other.safetensors is not the original single-file checkpoint of a "
+                                                    r"family this trainer reads \(FLUX.1: Black Forest Labs. key names"):
         read_config(tmp_path / "other.safetensors")

@@ -65,7 +65,8 @@ def test_export_loads_into_the_sd3_pipeline_with_equal_embeddings_and_output(run
         embeds, _, pooled, _ = encode()
         theirs = pipe.transformer(hidden_states=x, encoder_hidden_states=embeds, pooled_projections=pooled,
                                   timestep=t, return_dict=False)[0]
-        our_embeds, our_pooled = model.text_encoder(**build_data(cfg)[1](captions))
+        ours = model.text_encoder(**build_data(cfg)[1](captions))
+        our_embeds, our_pooled = ours["prompt_embeds"], ours["pooled_prompt_embeds"]
         ours = model.transformer(x, our_embeds, our_pooled, t)
     assert (embeds - base).abs().max() > 1e-3 and (pooled - base_pooled).abs().max() > 1e-3  # the adapters act
     assert_close({"embeds": embeds, "pooled": pooled}, {"embeds": our_embeds, "pooled": our_pooled}, atol=1e-5)

@@ -26,7 +26,7 @@ class PipelineEncoders:
         self.tokenizers = family.tokenizers(model_dir, max_sequence_length)
         with torch.device("meta"):
             self.text = family.text_encoders(model_dir, max_sequence_length)
-        self.text_dims = (self.text.joint_dim, self.text.pooled_dim)
+        self.text_dims, self.text_mask = (self.text.joint_dim, self.text.pooled_dim), self.text.MASKED
         if text_embeddings:
             self.text.check("--model")
             self.text.load(device, dtype)
@@ -35,7 +35,7 @@ class PipelineEncoders:
         self.truncated = 0
 
     @torch.no_grad()
-    def encode_text(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode_text(self, captions: list[str]) -> dict[str, torch.Tensor]:
         self.truncated += self.tokenizers.truncated(captions)
         return self.text(**{k: v.to(self.device) for k, v in self.tokenizers(captions).items()})
 
@@ -45,11 +45,10 @@ class PipelineEncoders:
         if flip:
             rows["latents_flipped"] = self.vae.encode(to_unit_range(pixels.flip(-1)))
         if self.text is not None:
-            rows["prompt_embeds"], rows["pooled_prompt_embeds"] = self.encode_text(captions)
+            rows.update(self.encode_text(captions))
         return {name: values.to(store).cpu() for name, values in rows.items()}
 
 
 def encode_prompts(encoders: PipelineEncoders, prompts: list[str], store: torch.dtype, path: Path) -> None:
-    prompt_embeds, pooled = encoders.encode_text(prompts)
-    save_safetensors({"prompt_embeds": prompt_embeds.to(store), "pooled_prompt_embeds": pooled.to(store)}, path,
+    save_safetensors({name: values.to(store) for name, values in encoders.encode_text(prompts).items()}, path,
                      {"captions": json.dumps(prompts)})

@@ -156,6 +156,7 @@ def write_dataset(reports: list[dict], encoders: PipelineEncoders, out: Path, se
     vae = encoders.vae
     info = {"family": encoders.family.name, "channels": vae.latent_channels, "text_embeddings": encoders.text is not None,
             "text_tokens": encoders.tokenizers.tokens, "text_dims": list(encoders.text_dims),
+            "text_mask": encoders.text_mask,
             "max_sequence_length": settings["max_sequence_length"], "flipped": settings["random_flip"],
             "resolution": settings["resolution"], "model": settings["model"],
             "vae": {"scaling_factor": vae.scaling_factor, "shift_factor": vae.shift_factor or 0.0,

@@ -18,7 +18,8 @@ import torch
 from safetensors import safe_open
 
 from models.diffusers_io import CheckpointFormatError, check_shapes
-from models.flux.model import FluxConfig, flux_axes
+from models.blocks import rotary_axes
+from models.flux.model import FluxConfig
 
 PREFIX = "model.diffusion_model."  # ComfyUI's files put the transformer under it
 EMBEDDERS = {"time_in": "time_text_embed.timestep_embedder", "vector_in": "time_text_embed.text_embedder",
@@ -41,12 +42,16 @@ class Rows:
     count: int
 
 
-def is_bfl_file(path: Path) -> bool:
-    return Path(path).is_file() and Path(path).suffix == ".safetensors"
-
-
 class BFLReader:
     """`WeightReader`'s interface over one BFL-format safetensors file."""
+
+    LAYOUT = "Black Forest Labs' key names (img_in.weight, double_blocks.0.img_attn.qkv.weight, ...), or ComfyUI's " \
+             f"copy under {PREFIX}"
+
+    @staticmethod
+    def recognizes(keys: set[str]) -> bool:
+        return any(f"{prefix}img_in.weight" in keys and f"{prefix}double_blocks.0.img_attn.qkv.weight" in keys
+                   for prefix in ("", PREFIX))
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -124,7 +129,7 @@ class BFLReader:
                           num_layers=self.blocks("double_blocks"), num_single_layers=self.blocks("single_blocks"),
                           attention_head_dim=head_dim, num_attention_heads=dim // head_dim,
                           joint_attention_dim=s["txt_in.weight"][1], pooled_projection_dim=s["vector_in.in_layer.weight"][1],
-                          guidance_embeds="guidance_in.in_layer.weight" in s, axes_dims_rope=flux_axes(head_dim))
+                          guidance_embeds="guidance_in.in_layer.weight" in s, axes_dims_rope=rotary_axes(head_dim))
 
     def check(self, expected: dict[str, tuple], source) -> None:
         check_shapes(expected, self.shapes, source)

@@ -10,7 +10,6 @@ a guidance embedding. The rotary tables are computed once per latent size and te
 block and every step.
 """
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -18,9 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.blocks import (AdaLNContinuous, AdaLNZero, JointTransformerBlock, SelfAttention, TimeTextEmbed, gated,
-                           initial_value, initialize, layer_norm, modulate)
-
-ROPE_THETA = 10000
+                           initial_value, initialize, layer_norm, modulate, pack, packing, rope_tables, unpack)
 
 
 @dataclass
@@ -46,23 +43,7 @@ class FluxConfig:  # diffusers' config.json keys and defaults (FLUX.1-dev / -sch
         return self.num_attention_heads * self.attention_head_dim
 
 
-def flux_axes(head_dim: int) -> list[int]:
-    """FLUX.1's split of a head's channels over the (unused, row, column) id axes, 16/56/56 of 128, for any head
-    dim that allows even parts."""
-    first = 2 * max(1, round(head_dim / 16))
-    rest = head_dim - first
-    row = 2 * (rest // 4)
-    return [first, row, rest - row]
-
-
 # ----------------------------------------------------------------------------------------------- positions
-
-
-def rope_1d(dim: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [L, dim] of one id axis, frequencies theta^(-2i/dim) in float64, each repeated for its pair."""
-    freqs = 1.0 / ROPE_THETA ** (torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device) / dim)
-    angles = torch.outer(positions.double(), freqs)
-    return angles.cos().repeat_interleave(2, dim=1).float(), angles.sin().repeat_interleave(2, dim=1).float()
 
 
 def position_ids(text_tokens: int, rows: int, columns: int, device: torch.device) -> torch.Tensor:
@@ -72,28 +53,6 @@ def position_ids(text_tokens: int, rows: int, columns: int, device: torch.device
     grid[..., 1] = torch.arange(rows, device=device)[:, None]
     grid[..., 2] = torch.arange(columns, device=device)[None, :]
     return torch.cat([torch.zeros(text_tokens, 3, device=device), grid.reshape(-1, 3)])
-
-
-def rope_tables(axes: list[int], ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    tables = [rope_1d(dim, ids[:, i]) for i, dim in enumerate(axes)]
-    return torch.cat([cos for cos, _ in tables], dim=-1), torch.cat([sin for _, sin in tables], dim=-1)
-
-
-# ----------------------------------------------------------------------------------------------- packing
-
-
-def pack(latents: torch.Tensor, p: int) -> torch.Tensor:
-    """[B, C, H, W] -> [B, H/p * W/p, C * p * p], each token a p x p patch in FLUX's (channel, row, column) order."""
-    b, c, h, w = latents.shape
-    x = latents.view(b, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5)
-    return x.reshape(b, (h // p) * (w // p), c * p * p)
-
-
-def unpack(tokens: torch.Tensor, h: int, w: int, p: int) -> torch.Tensor:
-    """The inverse of `pack` for latents of h x w."""
-    b, _, d = tokens.shape
-    x = tokens.view(b, h // p, w // p, d // (p * p), p, p).permute(0, 3, 1, 4, 2, 5)
-    return x.reshape(b, d // (p * p), h, w)
 
 
 # ----------------------------------------------------------------------------------------------- blocks
@@ -121,6 +80,8 @@ class SingleTransformerBlock(nn.Module):
 
 class Flux(nn.Module):
     DIFFUSERS_CLASS = "FluxTransformer2DModel"
+    # the text embeddings it takes (by a latent dataset's names) and the forward argument each is
+    TEXT_INPUTS = {"prompt_embeds": "encoder_hidden_states", "pooled_prompt_embeds": "pooled_projections"}
 
     def __init__(self, cfg: FluxConfig):
         super().__init__()
@@ -159,14 +120,6 @@ class Flux(nn.Module):
         """A function of (seed, name) alone: models/blocks.py's rule."""
         return initial_value(self, name, seed)
 
-    def packing(self, latent_channels: int) -> int:
-        """The side p of the latent patch a token packs: in_channels = latent channels x p x p."""
-        p = math.isqrt(self.cfg.in_channels // latent_channels)
-        if latent_channels * p * p != self.cfg.in_channels:
-            raise ValueError(f"{latent_channels}-channel latents do not pack into in_channels={self.cfg.in_channels} "
-                             f"(channels x p x p)")
-        return p
-
     def rope(self, text_tokens: int, rows: int, columns: int, device: torch.device):
         """cos and sin [text + rows * columns, head_dim] of the joint sequence, computed once per shape."""
         key = (text_tokens, rows, columns, device)
@@ -184,7 +137,7 @@ class Flux(nn.Module):
             raise ValueError("this FLUX transformer has a guidance embedding: pass guidance [B]" if guidance is None
                              else "this FLUX transformer has no guidance embedding (schnell): pass no guidance")
         h, w = hidden_states.shape[-2:]
-        p = self.packing(hidden_states.shape[1])
+        p = packing(self.cfg.in_channels, hidden_states.shape[1])
         if h % p or w % p:
             raise ValueError(f"latents of {h}x{w} do not pack into {p}x{p} patches: both sides must divide by {p}")
         x = self.x_embedder(pack(hidden_states, p))

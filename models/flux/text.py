@@ -38,8 +38,8 @@ class FluxTextEncoders(PipelineTextEncoders):
         from transformers import CLIPTextModel, T5EncoderModel
         return T5EncoderModel(config) if part == "t5" else CLIPTextModel(config)
 
-    def forward(self, clip_l_ids: torch.Tensor, t5_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, clip_l_ids: torch.Tensor, t5_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         pooled = self.run(self.clip_l, clip_l_ids).pooler_output
         with torch.no_grad():
             tokens = self.t5(t5_ids).last_hidden_state.to(pooled.dtype)
-        return tokens, pooled
+        return {"prompt_embeds": tokens, "pooled_prompt_embeds": pooled}

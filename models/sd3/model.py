@@ -81,6 +81,8 @@ class PatchEmbed(nn.Module):
 
 class MMDiT(nn.Module):
     DIFFUSERS_CLASS = "SD3Transformer2DModel"
+    # the text embeddings it takes (by a latent dataset's names) and the forward argument each is
+    TEXT_INPUTS = {"prompt_embeds": "encoder_hidden_states", "pooled_prompt_embeds": "pooled_projections"}
 
     def __init__(self, cfg: MMDiTConfig):
         super().__init__()

@@ -32,7 +32,7 @@ class SD3Tokenizers(PipelineTokenizers):
 
     def __init__(self, folder: Path, max_sequence_length: int):
         super().__init__(folder, max_sequence_length)
-        self.tokens = self.clip_length + max_sequence_length  # of the encoding the MMDiT sees
+        self.tokens = self.length("clip_l") + max_sequence_length  # of the encoding the MMDiT sees
 
 
 class SD3TextEncoders(PipelineTextEncoders):
@@ -51,7 +51,7 @@ class SD3TextEncoders(PipelineTextEncoders):
         return T5EncoderModel(config) if part == "t5" else CLIPTextModelWithProjection(config)
 
     def forward(self, clip_l_ids: torch.Tensor, clip_g_ids: torch.Tensor,
-                t5_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                t5_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         hidden, pooled = [], []
         for encoder, ids in ((self.clip_l, clip_l_ids), (self.clip_g, clip_g_ids)):
             out = self.run(encoder, ids, output_hidden_states=True)
@@ -64,4 +64,4 @@ class SD3TextEncoders(PipelineTextEncoders):
             with torch.no_grad():
                 t5 = self.t5(t5_ids).last_hidden_state.to(clip.dtype)
         clip = nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
-        return torch.cat([clip, t5], dim=-2), torch.cat(pooled, dim=-1)
+        return {"prompt_embeds": torch.cat([clip, t5], dim=-2), "pooled_prompt_embeds": torch.cat(pooled, dim=-1)}
