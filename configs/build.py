@@ -21,6 +21,7 @@ from errors import ConfigError, InputError
 from formats import DTYPES
 from models.diffusers_io import CheckpointFormatError
 from models.families import FAMILIES, family_of_pipeline, open_weights, read_config
+from models.family import ResolutionShift
 from models.lora import apply_lora
 from models.quantized import QuantizedLinear, dequantize, quantize, quantize_linears
 from models.pipeline import Sampler
@@ -275,7 +276,8 @@ class InitialValues:
 def build_collate(cfg: DictConfig, dataset, tokenizer: WordTokenizer | None) -> Collate:
     """Batches with their noise, noise levels (the configured timestep sampling) and caption dropout."""
     flow = cfg.flow
-    sigmas = partial(batch_sigmas, patch_size=cfg.model.patch_size, by_resolution=flow.resolution_shift,
+    sigmas = partial(batch_sigmas, patch_size=cfg.model.patch_size,
+                     by_resolution=resolution_constants(cfg) if flow.resolution_shift else None,
                      shift=flow.shift, sampling=flow.sigma_sampling, logit_mean=flow.logit_mean,
                      logit_std=flow.logit_std, mode_scale=flow.mode_scale)
     entries = cfg.data.datasets or [None]
@@ -303,7 +305,7 @@ def build_validation(cfg: DictConfig, dataset, tokenizer: WordTokenizer | Pipeli
             text, uncond = tokenizer(captions), tokenizer([""])
         else:
             text = dataset.validation_prompts
-            uncond = dataset.empty_prompt or {k: torch.zeros_like(t[:1]) for k, t in text.items()}
+            uncond = dataset.negative_prompt or {k: torch.zeros_like(t[:1]) for k, t in text.items()}
         images = prompt_images(cfg, dataset, captions, text, uncond, latent_decoder(cfg, dataset, world, device),
                                None, list(range(len(captions))))
     elif on:
@@ -320,13 +322,23 @@ def build_validation(cfg: DictConfig, dataset, tokenizer: WordTokenizer | Pipeli
     return Validation(v.every, v.at_end, cfg.training.max_steps, images, losses, world, device)
 
 
+def resolution_constants(cfg: DictConfig) -> dict:
+    """`resolution_shift`'s constants: the family's pipeline's (FLUX.1's for a family without one)."""
+    schedule = FAMILIES[cfg.model.family].schedule or ResolutionShift()
+    return {k: v for k, v in dataclasses.asdict(schedule).items() if k != "terminal"}
+
+
 def build_sampler(cfg: DictConfig, latent_size: tuple[int, int]) -> Sampler:
     """The sampler of sampling.* for latents of `latent_size`: the schedule shifted by sampling.shift or by the
-    resolution (sampling.resolution_shift), and a guidance-distilled model's embedded guidance."""
-    s, p = cfg.sampling, cfg.model.patch_size
-    shift = resolution_shift((latent_size[0] // p) * (latent_size[1] // p)) if s.resolution_shift else s.shift
+    resolution (sampling.resolution_shift, the family's pipeline's schedule, its end stretched as that pipeline
+    does), a guidance-distilled model's embedded guidance, and the family's way of guiding."""
+    s, p, family = cfg.sampling, cfg.model.patch_size, FAMILIES[cfg.model.family]
+    shift = resolution_shift((latent_size[0] // p) * (latent_size[1] // p), **resolution_constants(cfg)) \
+        if s.resolution_shift else s.shift
+    terminal = family.schedule.terminal if s.resolution_shift and family.schedule else None
     return Sampler(s.steps, s.cfg_scale, shift, tuple(s.guidance_interval),
-                   cfg.flux.sample_guidance if cfg.model.guidance_embeds else None)
+                   cfg.flux.sample_guidance if cfg.model.guidance_embeds else None, terminal,
+                   p if family.cfg_renorm else None)
 
 
 def prompt_images(cfg: DictConfig, dataset, captions, text, uncond, decode, score, shown) -> PromptImages:
@@ -339,8 +351,7 @@ def latent_decoder(cfg: DictConfig, dataset, world: World, device: torch.device)
     """Latents -> images through the dataset's VAE, one at a time (a 1024-px decode holds gigabytes of
     activations), on rank 0 only (the others never decode), undoing the scale and shift the dataset
     recorded."""
-    recorded = {k: v for k, v in dataset.index.get("vae", {}).items()
-                if k in ("scaling_factor", "shift_factor")}
+    recorded = {k: v for k, v in dataset.index.get("vae", {}).items() if k != "folder"}
     try:
         folder = vae_folder(dataset, cfg.validation.vae_from)
         vae = load_vae(folder, device, DTYPES[cfg.training.dtype], **recorded) if world.is_main else None

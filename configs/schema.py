@@ -199,8 +199,9 @@ class FlowConfig:
     logit_std: float = 1.0  # spread of the logit-normal; larger covers the ends better
     mode_scale: float = 1.29  # mode sampling's s: > 0 favours mid noise, < 0 the ends (SD3: 1.29)
     shift: float = 3.0  # SD3 timestep shift of training sigmas; > 1 trains more at high noise, where shapes form
-    # FLUX.1's shift by resolution instead of `shift`: e^mu, mu linear in the image tokens (0.5 at 256, 1.15 at
-    # 4096), so larger images, whose noise hides less per token, train at higher noise
+    # the family pipeline's shift by resolution instead of `shift`: e^mu, mu linear in the image tokens (FLUX.1: 0.5
+    # at 256, 1.15 at 4096; Qwen-Image: 0.5 at 256, 0.9 at 8192), so larger images, whose noise hides less per
+    # token, train at higher noise
     resolution_shift: bool = False
 
     def __post_init__(self):
@@ -214,7 +215,9 @@ class SamplingConfig:
     steps: int = 30  # Euler steps: quality against sampling time
     cfg_scale: float = 5.0  # classifier-free guidance weight; 1 disables guidance (half the cost)
     shift: float = 3.0  # timestep shift of the sampling schedule; > 1 spends more steps at high noise
-    resolution_shift: bool = False  # FLUX.1's schedule: shift e^mu by the image's token count (flow.resolution_shift)
+    # the family pipeline's schedule: shift e^mu by the image's token count (flow.resolution_shift), and its end as
+    # its scheduler stretches it (Qwen-Image: the last sigma before 0 is 0.02)
+    resolution_shift: bool = False
     # sigma range [low, high] where guidance applies: layout and identity form at high noise, while guidance at
     # low noise over-sharpens; outside it only the conditional branch runs (cheaper)
     guidance_interval: List[float] = field(default_factory=lambda: [0.0, 1.0])

@@ -19,6 +19,8 @@ A dataset directory (written by precompute_latents.py) holds
 - `index/`: the per-item table as arrays, memory-mapped when the dataset opens (no shard is read for it, and
   loader workers share the pages): each item's shard, row and latent-size bucket, and where its caption lies
   in `index/captions.bin`;
+- `negative_prompt.safetensors`: the encoding of the family's default negative prompt, where its pipelines use
+  one other than "" (Qwen-Image's " "): the unconditional input of validation images;
 - `empty_prompt.safetensors`: the encoding of "" (caption dropout's input, as SD3 pipelines use it for the
   unconditional branch), and `validation_prompts.safetensors`: the validation prompts' encodings (their
   captions alone in dataset.json for datasets encoded during training).
@@ -44,6 +46,7 @@ FORMAT = 2  # dataset.json's "format"
 INDEX = "dataset.json"
 INDEX_DIR = "index"
 EMPTY_PROMPT = "empty_prompt.safetensors"
+NEGATIVE_PROMPT = "negative_prompt.safetensors"  # validation's unconditional input, where not the empty prompt
 VALIDATION_PROMPTS = "validation_prompts.safetensors"  # encodings of --validation-prompts (optional)
 PRECOMPUTE_SETTINGS = "precompute.json"  # written first by precompute; dataset.json is written last
 TEXT_FIELDS = ("prompt_embeds", "pooled_prompt_embeds", "prompt_embeds_mask")  # what `text_shapes` may name
@@ -223,6 +226,11 @@ class LatentDataset(torch.utils.data.Dataset):
             return None, self.index.get("validation_prompts")
         prompts, captions = self.read_prompts(VALIDATION_PROMPTS)
         return (prompts if self.text_encoded else None), captions
+
+    @cached_property
+    def negative_prompt(self) -> dict | None:
+        """The unconditional input of validation images: the family's negative prompt, else the empty one."""
+        return (self.read_prompts(NEGATIVE_PROMPT)[0] or self.empty_prompt) if self.text_encoded else None
 
     @property
     def validation_prompts(self) -> dict | None:

@@ -74,7 +74,8 @@ class MixedDataset(torch.utils.data.Dataset):
         self.latent_sizes = sorted({size for d in datasets for size in d.latent_sizes})
         self.latent_channels, self.text_dims, self.text_tokens = first.latent_channels, first.text_dims, first.text_tokens
         self.text_mask, self.text_shapes = first.text_mask, first.text_shapes
-        self.text_encoded, self.empty_prompt = first.text_encoded, first.empty_prompt
+        self.text_encoded, self.empty_prompt, self.negative_prompt = first.text_encoded, first.empty_prompt, \
+            first.negative_prompt
         self.index, self.directory = first.index, first.directory  # the pipeline and VAE (validation, tokenizers)
         self.commonest_size = first.commonest_size
         self.masks = any(d.masks for d in datasets)

@@ -60,6 +60,8 @@ class Family:
     schedule: ResolutionShift | None = None  # the pipeline's resolution shift (None: a fixed shift)
     single_file: type | None = None  # the reader of its original single-file checkpoint
     packing: int | None = None  # latent pixels its pipeline packs into a token (None: patches inside the transformer)
+    cfg_renorm: bool = False  # its pipeline rescales guided velocities per token (Qwen-Image's true CFG)
+    negative_prompt: str = ""  # the negative prompt its pipelines are used with (the unconditional input of CFG)
     # (adapters, config, out, dtype, source) -> the file of a LoRA in the kohya / ComfyUI layout (None: no such layout)
     kohya: Callable | None = None
     # the default max_sequence_length for a transformer of these model.* settings (FLUX.1: dev's or schnell's)

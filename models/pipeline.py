@@ -18,14 +18,18 @@ def initial_noise(seed: int, indices: list[int], shape: tuple) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Sampler:
-    """How images are made: `steps` Euler steps from sigma 1 to 0 on a schedule shifted by `shift`,
-    classifier-free guidance `cfg_scale` at the sigmas in `guidance_interval` (1: none, one forward per step), and
-    for a guidance-distilled model (FLUX.1-dev) its embedded `guidance` scale."""
+    """How images are made: `steps` Euler steps from sigma 1 to 0 on a schedule shifted by `shift` (and stretched
+    to end at `terminal`, where the family's scheduler does), classifier-free guidance `cfg_scale` at the sigmas
+    in `guidance_interval` (1: none, one forward per step; `renorm`: rescaled per token of renorm x renorm latent
+    pixels, as Qwen-Image's true CFG), and for a guidance-distilled model (FLUX.1-dev) its embedded `guidance`
+    scale."""
     steps: int
     cfg_scale: float
     shift: float
     guidance_interval: tuple[float, float] = (0.0, 1.0)
     guidance: float | None = None
+    terminal: float | None = None
+    renorm: int | None = None
 
 
 @torch.no_grad()
@@ -42,6 +46,7 @@ def generate(model: TextToImage, text: dict[str, torch.Tensor], uncond: dict[str
         n = len(next(iter(cond.values())))
         x = euler_sample(velocity, noise[start : start + n].to(device), cond,
                          {k: v.to(device).expand(n, *v.shape[1:]) for k, v in uncond.items()}, sampler.steps,
-                         sampler.cfg_scale, sampler.shift, sampler.guidance_interval)
+                         sampler.cfg_scale, sampler.shift, sampler.guidance_interval, sampler.terminal,
+                         sampler.renorm)
         out.append(x.float().cpu())
     return torch.cat(out) if out else noise.new_zeros((0, *noise.shape[1:]))

@@ -48,20 +48,22 @@ def shift_sigmas(sigma: torch.Tensor, shift: float) -> torch.Tensor:
     return shift * sigma / (1 + (shift - 1) * sigma)
 
 
-def resolution_shift(image_tokens: int) -> float:
-    """FLUX.1's timestep shift for an image of `image_tokens` tokens: e^mu with mu linear in the token count, 0.5
-    at 256 tokens and 1.15 at 4096 (FluxPipeline's `calculate_shift` defaults). SD3's shift s and this one are the
-    same map, sigma' = s sigma / (1 + (s - 1) sigma), with s = e^mu."""
-    mu = 0.5 + (1.15 - 0.5) * (image_tokens - 256) / (4096 - 256)
+def resolution_shift(image_tokens: int, base_tokens: int = 256, max_tokens: int = 4096, base_shift: float = 0.5,
+                     max_shift: float = 1.15) -> float:
+    """A pipeline's timestep shift for an image of `image_tokens` tokens (diffusers' `calculate_shift`): e^mu with mu
+    linear in the token count, base_shift at base_tokens and max_shift at max_tokens (FLUX.1's: 0.5 at 256 and 1.15
+    at 4096; a family's own: models/family.py's `ResolutionShift`). SD3's shift s and this one are the same map,
+    sigma' = s sigma / (1 + (s - 1) sigma), with s = e^mu."""
+    mu = base_shift + (max_shift - base_shift) * (image_tokens - base_tokens) / (max_tokens - base_tokens)
     return math.exp(mu)
 
 
-def batch_sigmas(draw: SampleNoise, latent_size: tuple[int, int], patch_size: int, by_resolution: bool, shift: float,
-                 **sampling) -> torch.Tensor:
+def batch_sigmas(draw: SampleNoise, latent_size: tuple[int, int], patch_size: int, by_resolution: dict | None,
+                 shift: float, **sampling) -> torch.Tensor:
     """`training_sigmas` of a batch of latents of `latent_size`: shifted by `shift`, or by the resolution's
-    (`by_resolution`, tokens of patch_size x patch_size latents)."""
-    if by_resolution:
-        shift = resolution_shift((latent_size[0] // patch_size) * (latent_size[1] // patch_size))
+    (`by_resolution`: `resolution_shift`'s constants, for tokens of patch_size x patch_size latents)."""
+    if by_resolution is not None:
+        shift = resolution_shift((latent_size[0] // patch_size) * (latent_size[1] // patch_size), **by_resolution)
     return training_sigmas(draw, shift=shift, **sampling)
 
 
@@ -102,22 +104,45 @@ def per_sample_loss(v_pred: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor,
     return (squared * weights).flatten(1).sum(1) / (weights.flatten(1).sum(1) * squared.shape[1])
 
 
+def sampling_sigmas(steps: int, shift: float, terminal: float | None = None,
+                    device: torch.device | None = None) -> torch.Tensor:
+    """The `steps` + 1 noise levels of Euler sampling from 1 to 0: evenly spaced, shifted, and (with `terminal`, a
+    pipeline's `shift_terminal`) stretched so that the last before 0 is `terminal`, as diffusers'
+    FlowMatchEulerDiscreteScheduler does."""
+    sigmas = shift_sigmas(torch.linspace(1.0, 0.0, steps + 1, device=device), shift)
+    if terminal is not None:
+        rest = 1 - sigmas[:-1]
+        sigmas[:-1] = 1 - rest / (rest[-1] / (1 - terminal))
+    return sigmas
+
+
+def guided(v_cond: torch.Tensor, v_uncond: torch.Tensor, cfg_scale: float, renorm: int | None) -> torch.Tensor:
+    """Classifier-free guidance; with `renorm` (Qwen-Image's true CFG), each token's guided velocity rescaled to
+    the norm of its conditional one, a token being a renorm x renorm patch of latent pixels over all channels."""
+    v = v_uncond + cfg_scale * (v_cond - v_uncond)
+    if renorm is None:
+        return v
+    norm = lambda t: torch.linalg.vector_norm(  # noqa: E731  over each token's (channel, row, column) patch
+        t.unflatten(2, (-1, renorm)).unflatten(4, (-1, renorm)), dim=(1, 3, 5), keepdim=True)
+    return (v.unflatten(2, (-1, renorm)).unflatten(4, (-1, renorm)) * (norm(v_cond) / norm(v))).flatten(4, 5).flatten(2, 3)
+
+
 @torch.no_grad()
 def euler_sample(velocity, noise: torch.Tensor, cond: dict, uncond: dict, steps: int, cfg_scale: float,
-                 shift: float, guidance_interval: tuple[float, float] = (0.0, 1.0)) -> torch.Tensor:
-    """Integrate dx/dsigma = v from sigma=1 to 0; `velocity(x, sigma, text)`; cond/uncond are text inputs
-    (dicts of tensors, a row per sample). Classifier-free guidance applies at the steps whose sigma lies in
-    `guidance_interval` (Kynkaanniemi et al. 2024: guidance helps where the image's layout is decided and
-    hurts detail at low noise); elsewhere, and with cfg_scale == 1, the unconditional branch is skipped."""
-    sigmas = shift_sigmas(torch.linspace(1.0, 0.0, steps + 1, device=noise.device), shift)
+                 shift: float, guidance_interval: tuple[float, float] = (0.0, 1.0), terminal: float | None = None,
+                 renorm: int | None = None) -> torch.Tensor:
+    """Integrate dx/dsigma = v from sigma=1 to 0 (`sampling_sigmas`); `velocity(x, sigma, text)`; cond/uncond are
+    text inputs (dicts of tensors, a row per sample). Classifier-free guidance (`guided`) applies at the steps whose
+    sigma lies in `guidance_interval` (Kynkaanniemi et al. 2024: guidance helps where the image's layout is decided
+    and hurts detail at low noise); elsewhere, and with cfg_scale == 1, the unconditional branch is skipped."""
+    sigmas = sampling_sigmas(steps, shift, terminal, noise.device)
     both = {k: torch.cat([cond[k], uncond[k]]) for k in cond}
     x = noise
     for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:]):
-        guided = cfg_scale != 1.0 and guidance_interval[0] <= float(sigma) <= guidance_interval[1]
-        x_in = torch.cat([x, x]) if guided else x
-        v = velocity(x_in, sigma.expand(x_in.shape[0]), both if guided else cond).float()
-        if guided:
-            v_cond, v_uncond = v.chunk(2)
-            v = v_uncond + cfg_scale * (v_cond - v_uncond)
+        with_guidance = cfg_scale != 1.0 and guidance_interval[0] <= float(sigma) <= guidance_interval[1]
+        x_in = torch.cat([x, x]) if with_guidance else x
+        v = velocity(x_in, sigma.expand(x_in.shape[0]), both if with_guidance else cond).float()
+        if with_guidance:
+            v = guided(*v.chunk(2), cfg_scale, renorm)
         x = x + (sigma_next - sigma) * v
     return x

@@ -92,7 +92,7 @@ def test_the_vae_encodes_and_decodes_as_the_sd3_pipeline_does(sd3_dir, tmp_path)
         assert torch.equal(latents, (autoencoder.encode(pixels).latent_dist.mean - 0.0609) * 1.5305)
         recorded = VAE(autoencoder, scaling_factor=2.0, shift_factor=0.5)
         assert torch.equal(recorded.decode(latents), autoencoder.decode(latents / 2.0 + 0.5).sample)
-    assert (vae.scaling_factor, vae.shift_factor) == (1.5305, 0.0609)  # the config's, when none are given
+    assert vae.record() == {"scaling_factor": 1.5305, "shift_factor": 0.0609}  # the config's, when none are given
     with pytest.raises(InputError, match=f"the VAE in {re.escape(str(tmp_path))} does not load"):
         load_vae(tmp_path, torch.device("cpu"), torch.float32)
 

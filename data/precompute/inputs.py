@@ -7,6 +7,7 @@ import logging
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable, Iterator
 
 from PIL import Image
@@ -200,16 +201,19 @@ def pipeline_family(model_dir: Path) -> Family:
 
 
 def default_sequence_length(model_dir: Path, family: Family) -> int:
-    """T5 tokens the family's pipeline uses: FLUX.1-schnell (no guidance embedding) 256, dev 512; SD3 256."""
+    """The text tokens the family's pipeline uses for its transformer (FLUX.1-schnell, without a guidance
+    embedding, 256, dev 512; SD3 256; Qwen-Image 512)."""
     config = model_dir / "transformer" / "config.json"
-    if family.name == "flux" and config.is_file() and not json.loads(config.read_text()).get("guidance_embeds"):
-        return 256
-    return family.max_sequence_length
+    return family.default_sequence_length(SimpleNamespace(**json.loads(config.read_text()) if config.is_file() else {}))
 
 
 def vae_downsampling(model_dir: Path) -> int:
-    """From vae/config.json, before any weight is loaded: 8 for SD3's and FLUX.1's VAE."""
+    """From vae/config.json, before any weight is loaded: 8 for the released VAEs (`AutoencoderKL`: 2 per
+    block but the last; the video VAEs: 2 per entry of `temperal_downsample`)."""
     try:
-        return 2 ** (len(json.loads((model_dir / "vae" / "config.json").read_text())["block_out_channels"]) - 1)
+        config = json.loads((model_dir / "vae" / "config.json").read_text())
+        if "temperal_downsample" in config:
+            return 2 ** len(config["temperal_downsample"])
+        return 2 ** (len(config["block_out_channels"]) - 1)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise PrecomputeError(f"--model {model_dir}: vae/config.json is not a diffusers VAE config ({e})") from None

@@ -6,7 +6,7 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
-from data.latents import EMPTY_PROMPT
+from data.latents import EMPTY_PROMPT, NEGATIVE_PROMPT
 from data.latents import PRECOMPUTE_SETTINGS as SETTINGS
 from data.latents import VALIDATION_PROMPTS, publish_json, write_index
 from data.precompute.encoders import PipelineEncoders, encode_prompts
@@ -110,6 +110,8 @@ def precompute(units: list[Unit], encoders: PipelineEncoders, out: Path, setting
     store = DTYPES[settings["dtype"]]
     if ranks.rank == 0 and encoders.text is not None:
         encode_prompts(encoders, [""], store, out / EMPTY_PROMPT)
+        if validation_prompts and encoders.family.negative_prompt:
+            encode_prompts(encoders, [encoders.family.negative_prompt], store, out / NEGATIVE_PROMPT)
         if validation_prompts:
             encode_prompts(encoders, validation_prompts, store, out / VALIDATION_PROMPTS)
     failed = progress.finish(failed)
@@ -159,8 +161,7 @@ def write_dataset(reports: list[dict], encoders: PipelineEncoders, out: Path, se
             "text_mask": encoders.text_mask,
             "max_sequence_length": settings["max_sequence_length"], "flipped": settings["random_flip"],
             "resolution": settings["resolution"], "model": settings["model"],
-            "vae": {"scaling_factor": vae.scaling_factor, "shift_factor": vae.shift_factor or 0.0,
-                    "folder": str(Path(settings["model"]) / "vae")},
+            "vae": {**vae.record(), "folder": str(Path(settings["model"]) / "vae")},
             "validation_prompts": validation_prompts if encoders.text is None else None,
             "masks": any(s.get("masks") for s in shards),  # a loss mask per item (items of other shards: all 1)
             "skipped": sum(len(r["skipped"]) for r in reports)}

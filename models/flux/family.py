@@ -67,7 +67,7 @@ FAMILY = Family(
     name="flux", title="FLUX.1", transformer=Flux, config=FluxConfig, pipelines=("FluxPipeline",),
     lora_targets=LORA_TARGETS, text_encoders=FluxTextEncoders, tokenizers=FluxTokenizers,
     # FLUX.1-dev's pipeline pads T5 to 512 tokens; schnell (no guidance embedding) is used with 256
-    max_sequence_length=512, sequence_length=lambda model: 512 if model.guidance_embeds else 256,
+    max_sequence_length=512, sequence_length=lambda model: 512 if getattr(model, "guidance_embeds", True) else 256,
     options=("num_single_layers", "axes_dims_rope", "guidance_embeds"), architecture=ARCHITECTURE,
     # 3 double- and 4 single-stream blocks train in about sd3's time and read position from the caption (FLUX.1's
     # ratio, 2 + 4, learned it in one run of three: docs/flux.md)

@@ -53,4 +53,4 @@ FAMILY = Family(
     settings=settings, build_config=build_config, check=check, fill_defaults=fill_defaults,
     # Qwen/Qwen-Image's scheduler/scheduler_config.json
     schedule=ResolutionShift(base_tokens=256, max_tokens=8192, base_shift=0.5, max_shift=0.9, terminal=0.02),
-    packing=2)
+    packing=2, cfg_renorm=True, negative_prompt=" ")  # the model card's true_cfg_scale=4.0, negative_prompt=" "
