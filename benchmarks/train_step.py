@@ -30,13 +30,14 @@ timed with CUDA events between steps, read after the last (perf_counter on a CPU
   eagerly because the compiler failed on them (`eager_fallbacks`: a "compiled" row with any is not compiled);
 - seconds spent building the row, in its warm-up steps (compilation, on a cold cache) and in all.
 
-The rows, in the order they run (`--list`): first the headline, SD3-medium as configured (bf16, compiled blocks,
-checkpointing every block) and the anchor, diffusers' SD3Transformer2DModel at the same shape, precision,
-activation checkpointing, attention kernel and step, eager and compiled per block (diffusers 0.42 lists no
-`_repeated_blocks` for it); then SD3-medium bf16 eager and fp32+TF32 eager and each other config as written;
-then the rest of SD3-medium's sweep (each activation-checkpointing choice, each attention backend) and float8
-(SD3-medium, and SD3.5-large LoRA: its target is 1.2x bf16 there). A model's rows are entries of MODELS (its
-config, architecture, which variants, its diffusers anchor). Any failure of a row is caught and recorded with
+The rows, in the order they run (`--list`, with each one's estimated seconds): first the headline, SD3-medium as
+configured (bf16, compiled blocks, no activation checkpointing) and the anchor, diffusers' SD3Transformer2DModel
+at the same shape, precision, activation checkpointing, attention kernel and step, eager and compiled per block
+(diffusers 0.42 lists no `_repeated_blocks` for it); then SD3-medium bf16 eager and fp32+TF32 eager and each
+other config as written (FLUX.1-dev LoRA's diffusers anchor after it); then the rest of SD3-medium's sweep (each
+activation-checkpointing choice, each attention backend) and float8 (SD3-medium, and SD3.5-large LoRA: its target
+is 1.2x bf16 there). A model's rows are entries of MODELS (its config, architecture, which variants, its diffusers
+anchor, how many kinds of block it compiles). Any failure of a row is caught and recorded with
 its error (the traceback goes to stderr) and the table goes on; a row that cannot run here (a CUDA-only kernel,
 a missing package) is "not runnable" with the reason. On a GPU whose CUDA context an error broke, the run stops:
 `--resume` continues in a fresh process.
@@ -53,8 +54,13 @@ diffusers' LayerNorms return fp32 and its modulation runs in fp32 (more bytes pe
 later); our step skips a non-finite step on the device (NonFiniteGuard), seeds each step's RNG, keeps the loss by
 noise level, and decays only Linear and Conv weights (the anchor decays every parameter); FLOPs are the same.
 
-Long tables (a GPU lent for minutes, in commands of under 10 minutes): the JSON is rewritten after every row;
-`--stop-after S` starts no row after S seconds; `--resume FILE` continues FILE's table (same size, steps,
+Long tables (a GPU lent for minutes, in commands of under 10 minutes): the JSON is rewritten after every row,
+atomically (a command killed mid-row leaves the table as it was, with the row marked running); `--stop-after S`
+ends the run within S seconds of the script's start: a row starts only if its estimated time fits in what is
+left. A row is estimated at a build, a cold compile per block kind and its steps (COSTS: pessimistic for an H100
+until the table holds measured rows; then scaled by the largest ratio of measured to estimated time among them,
+each row's `estimated_s` beside its `seconds`), so an early row that ran long makes later estimates longer.
+`--resume FILE` continues FILE's table (same size, steps,
 resolution, overrides, device and torch; a FILE not there yet starts it, so every command of a series can be the
 same), skipping the rows it holds (failed ones too, unless `--redo-failed`);
 a row whose process was killed mid-row runs once more, then counts as failed. Compiled rows read and write
@@ -87,9 +93,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
 
-import torch
-from omegaconf import OmegaConf
-from torch.nn.attention import sdpa_kernel
+STARTED = time.monotonic()  # before torch's import (many seconds on a fresh machine): --stop-after counts it
+
+import torch  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+from torch.nn.attention import sdpa_kernel  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the project folders import by their names
@@ -127,7 +135,8 @@ PREDICTED = ROOT / "benchmarks" / "train_step_predicted.json"
 class Variant:
     name: str
     overrides: tuple[str, ...] = ()
-    tier: int = 2  # rows run by tier: 0 the headline, 1 every config as written and the eager baselines, 2 the rest
+    tier: int = 2  # rows run by tier: 0 the headline and its anchor, 1 every config as written (FLUX.1's anchor
+    # after its own row) and the eager baselines, 2 the rest
     anchor: bool = False  # the model's diffusers anchor instead of this project's model
 
 
@@ -194,21 +203,25 @@ class Model:
     text: dict = field(default_factory=lambda: SD3_TEXT)  # text embeddings' and latents' shapes
     anchor: Callable | None = None  # diffusers' model of the architecture (as sd3_anchor), for anchor variants
     tiny: dict = field(default_factory=lambda: SD3_TINY)  # model.* at --size tiny
+    block_kinds: int = 2  # distinct blocks, each one graph to compile (SD3: joint and last; FLUX.1: double, single)
 
 
-ANCHORS = (Variant("diffusers eager", ("compile.enabled=false",), 0, anchor=True),
-           Variant("diffusers compiled", (), 0, anchor=True))
+def anchors(tier: int) -> tuple[Variant, Variant]:
+    return (Variant("diffusers eager", ("compile.enabled=false",), tier, anchor=True),
+            Variant("diffusers compiled", (), tier, anchor=True))
+
+
 FLOAT8 = Variant("float8", ("float8.enabled=true",))
 SD3_MEDIUM_SWEEP = (
-    *ANCHORS,
+    *anchors(0),
     Variant("bf16 eager", ("compile.enabled=false",), 1),
     Variant("fp32+TF32 eager", ("training.dtype=fp32", "compile.enabled=false"), 1),
     Variant("bf16 compiled, full checkpointing", ("training.activation_checkpointing=full",)),
     Variant("bf16 compiled, selective checkpointing", ("training.activation_checkpointing=selective",)),
     Variant("bf16 compiled, checkpointing every 2nd block", ("training.activation_checkpointing=full",
                                                              "training.activation_checkpointing_every=2")),
-    # not the memory-efficient kernel: no bf16 run on Hopper picks it, and its two cold block compiles would take
-    # the recipe past 20 minutes of device time (benchmarks/RESULTS.md)
+    # not the memory-efficient kernel: no bf16 run on Hopper picks it, and its two cold block compiles would cost
+    # a GPU window about two minutes (benchmarks/RESULTS.md: the GPU recipe)
     *(Variant(f"bf16 compiled, attention {b}", (f"training.attention_backend={b}",))
       for b in BACKENDS if b not in ("auto", "math", "sdpa_efficient")),
     FLOAT8)
@@ -217,14 +230,16 @@ FLUX_TINY = {"num_layers": 1, "num_single_layers": 2, "num_attention_heads": 2, 
              "axes_dims_rope": [2, 6, 8]}  # a double and two single blocks, 8x8 packed tokens
 MODELS = {
     "sd3-medium": Model("sd3_medium.yaml", "sd3-medium", SD3_MEDIUM_SWEEP, anchor=sd3_anchor),
-    "sd3.5-medium-lora": Model("sd35_medium_lora.yaml", "sd35-medium", (), tiny=SD35_MEDIUM_TINY),
-    "sd3.5-medium-lora-24gb": Model("sd35_medium_lora_24gb.yaml", "sd35-medium", (), tiny=SD35_MEDIUM_TINY),
+    # its dual-attention blocks are a third kind
+    "sd3.5-medium-lora": Model("sd35_medium_lora.yaml", "sd35-medium", (), tiny=SD35_MEDIUM_TINY, block_kinds=3),
+    "sd3.5-medium-lora-24gb": Model("sd35_medium_lora_24gb.yaml", "sd35-medium", (), tiny=SD35_MEDIUM_TINY,
+                                    block_kinds=3),
     "sd3.5-large-lora": Model("sd35_large_lora.yaml", "sd35-large", (FLOAT8,)),
     "sd3.5-large-lora-24gb": Model("sd35_large_lora_24gb.yaml", "sd35-large", ()),
     # FLUX.1-dev: LoRA on one GPU against diffusers' model with peft's adapters on the same targets (the full
     # fine-tune shards over 8 GPUs: flux_dev.yaml is not a one-GPU row). No float8 row: float8 on a frozen LoRA
     # base is SD3.5-large's row (the roofline predicts a loss there; docs/performance.md)
-    "flux-dev-lora": Model("flux_dev_lora.yaml", "flux-dev", ANCHORS, FLUX_TEXT, flux_anchor, FLUX_TINY),
+    "flux-dev-lora": Model("flux_dev_lora.yaml", "flux-dev", anchors(1), FLUX_TEXT, flux_anchor, FLUX_TINY),
     "flux-dev-lora-24gb": Model("flux_dev_lora_24gb.yaml", "flux-dev", (), FLUX_TEXT, tiny=FLUX_TINY),
 }
 
@@ -510,8 +525,7 @@ def measure(row: Row, size: str, steps: int, warmup: int, device: torch.device, 
     median = statistics.median(seconds)
     peak = peak_flops(device, "bf16" if cfg.training.dtype != "fp32" else "fp32", cfg.training.allow_tf32, 0)
     compiler = facts["compiler"]
-    predicted = json.loads(PREDICTED.read_text()).get(row.name, {}) if size == "real" and PREDICTED.is_file() and \
-        not overrides and resolution == RESOLUTION else {}  # predicted for the rows as listed
+    predicted = predicted_step(row, size, overrides, resolution)
     return {**result, "status": "passed", "attention": facts["attention"], "notes": facts["notes"],
             "predicted_step_s": predicted.get("step_s"), "predicted_mfu": predicted.get("mfu"),
             "step_s": median, "step_s_all": seconds, "images_per_s": batch_size / median,
@@ -524,6 +538,13 @@ def measure(row: Row, size: str, steps: int, warmup: int, device: torch.device, 
             "build_s": round(built - started, 1), "warmup_s": round(warm - built, 1)}
 
 
+def predicted_step(row: Row, size: str, overrides, resolution: int) -> dict:
+    """The row's step as `--predict` wrote it ({} where it predicted none): for the rows as listed alone."""
+    if size != "real" or overrides or resolution != RESOLUTION or not PREDICTED.is_file():
+        return {}
+    return json.loads(PREDICTED.read_text()).get(row.name, {})
+
+
 def cuda_broken(device: torch.device) -> str | None:
     """Why the CUDA context can no longer run anything (a sticky error such as an illegal address), or None."""
     if device.type != "cuda":
@@ -533,6 +554,53 @@ def cuda_broken(device: torch.device) -> str | None:
         return None
     except Exception as e:  # the error is sticky: every later call raises it
         return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+
+
+# ----------------------------------------------------------------------------------------------- the time budget
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds a row's parts take before the table has measured any row (benchmarks/RESULTS.md: the GPU recipe)."""
+    build: float  # the model on the device, random weights, the optimizer, the FLOP count on the meta device
+    compile: float  # one block kind's cold inductor compile, forward and backward
+    step: float  # one step of a row that --predict did not predict (the anchors, float8, FLUX.1's nf4 base)
+
+
+# one H100, pessimistic (the central guess compiles a block kind in 20 s); this CPU at --size tiny (aot_eager)
+COSTS = {"real": Costs(build=25, compile=45, step=1.5), "tiny": Costs(build=2, compile=5, step=0.2)}
+
+
+def estimated_seconds(row: Row, args) -> float:
+    """The row's build, cold compiles and steps (warm-up, timed and the host-sync count's) at COSTS."""
+    costs = COSTS[args.size]
+    try:
+        cfg = benchmark_config(row.model, [*row.variant.overrides, *args.overrides], args.size)
+    except ConfigError:  # the row fails at once
+        return 0.0
+    step = predicted_step(row, args.size, args.overrides, args.resolution).get("step_s") or costs.step
+    return costs.build + compiled_kinds(row, cfg) * costs.compile + (args.warmup + args.steps + 1) * step
+
+
+def compiled_kinds(row: Row, cfg) -> int:
+    """The block graphs the row compiles: none eager; each kind twice where only every k-th block is checkpointed.
+    A cache hit (an earlier row's graph) is not foreseen: the estimate errs long."""
+    if not cfg.compile.enabled:
+        return 0
+    t = cfg.training
+    mixed = t.activation_checkpointing != "none" and t.activation_checkpointing_every > 1
+    return MODELS[row.model].block_kinds * (2 if mixed else 1)
+
+
+def calibration(done: dict[str, dict]) -> float:
+    """The largest ratio of measured to estimated seconds among the table's passed rows (1 before any): later rows'
+    estimates are scaled by it, so that they learn this machine's compile and build times, erring long."""
+    return max((r["seconds"] / r["estimated_s"] for r in done.values()
+                if r["status"] == "passed" and r.get("estimated_s")), default=1.0)
+
+
+def seconds_left(started: float, stop_after: float | None) -> float:
+    return math.inf if stop_after is None else stop_after - (time.monotonic() - started)
 
 
 # ----------------------------------------------------------------------------------------------- the table
@@ -598,7 +666,9 @@ def resumed_rows(previous: dict, expected: dict) -> tuple[dict[str, dict], list[
     return {f"{r['model']}: {r['variant']}": r for r in previous["rows"]}, differs
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, started: float | None = None) -> int:
+    """`started`: when --stop-after's clock started (the script's start, before torch's import; default: now)."""
+    started = time.monotonic() if started is None else started
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=("real", "tiny"), default="real", help="released sizes, or tiny (CPU check)")
     parser.add_argument("--models", nargs="*", choices=list(MODELS), help="default: all")
@@ -613,7 +683,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", type=Path, help="continue this JSON's table (and write it): rows it holds are "
                         "not measured again (a file that does not exist yet starts the table)")
     parser.add_argument("--redo-failed", action="store_true", help="with --resume: measure its failed rows again")
-    parser.add_argument("--stop-after", type=float, help="start no row after this many seconds (then --resume)")
+    parser.add_argument("--stop-after", type=float, help="end within this many seconds of the start (imports "
+                        "included): a row starts only if its estimated time fits in what is left (then --resume)")
     parser.add_argument("--predict", action="store_true", help=f"predict each row's step on one H100 with "
                         f"benchmarks/roofline.py instead (no GPU needed) and write {PREDICTED.name}, which a GPU run's "
                         f"table then shows beside what it measures")
@@ -626,8 +697,7 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         parser.error("no row is of these --models and --variants; --list shows the rows")
     if args.list:
-        print("\n".join(f"{row.name} (tier {row.variant.tier})" for row in rows))
-        return 0
+        return list_rows(rows, args)
     if args.out and args.resume:
         parser.error("--resume FILE writes FILE: give --out or --resume, not both")
     if args.predict:
@@ -661,10 +731,20 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.steps} timed steps per row, {len(rows)} rows" + (f", resuming {args.resume}" if args.resume else ""),
           flush=True)
     left, broken = run_rows(rows, done, args, device, lambda: write(out, {"machine": info, **header,
-                                                                            "rows": in_order(done)}))
+                                                                            "rows": in_order(done)}), started)
     print(table(in_order(done)))
     print(f"wrote {out}" + (f"; {len(left)} rows left: continue with --resume {out}" if left else ""))
     return 1 if broken or any(r["status"] == "failed" for r in done.values()) else 0
+
+
+def list_rows(rows: list[Row], args) -> int:
+    """The rows in the order they run, with each one's estimated seconds (COSTS, before calibration)."""
+    total = 0.0
+    for row in rows:
+        estimate = estimated_seconds(row, args)
+        total += estimate
+        print(f"{row.name} (tier {row.variant.tier}, ~{estimate:.0f} s, ~{total:.0f} s in all)")
+    return 0
 
 
 def predict_rows(rows: list[Row], out: Path) -> int:
@@ -694,16 +774,15 @@ def in_order(done: dict[str, dict]) -> list[dict]:
     return sorted(done.values(), key=lambda r: order.get(f"{r['model']}: {r['variant']}", len(order)))
 
 
-def run_rows(rows: list[Row], done: dict[str, dict], args, device: torch.device, save) -> tuple[list[str], str | None]:
-    """Measure the rows `done` does not hold as finished, saving the table before and after each; returns the rows
-    left (--stop-after, or a broken CUDA context) and why the CUDA context broke."""
-    started, left, broken = time.perf_counter(), [], None
+def run_rows(rows: list[Row], done: dict[str, dict], args, device: torch.device, save,
+             started: float) -> tuple[list[str], str | None]:
+    """Measure the rows `done` does not hold as finished, saving the table before and after each; a row starts only
+    if its calibrated estimate ends before --stop-after (counted from `started`). Returns the rows left (by
+    --stop-after, or a broken CUDA context) and why the CUDA context broke."""
+    left, broken = [], None
     for row in rows:
         prior = done.get(row.name)
         if finished(prior, args.redo_failed):
-            continue
-        if broken or (args.stop_after is not None and time.perf_counter() - started > args.stop_after):
-            left.append(row.name)
             continue
         attempts = (prior or {}).get("attempts", 0) + 1
         if prior and prior["status"] == "running" and attempts > 2:
@@ -711,15 +790,23 @@ def run_rows(rows: list[Row], done: dict[str, dict], args, device: torch.device,
                               "(a command's time limit, or a crash); --redo-failed tries it again"}
             save()
             continue
+        estimate = estimated_seconds(row, args)
+        needed, available = estimate * calibration(done), seconds_left(started, args.stop_after)
+        if broken or needed > available:
+            left.append(row.name)
+            if not broken:
+                print(f"  {row.name}: not started (~{needed:.0f} s, {max(available, 0):.0f} s left)", flush=True)
+            continue
         done[row.name] = {"model": row.model, "variant": row.variant.name, "status": "running", "attempts": attempts}
         save()  # a process killed during the row leaves this mark
         row_started = time.perf_counter()
         result = measure(row, args.size, args.steps, args.warmup, device, args.resolution, tuple(args.overrides))
-        done[row.name] = {**result, "attempts": attempts, "seconds": round(time.perf_counter() - row_started, 1)}
+        done[row.name] = {**result, "attempts": attempts, "estimated_s": round(estimate, 1),
+                          "seconds": round(time.perf_counter() - row_started, 1)}
         save()
         print(f"  {row.name}: {result['status']}" + (f", {result['step_s']:.4f} s/step" if result["status"] ==
               "passed" else f": {result.get('reason') or result.get('error')}") +
-              f" ({done[row.name]['seconds']:.0f} s)", flush=True)
+              f" ({done[row.name]['seconds']:.0f} s, ~{needed:.0f} s estimated)", flush=True)
         broken = cuda_broken(device)
         if broken:
             print(f"the CUDA context is broken ({broken}): no more rows in this process", flush=True)
@@ -728,4 +815,4 @@ def run_rows(rows: list[Row], done: dict[str, dict], args, device: torch.device,
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(started=STARTED))

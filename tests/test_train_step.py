@@ -4,10 +4,15 @@ is one graph, as inductor would get it. AOTAutograd's trace of each block kind a
 compile tests' (tests/test_plugins.py, tests/test_flux_plugins.py, tests/test_host_syncs.py); the whole table with
 aot_eager is `make bench ARGS="--size tiny"`), and every measured column is filled; rows this machine cannot run
 are listed with the reason. A row's failure is
-recorded and the table goes on; the table is saved row by row and resumed; a compiled row that ran eagerly says
+recorded and the table goes on; the table is saved row by row and resumed, also after its command was killed
+mid-row; a row starts only if its estimated time fits before --stop-after; a compiled row that ran eagerly says
 so; diffusers' anchor runs the row's attention kernel."""
 
 import json
+import subprocess
+import sys
+import textwrap
+import time
 
 import pytest
 import torch
@@ -15,6 +20,7 @@ from torch.nn.attention import SDPBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks import train_step
+from tests.conftest import ROOT
 
 pytest.importorskip("diffusers")
 
@@ -86,6 +92,65 @@ def test_the_table_is_saved_row_by_row_and_resumed(tmp_path, monkeypatch):
     seen.clear()
     assert train_step.main([*common, "--out", str(tmp_path / "later.json"), "--stop-after", "0"]) == 0
     assert seen == [] and json.loads((tmp_path / "later.json").read_text())["rows"] == []
+
+
+def test_a_row_starts_only_if_its_estimate_fits_what_is_left(tmp_path, monkeypatch, capsys):
+    """--stop-after: a compiled row estimated beyond it is left for --resume while a cheap row after it runs; once
+    the table holds a row that took longer than estimated, later estimates grow by that ratio."""
+    out, seen = tmp_path / "table.json", []
+    monkeypatch.setattr(train_step, "measure", fake_measure(set(), out, seen))
+    monkeypatch.setitem(train_step.COSTS, "tiny", train_step.Costs(build=10, compile=1000, step=0))
+    common = ["--size", "tiny", "--steps", "1", "--warmup", "0", "--models", "sd3-medium", "--stop-after", "100",
+              "--variants", "as configured", "bf16 eager"]
+    assert train_step.main([*common, "--list"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["sd3-medium: as configured (tier 0, ~2010 s, ~2010 s in all)",
+                                                    "sd3-medium: bf16 eager (tier 1, ~10 s, ~2020 s in all)"]
+    assert train_step.main([*common, "--resume", str(out)]) == 0
+    assert [name for name, _ in seen] == ["bf16 eager"]
+    printed = capsys.readouterr().out
+    assert "sd3-medium: as configured: not started (~2010 s, " in printed and "1 rows left: continue" in printed
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["estimated_s"] == 10 and row["seconds"] < 10
+
+    table = json.loads(out.read_text())  # as if the row had taken 3 times its estimate
+    table["rows"][0]["seconds"] = 30.0
+    out.write_text(json.dumps(table))
+    seen.clear()
+    assert train_step.main([*common[:-2], "fp32+TF32 eager", "--stop-after", "20", "--resume", str(out)]) == 0
+    assert seen == [] and "sd3-medium: fp32+TF32 eager: not started (~30 s, " in capsys.readouterr().out
+
+
+def test_a_command_killed_mid_row_leaves_a_whole_table_that_resumes(tmp_path, monkeypatch):
+    """The recipe's `timeout` stops a command with SIGTERM: the rows finished before stay, the one it was measuring
+    is marked running, and the next command measures it again."""
+    out = tmp_path / "table.json"
+    args = ["--size", "tiny", "--steps", "1", "--warmup", "0", "--models", "sd3-medium", "--variants", "bf16 eager",
+            "fp32+TF32 eager", "--resume", str(out)]
+    command = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import time
+        from benchmarks import train_step
+
+        def measure(row, *args):
+            if row.variant.name == "fp32+TF32 eager":
+                time.sleep(600)
+            return {{"model": row.model, "variant": row.variant.name, "status": "passed", "step_s": 1.0}}
+        train_step.measure = measure
+        train_step.main({args!r})""")], cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out.exists() and len(json.loads(out.read_text())["rows"]) == 2):  # the second row began
+            assert command.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        command.terminate()
+        command.wait()
+    statuses = {r["variant"]: (r["status"], r["attempts"]) for r in json.loads(out.read_text())["rows"]}
+    assert statuses == {"bf16 eager": ("passed", 1), "fp32+TF32 eager": ("running", 1)}
+    seen = []
+    monkeypatch.setattr(train_step, "measure", fake_measure(set(), out, seen))
+    assert train_step.main(args) == 0 and [name for name, _ in seen] == ["fp32+TF32 eager"]
+    statuses = {r["variant"]: (r["status"], r["attempts"]) for r in json.loads(out.read_text())["rows"]}
+    assert statuses == {"bf16 eager": ("passed", 1), "fp32+TF32 eager": ("passed", 2)}
 
 
 def test_a_table_is_resumed_only_with_its_own_settings(tmp_path, monkeypatch, capsys):
