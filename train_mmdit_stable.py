@@ -22,7 +22,7 @@ from configs.run_dir import global_batch, prepare_run_dir, save_run_config
 from configs.schema import DEFAULT_CONFIG, load_config
 from data.loader import check_batches, micro_batches, step_batches, to_device
 from errors import ConfigError, InputError
-from models.lora import adapter_settings, apply_lora, text_encoder_settings
+from models.lora import apply_lora, text_encoder_settings, transformer_settings
 from models.rectified_flow import interpolate, per_sample_loss, sample_key
 from optim.adamw import build_adamw
 from optim.ema import EMA
@@ -254,7 +254,7 @@ def lr_scales(cfg: DictConfig) -> dict[str, float]:
 def checkpoint_meta(cfg: DictConfig, model, world: World) -> dict:
     """What a checkpoint records beside the state: what export needs, without the data or the config."""
     return {"family": cfg.model.family, "mmdit": dataclasses.asdict(unwrap(model).transformer.cfg),
-            "lora": adapter_settings(cfg.lora) if cfg.lora.enabled else None,
+            "lora": transformer_settings(cfg.lora, unwrap(model).transformer) if cfg.lora.enabled else None,
             "text_encoder_lora": text_encoder_settings(cfg.lora) if cfg.lora.enabled else {},
             "world_size": world.world_size, "strategy": cfg.parallel.strategy}
 

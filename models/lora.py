@@ -22,6 +22,13 @@ def adapter_settings(lora, targets: list[str] | None = None) -> dict:
             "use_dora": lora.use_dora, "use_rslora": lora.use_rslora}
 
 
+def transformer_settings(lora, transformer: nn.Module) -> dict:
+    """The LoraConfig fields of the transformer's adapters: lora.target_modules but for the modules whose output
+    reaches nothing (Qwen-Image's last text stream), where an adapter would get no gradient."""
+    unused = getattr(transformer, "unused_modules", list)()
+    return {**adapter_settings(lora), **({"exclude_modules": unused} if unused else {})}
+
+
 def text_encoder_settings(lora) -> dict[str, dict]:
     """{"clip_l": LoraConfig fields, ...} of the adapted text encoders; empty when none is."""
     return {part: adapter_settings(lora, TEXT_ENCODER_TARGETS) for part in lora.text_encoders}
@@ -43,9 +50,7 @@ def apply_lora(model: nn.Module, lora) -> nn.Module:
         raise ConfigError(f"lora.target_modules {missing} match no module of the MMDiT "
                           f"(names inside a block, e.g. 'attn.to_q', 'attn2.to_q', 'ff.net.2')")
     model.requires_grad_(False)
-    # modules whose output reaches nothing (Qwen-Image's last text stream): an adapter there would get no gradient
-    unused = getattr(model.transformer, "unused_modules", list)()
-    adapted = {"transformer": (model.transformer, {**adapter_settings(lora), **({"exclude_modules": unused} if unused else {})})}
+    adapted = {"transformer": (model.transformer, transformer_settings(lora, model.transformer))}
     for part, settings in text_encoder_settings(lora).items():
         encoder = getattr(model.text_encoder, part, None)
         if encoder is None:

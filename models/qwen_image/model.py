@@ -102,7 +102,10 @@ class QwenImageBlock(nn.Module):
                 module.requires_grad_(False)
 
     def unused(self) -> list[nn.Module]:
-        return [] if self.attn.text_output else [self.attn.to_add_out, self.txt_mlp]
+        """Its linears whose output reaches nothing."""
+        if self.attn.text_output:
+            return []
+        return [self.attn.to_add_out, *(m for m in self.txt_mlp.modules() if isinstance(m, nn.Linear))]
 
     def forward(self, x: torch.Tensor, c: torch.Tensor, temb: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
