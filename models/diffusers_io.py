@@ -172,6 +172,16 @@ def lora_scale(settings: dict) -> float:
     return settings["lora_alpha"] / (settings["r"] ** 0.5 if settings.get("use_rslora") else settings["r"])
 
 
+def header_settings(weights: dict[str, torch.Tensor], settings: dict) -> dict:
+    """The LoraConfig fields a loader rebuilds the adapter from. Where some modules that lora.target_modules names
+    were left out (`exclude_modules`), the targets are the adapted modules by their full names instead: diffusers'
+    loader builds the adapter from the file's targets and finds exactly those, with nothing to exclude."""
+    if not settings.get("exclude_modules"):
+        return settings
+    adapted = sorted({name.split(".lora_")[0] for name in weights})
+    return {k: v for k, v in settings.items() if k != "exclude_modules"} | {"target_modules": adapted}
+
+
 def export_diffusers_lora(adapters: dict[str, tuple[dict[str, torch.Tensor], dict]], directory: Path,
                           dtype: torch.dtype = torch.float32) -> Path:
     """Write `pytorch_lora_weights.safetensors` as `StableDiffusion3Pipeline.save_lora_weights` does, for
@@ -188,7 +198,7 @@ def export_diffusers_lora(adapters: dict[str, tuple[dict[str, torch.Tensor], dic
         scale = lora_scale(settings)
         folded = {k: v * scale if ".lora_B." in k else v for k, v in weights.items()}
         tensors.update(diffusers_lora_state(folded, prefix))
-        header.update({f"{prefix}.{k}": v for k, v in {**settings, "lora_alpha": settings["r"],
+        header.update({f"{prefix}.{k}": v for k, v in {**header_settings(weights, settings), "lora_alpha": settings["r"],
                                                        "use_rslora": False}.items()})
     metadata = {"format": "pt", LORA_METADATA_KEY: json.dumps(header)}
     return write_new_directory(directory, lambda tmp: save_safetensors(
