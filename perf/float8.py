@@ -61,8 +61,10 @@ from errors import ConfigError
 log = logging.getLogger("mmdit")
 
 FP8_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with float8 tensor cores
-# A joint block's linears that see the text tokens only (models/blocks.py's names)
-TEXT_STREAM = ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out", "ff_context")
+# A joint block's linears that see the text tokens only (models/blocks.py's names; Qwen-Image's text feed-forward),
+# and the modulations' linears (one row per sample: nothing to gain), by their first name in a block
+TEXT_STREAM = ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out", "ff_context", "txt_mlp")
+MODULATIONS = ("norm", "img_mod", "txt_mod")
 
 # H100 SXM rates of the roofline (benchmarks/roofline.py): bf16 matmuls as measured on an 8192^3 one, float8 at
 # twice that (its dense peak is twice bf16's), memory as a measured device-to-device copy, inductor's launch floor
@@ -91,7 +93,7 @@ def check_float8(cfg, device: torch.device) -> None:
 def converts(module: nn.Module, name: str) -> bool:
     """A block's image-token linear with float8-sized dimensions (`name` relative to the block)."""
     return (isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
-            and not name.split(".")[0].startswith("norm") and ".lora_" not in f".{name}"
+            and not name.split(".")[0].startswith(MODULATIONS) and ".lora_" not in f".{name}"
             and not any(name == part or name.startswith(part + ".") for part in TEXT_STREAM))
 
 

@@ -3,6 +3,7 @@
 import errno
 import itertools
 import json
+import logging
 import multiprocessing
 import os
 import signal
@@ -145,6 +146,14 @@ def spawn(world_size: int, func, *args, tmp_path: Path) -> list:
             for r, o in enumerate(outs)]
 
 
+def config_and_overrides(arguments: list[str]) -> tuple[str, list[str]]:
+    """load_config's (path, overrides) of a command line's arguments: `--config FILE` first, if given."""
+    from configs.schema import DEFAULT_CONFIG
+    if arguments[:1] == ["--config"]:
+        return arguments[1], arguments[2:]
+    return DEFAULT_CONFIG, arguments
+
+
 def train(overrides: list[str]) -> dict:
     """main() on one rank, for spawn()."""
     from train_mmdit_stable import main
@@ -198,6 +207,26 @@ def sigkill_after(overrides: list[str], line_marker: str, log: Path) -> None:
     said = log.read_text()[-3000:] if log.is_file() else ""
     assert seen, f"the run never printed {line_marker!r} (killed after {TIMEOUT_S}s or ended):\n{said}"
     assert proc.exitcode == -signal.SIGKILL, f"the run ended ({proc.exitcode}) before printing {line_marker!r}:\n{said}"
+
+
+def sigint_at_first_step(overrides: list[str]) -> int:
+    """main() in this process, sent SIGINT (Ctrl-C, a scheduler's pre-emption) as it logs its first step: the
+    run must checkpoint at that step's end and return 0."""
+    class Interrupt(logging.Handler):
+        def emit(self, record):
+            if " loss " in record.getMessage() and not self.sent:
+                self.sent = True
+                os.kill(os.getpid(), signal.SIGINT)
+    handler, logger = Interrupt(), logging.getLogger("mmdit")
+    handler.sent, level = False, logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)  # the step lines are INFO records
+    try:
+        from train_mmdit_stable import main
+        return main(overrides)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def metric_rows(run_dir: Path) -> list[dict]:
@@ -397,16 +426,22 @@ def t5(width: int = 24):
 
 @pytest.fixture(scope="session")
 def sd3_dir(tmp_path_factory):
-    """A tiny, random SD3 pipeline directory in diffusers' layout (nothing is downloaded): a 4-channel VAE with
-    one downsampling, CLIP-L (8 wide), CLIP-G (16 wide), T5 (24 wide): joint dim 24, pooled dim 8 + 8."""
+    """A tiny, random SD3 pipeline saved by diffusers' StableDiffusion3Pipeline (nothing is downloaded): a 4-channel
+    VAE with one downsampling, CLIP-L (8 wide), CLIP-G (16 wide), T5 (24 wide): joint dim 24, pooled dim 8 + 8; a
+    transformer of 2 joint blocks."""
+    import diffusers
     root = tmp_path_factory.mktemp("sd3")
     torch.manual_seed(0)
-    tiny_vae(shift_factor=0.0609, scaling_factor=1.5305).save_pretrained(root / "vae")
-    clip(8).save_pretrained(root / "text_encoder")
-    clip(16).save_pretrained(root / "text_encoder_2")
-    t5().save_pretrained(root / "text_encoder_3")
-    for folder, length in (("tokenizer", CLIP_TOKENS), ("tokenizer_2", CLIP_TOKENS), ("tokenizer_3", T5_TOKENS)):
-        word_tokenizer(length).save_pretrained(root / folder)
+    transformer = diffusers.SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, out_channels=4,
+                                                  num_layers=2, attention_head_dim=8, num_attention_heads=2,
+                                                  joint_attention_dim=24, caption_projection_dim=16,
+                                                  pooled_projection_dim=16, pos_embed_max_size=8)
+    randomize(transformer, 5)
+    diffusers.StableDiffusion3Pipeline(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0), transformer=transformer,
+        vae=tiny_vae(shift_factor=0.0609, scaling_factor=1.5305), text_encoder=clip(8),
+        tokenizer=word_tokenizer(CLIP_TOKENS), text_encoder_2=clip(16), tokenizer_2=word_tokenizer(CLIP_TOKENS),
+        text_encoder_3=t5(), tokenizer_3=word_tokenizer(T5_TOKENS)).save_pretrained(root)
     return root
 
 
@@ -443,16 +478,38 @@ def flux_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def sd3_data(sd3_dir, tmp_path_factory):
-    """Latents and fp32 embeddings of eight captioned images of the tiny SD3 pipeline, with validation prompts."""
+def qwen_dir(tmp_path_factory):
+    """A tiny, random QwenImagePipeline saved by diffusers (tests/pipelines.py: Qwen2.5-VL 32 wide, a 4-channel VAE
+    with one downsampling, a transformer of 2 blocks)."""
+    from tests.pipelines import build_qwen_image_pipeline
+    return build_qwen_image_pipeline(tmp_path_factory.mktemp("qwen-image"))
+
+
+def precomputed(pipeline: Path, root: Path, *extra: str) -> Path:
+    """Latents and fp32 embeddings of eight captioned images (three sizes, cropped to 16 px) by a tiny pipeline,
+    with two validation prompts."""
     import precompute_latents
-    root = tmp_path_factory.mktemp("text")
     images = image_folder(root / "images", [(16, 16), (20, 18), (16, 16), (24, 24)] * 2)
     (root / "prompts.txt").write_text("a red cat\na dog on the grass\n")
-    assert precompute_latents.main(["--model", str(sd3_dir), "--images", str(images), "--out", str(root / "data"),
-                                    "--resolution", "16", "--dtype", "fp32", "--max-sequence-length", str(T5_TOKENS),
-                                    "--validation-prompts", str(root / "prompts.txt")]) == 0
+    assert precompute_latents.main(["--model", str(pipeline), "--images", str(images), "--out", str(root / "data"),
+                                    "--resolution", "16", "--dtype", "fp32", "--validation-prompts",
+                                    str(root / "prompts.txt"), *extra]) == 0
     return root / "data"
+
+
+@pytest.fixture(scope="session")
+def sd3_data(sd3_dir, tmp_path_factory):
+    return precomputed(sd3_dir, tmp_path_factory.mktemp("sd3-data"), "--max-sequence-length", str(T5_TOKENS))
+
+
+@pytest.fixture(scope="session")
+def flux_data(flux_dir, tmp_path_factory):
+    return precomputed(flux_dir, tmp_path_factory.mktemp("flux-data"))  # T5: dev's 512 tokens
+
+
+@pytest.fixture(scope="session")
+def qwen_data(qwen_dir, tmp_path_factory):
+    return precomputed(qwen_dir, tmp_path_factory.mktemp("qwen-data"), "--max-sequence-length", "16")
 
 
 def image_folder(directory: Path, sizes) -> Path:

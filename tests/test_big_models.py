@@ -15,7 +15,8 @@ from models.quantized import QuantizedLinear, dequantize, quantize
 from perf.checkpoint import checkpoints
 from perf.parallel import apply_parallelism
 from runtime.distributed import World
-from tests.conftest import assert_close, final_weights, losses, metric_rows, sigkill_after, spawn, trains
+from tests.conftest import (assert_close, config_and_overrides, final_weights, losses, metric_rows, sigkill_after, spawn,
+                            trains)
 from tests.test_lora import check_exported_adapter
 from train_mmdit_stable import main
 
@@ -25,7 +26,7 @@ CPU = torch.device("cpu")
 def eager_model(overrides: list[str]) -> torch.nn.Module:
     """The model as an eager build gives it: constructed on the CPU, initialised from the run's seed, and loaded
     from model.init_from."""
-    cfg = load_config(overrides=overrides)
+    cfg = load_config(*config_and_overrides(overrides))
     dataset, tokenizer = build_data(cfg)
     model = build_model(cfg, dataset, tokenizer)
     initialize(model, cfg.training.seed)
@@ -36,7 +37,7 @@ def eager_model(overrides: list[str]) -> torch.nn.Module:
 
 def materialized(overrides: list[str], world: World = World()) -> tuple[torch.nn.Module, InitialValues]:
     """The model as training builds it: on the meta device, then (sharded and) filled by apply_parallelism."""
-    cfg = load_config(overrides=overrides)
+    cfg = load_config(*config_and_overrides(overrides))
     dataset, tokenizer = build_data(cfg)
     model = build_trained_model(cfg, dataset, tokenizer)
     assert all(p.is_meta for p in model.parameters())

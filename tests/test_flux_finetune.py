@@ -1,12 +1,9 @@
-"""FLUX.1 fine-tuning on a tiny random FluxPipeline saved by diffusers (tests/conftest.py: flux_dir): precompute
-stores what the pipeline computes (FLUX's VAE constants, T5 tokens and CLIP-L's pooled output), text encoded in the
-step equals precomputed, and mistakes are named before compute. Export: a LoRA run on the pipeline's transformer
-folder, interrupted by SIGINT and SIGKILL, loads into FluxPipeline with this project's outputs; its kohya / ComfyUI
-file loads through diffusers' converter as the PEFT file does; DoRA, full fine-tunes and refusals."""
+"""FLUX.1 fine-tuning on a tiny random FluxPipeline saved by diffusers (tests/conftest.py: flux_dir), what is
+FLUX.1's own (what every family has, precompute, text in the step, a LoRA loading into its pipeline, is
+tests/test_families.py's): mistakes named before compute; DoRA, rsLoRA and CLIP-L's LoRA on a quantized base; FSDP
+ranks reading their rows of the original single file; its kohya / ComfyUI file, which loads through diffusers'
+converter as the PEFT file does; DoRA, full fine-tunes and refusals."""
 
-import logging
-import os
-import signal
 import types
 
 import pytest
@@ -14,56 +11,16 @@ import torch
 from safetensors.torch import load_file
 
 import export_mmdit
-import precompute_latents
 from configs.build import build_data
-from data.latents import LatentDataset
 from models.flux.kohya import export_kohya_lora, kohya_lora
 from models.flux.model import pack, position_ids, unpack
 from perf.checkpoint import checkpoints
 from sample_mmdit import load_trained
-from tests.conftest import assert_close, final_weights, image_folder, sigkill_after
-from tests.test_flux_model import diffusers_output, inputs, ours_output
+from tests.conftest import assert_close, final_weights
+from tests.families import flux_inputs as inputs, flux_theirs, ours
 from train_mmdit_stable import main
 
 diffusers = pytest.importorskip("diffusers")
-
-
-def precompute(flux_dir, images, out, *extra) -> int:
-    return precompute_latents.main(["--model", str(flux_dir), "--images", str(images), "--out", str(out),
-                                    "--resolution", "16", "--dtype", "fp32", *extra])
-
-
-@pytest.fixture(scope="module")
-def flux_data(flux_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("flux-data")
-    images = image_folder(root / "images", [(16, 16), (20, 18), (16, 16), (24, 24)] * 2)
-    (root / "prompts.txt").write_text("a red cat\na dog on the grass\n")
-    assert precompute(flux_dir, images, root / "data", "--validation-prompts", str(root / "prompts.txt")) == 0
-    return root / "data"
-
-
-def test_precompute_stores_what_the_flux_pipeline_computes(flux_dir, flux_data):
-    """The VAE latents with FLUX's scale and shift, T5's 512 tokens (dev's default), CLIP-L's pooled output: as
-    the pipeline computes them for the same batch of captions."""
-    from tests.test_precompute import load_image
-    pipe = diffusers.FluxPipeline.from_pretrained(flux_dir)
-    ds = LatentDataset(flux_data)
-    assert ds.index["family"] == "flux" and ds.index["max_sequence_length"] == 512
-    assert ds.index["vae"]["scaling_factor"] == 0.3611 and ds.index["vae"]["shift_factor"] == 0.1159
-    assert ds.text_dims == (24, 8) and ds.text_tokens == 512 and len(ds) == 8
-    images = flux_data.parent / "images"
-    captions = [(images / f"img{i:02d}.txt").read_text() for i in range(8)]
-    order = {ds[i]["caption"]: i for i in range(8)}
-    with torch.no_grad():
-        embeds, pooled, _ = pipe.encode_prompt(captions, None, max_sequence_length=512)
-        pixels = torch.stack([load_image(images / f"img{i:02d}.png", (16, 16)) for i in range(8)])
-        latents = (pipe.vae.encode(pixels).latent_dist.mean - 0.1159) * 0.3611
-    assert len(order) == 8
-    for i, caption in enumerate(captions):
-        item = ds[order[caption]]
-        torch.testing.assert_close(item["prompt_embeds"], embeds[i], rtol=0, atol=1e-6)
-        torch.testing.assert_close(item["pooled_prompt_embeds"], pooled[i], rtol=0, atol=1e-6)
-        torch.testing.assert_close(item["latents"], latents[i], rtol=1e-5, atol=1e-5)
 
 
 FLUX_RUN = ["model.family=flux", "data.name=latents", "model.patch_size=2", "model.num_layers=1",
@@ -82,16 +39,6 @@ def flux_lora(flux_data, tmp_path):
         return [*FLUX_RUN, *LORA, f"data.path={flux_data}", f"model.init_from={base}",
                 f"logging.output_dir={tmp_path / name}", *extra]
     return make
-
-
-def test_encoding_in_the_step_under_fsdp_equals_precomputed_embeddings(flux_lora, tmp_path):
-    """CLIP-L and T5 run in the step, sharded layer by layer over 2 FSDP ranks with the transformer: the weights of
-    one process on precomputed embeddings (fp32 summation order apart)."""
-    from tests.conftest import trains
-    assert main(flux_lora("optimizer.eps=1e-3", name="precomputed")) == 0
-    trains(2, flux_lora("optimizer.eps=1e-3", "data.text_encoding=on_the_fly", "parallel.strategy=fsdp",
-                        "training.train_batch_size=2", name="on_the_fly"), tmp_path)
-    assert_close(final_weights(tmp_path / "on_the_fly"), final_weights(tmp_path / "precomputed"), atol=1e-5)
 
 
 def test_mistakes_are_named_before_compute(flux_dir, flux_data, tmp_path, caplog):
@@ -174,76 +121,29 @@ def pipeline_lora(flux_dir, flux_data, tmp_path):
     return make
 
 
-def sigint_at_first_step(overrides: list[str]) -> int:
-    """main() in this process, sent SIGINT (Ctrl-C, a scheduler's pre-emption) as it logs its first step: the
-    run must checkpoint at that step's end and return 0."""
-    class Interrupt(logging.Handler):
-        def emit(self, record):
-            if " loss " in record.getMessage() and not self.sent:
-                self.sent = True
-                os.kill(os.getpid(), signal.SIGINT)
-    handler, logger = Interrupt(), logging.getLogger("mmdit")
-    handler.sent, level = False, logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)  # the step lines are INFO records
-    try:
-        return main(overrides)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-
-
 def flux_inputs() -> dict:
     """Inputs of the tiny pipeline's transformer (4-channel 8x8 latents, T5 width 24, CLIP-L width 8, guidance)."""
     return inputs({"in_channels": 16, "joint_attention_dim": 24, "pooled_projection_dim": 8, "guidance_embeds": True},
-                  8, 8, text=7)
+                  8, 8, 7, 0)
 
 
-def ours(run_dir, use_ema: bool = True):
+def run_outputs(run_dir, use_ema: bool = True):
     """This project's adapted model of the run's last checkpoint: transformer output and CLIP-L's pooled output."""
     model, cfg = load_trained(checkpoints(run_dir)[-1], use_ema)
     with torch.no_grad():
-        return ours_output(model.transformer, flux_inputs()), model.text_encoder(**build_data(cfg)[1](CAPTIONS))["pooled_prompt_embeds"]
+        return (ours(model.transformer, flux_inputs()),
+                model.text_encoder(**build_data(cfg)[1](CAPTIONS))["pooled_prompt_embeds"])
 
 
 def theirs(pipe):
     """The same of a FluxPipeline."""
     with torch.no_grad():
-        return diffusers_output(pipe.transformer, flux_inputs()), pipe.encode_prompt(CAPTIONS, None)[1]
+        return flux_theirs(pipe.transformer, flux_inputs()), pipe.encode_prompt(CAPTIONS, None)[1]
 
 
 def image(pipe) -> torch.Tensor:
     return pipe("a red cat", num_inference_steps=2, height=16, width=16, guidance_scale=3.5, max_sequence_length=512,
                 generator=torch.Generator().manual_seed(0), output_type="pt").images
-
-
-def test_lora_run_resumes_after_sigint_and_sigkill_and_loads_into_the_flux_pipeline(pipeline_lora, flux_dir,
-                                                                                   tmp_path, caplog):
-    """precompute (flux_data) -> LoRA run on a released transformer folder, SIGINT (checkpoint, exit 0) then
-    resume, SIGKILL then resume: bit for bit the uninterrupted run -> export -> FluxPipeline.load_lora_weights
-    gives this project's transformer output and CLIP-L pooled output -> one image."""
-    common = ["training.max_steps=8", "checkpoint.every=3"]
-    assert main(pipeline_lora(*common, name="straight")) == 0
-    interrupted = pipeline_lora(*common, name="interrupted")
-    assert sigint_at_first_step(interrupted) == 0
-    assert "received SIGINT" in caplog.text and "pre-empted: checkpoint of step 1 written" in caplog.text
-    assert [c.name for c in checkpoints(tmp_path / "interrupted")] == ["step_00000001"]
-    sigkill_after(interrupted, "step_00000003 complete", tmp_path / "killed.log")
-    assert "step_00000003" in [c.name for c in checkpoints(tmp_path / "interrupted")]
-    assert main(interrupted) == 0
-    for part in ("model", "ema"):
-        assert_close(final_weights(tmp_path / "interrupted", part), final_weights(tmp_path / "straight", part))
-
-    out = tmp_path / "lora"
-    assert export_mmdit.main(["--checkpoint", str(tmp_path / "interrupted"), "--out", str(out)]) == 0
-    pipe = diffusers.FluxPipeline.from_pretrained(flux_dir)
-    base_output, base_pooled = theirs(pipe)
-    pipe.load_lora_weights(out)
-    output, pooled = theirs(pipe)
-    our_output, our_pooled = ours(tmp_path / "interrupted")
-    assert (output - base_output).abs().max() > 1e-3 and (pooled - base_pooled).abs().max() > 1e-3  # both act
-    assert_close({"output": output, "pooled": pooled}, {"output": our_output, "pooled": our_pooled}, atol=1e-5)
-    assert torch.isfinite(image(pipe)).all()
 
 
 def kohya_converter(width: int):
@@ -364,7 +264,7 @@ def test_dora_exports_in_diffusers_format_with_equal_outputs_and_kohya_is_refuse
     pipe = fresh_pipeline(flux_dir, out)
     assert any("lora_magnitude_vector" in n for n, _ in pipe.transformer.named_parameters())
     assert any("lora_magnitude_vector" in n for n, _ in pipe.text_encoder.named_parameters())
-    assert_close(theirs(pipe), ours(run), atol=1e-5)
+    assert_close(theirs(pipe), run_outputs(run), atol=1e-5)
 
     caplog.clear()
     assert export_mmdit.main(["--checkpoint", str(run), "--out", str(tmp_path / "comfy"), "--format", "kohya"]) == 2
@@ -382,9 +282,10 @@ def packed_output(model, x: dict, p: int) -> torch.Tensor:
     """diffusers' FluxTransformer2DModel on latents packed p x p (FluxPipeline packs 2 x 2)."""
     h, w = x["latents"].shape[-2:]
     ids = position_ids(0, h // p, w // p, torch.device("cpu"))
-    out = model(hidden_states=pack(x["latents"], p), encoder_hidden_states=x["text"], pooled_projections=x["pooled"],
-                timestep=x["sigma"], img_ids=ids, txt_ids=torch.zeros(x["text"].shape[1], 3), guidance=x["guidance"],
-                return_dict=False)[0]
+    text = x["text"]["prompt_embeds"]
+    out = model(hidden_states=pack(x["latents"], p), encoder_hidden_states=text,
+                pooled_projections=x["text"]["pooled_prompt_embeds"], timestep=x["sigma"], img_ids=ids,
+                txt_ids=torch.zeros(text.shape[1], 3), guidance=x["guidance"], return_dict=False)[0]
     return unpack(out, h, w, p)
 
 
@@ -404,7 +305,7 @@ def test_full_fine_tune_exports_a_flux_transformer(packing, flux_data, tmp_path,
     model = load_trained(checkpoints(tmp_path / "run")[-1])[0].transformer
     x = flux_inputs()
     with torch.no_grad():
-        torch.testing.assert_close(packed_output(loaded, x, packing), ours_output(model, x), rtol=0, atol=1e-5)
+        torch.testing.assert_close(packed_output(loaded, x, packing), ours(model, x), rtol=0, atol=1e-5)
     if packing == 2:
         assert export_mmdit.main(["--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "k"),
                                   "--format", "kohya"]) == 2

@@ -1,114 +1,26 @@
-"""The FLUX.1 transformer against diffusers' `FluxTransformer2DModel`: key for key, and outputs within 1e-5 (fp32)
-both ways (a diffusers folder loaded here, and an export loaded by diffusers), on configs that vary what a mapping
-error would hide behind: head dims, rotary splits, guidance on and off, rectangular latents, several text lengths,
-sharded folders. Configs are drawn from a seeded generator as well as written out, so the mapping is not fitted to
-a hand-picked few."""
-
-import random
+"""What is FLUX.1's own in its transformer: packing 2 x 2, rotary tables made once per shape, its split of the head
+dim, inputs it cannot run named, and its original single file (Black Forest Labs' key names, fused and swapped
+tensors) read as diffusers' conversion reads it. Its outputs against diffusers' both ways: tests/test_families.py."""
 
 import pytest
 import torch
 
-from models.diffusers_io import export_diffusers_transformer
 from models.families import load_diffusers_transformer, read_config
 from models.blocks import rotary_axes
 from models.flux.model import Flux, FluxConfig, pack, unpack
-from tests.conftest import randomize
+from tests.families import CASES, flux_inputs, flux_theirs, ours
 
 diffusers = pytest.importorskip("diffusers")
 
-CONFIGS = {
-    "dev-like": dict(num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
-                     axes_dims_rope=[4, 6, 6], guidance_embeds=True),
-    "schnell-like": dict(num_layers=1, num_single_layers=3, attention_head_dim=16, num_attention_heads=2,
-                         axes_dims_rope=[2, 8, 6], guidance_embeds=False),
-    "odd-head-dim": dict(num_layers=1, num_single_layers=1, attention_head_dim=12, num_attention_heads=3,
-                         axes_dims_rope=[2, 6, 4], guidance_embeds=True, joint_attention_dim=20,
-                         pooled_projection_dim=6),
-}
-
-
-def random_config(seed: int) -> dict:
-    """A config no one picked: sizes, rotary split and guidance from `seed`."""
-    r = random.Random(seed)
-    head_dim = 2 * r.randint(3, 10)
-    first = 2 * r.randint(1, head_dim // 2 - 2)
-    second = 2 * r.randint(1, (head_dim - first) // 2 - 1)
-    return dict(num_layers=r.randint(1, 2), num_single_layers=r.randint(1, 3), attention_head_dim=head_dim,
-                num_attention_heads=r.randint(1, 3), axes_dims_rope=[first, second, head_dim - first - second],
-                guidance_embeds=r.random() < 0.5, joint_attention_dim=r.randint(3, 24),
-                pooled_projection_dim=r.randint(3, 24))
-
-
-def full_config(config: dict, channels: int = 4) -> dict:
-    return {"in_channels": 4 * channels, "joint_attention_dim": 24, "pooled_projection_dim": 16, **config}
-
-
-def inputs(config: dict, height: int, width: int, text: int = 5, seed: int = 0) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    channels = config["in_channels"] // 4
-    return {"latents": torch.randn(2, channels, height, width, generator=gen),
-            "text": torch.randn(2, text, config["joint_attention_dim"], generator=gen),
-            "pooled": torch.randn(2, config["pooled_projection_dim"], generator=gen),
-            "sigma": torch.tensor([0.25, 0.9]),
-            "guidance": torch.tensor([3.5, 1.0]) if config["guidance_embeds"] else None}
-
-
-def ours_output(model: Flux, x: dict) -> torch.Tensor:
-    extra = {} if x["guidance"] is None else {"guidance": x["guidance"]}
-    return model(x["latents"], x["text"], x["pooled"], x["sigma"] * 1000, **extra)
-
-
-def diffusers_output(model, x: dict) -> torch.Tensor:
-    """What FluxPipeline does around its transformer: pack, ids (text zeros, image (0, row, col) on the packed
-    grid), sigma as timestep, guidance on its scale; then unpack."""
-    latents = x["latents"]
-    h, w = latents.shape[-2:]
-    img_ids = torch.zeros(h // 2, w // 2, 3)
-    img_ids[..., 1] = torch.arange(h // 2)[:, None]
-    img_ids[..., 2] = torch.arange(w // 2)[None, :]
-    out = model(hidden_states=pack(latents, 2), encoder_hidden_states=x["text"], pooled_projections=x["pooled"],
-                timestep=x["sigma"], img_ids=img_ids.reshape(-1, 3), txt_ids=torch.zeros(x["text"].shape[1], 3),
-                guidance=x["guidance"], return_dict=False)[0]
-    return unpack(out, h, w, 2)
-
-
-CASES = [*CONFIGS, "random-0", "random-1", "random-2"]
+CONFIGS = CASES["flux"].configs
 
 
 def config_of(name: str) -> dict:
-    return full_config(random_config(int(name.split("-")[1])) if name.startswith("random") else CONFIGS[name])
+    return CASES["flux"].config(name)
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_import_from_diffusers(name, tmp_path):
-    config = config_of(name)
-    reference = diffusers.FluxTransformer2DModel(**config).eval()
-    randomize(reference, 1)
-    reference.save_pretrained(tmp_path / "transformer", max_shard_size="20KB")  # sharded, with an index
-    assert any(tmp_path.glob("transformer/*.index.json"))
-    family, _ = read_config(tmp_path / "transformer")
-    ours = load_diffusers_transformer(tmp_path / "transformer").eval()
-    assert family.name == "flux" and isinstance(ours, Flux)
-    assert ours.state_dict().keys() == reference.state_dict().keys()
-    for height, width, text in ((8, 8, 5), (6, 10, 3), (12, 4, 9)):  # square, wide, tall; text lengths
-        x = inputs(config, height, width, text)
-        with torch.no_grad():
-            expected, got = diffusers_output(reference, x), ours_output(ours, x)
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("name", CASES)
-def test_export_to_diffusers(name, tmp_path):
-    config = config_of(name)
-    ours = Flux(FluxConfig(**config)).eval()
-    randomize(ours, 2)
-    export_diffusers_transformer(ours, tmp_path / "exported")
-    loaded = diffusers.FluxTransformer2DModel.from_pretrained(tmp_path / "exported").eval()
-    x = inputs(config, 6, 10)
-    with torch.no_grad():
-        expected, got = ours_output(ours, x), diffusers_output(loaded, x)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+def inputs(config: dict, height: int, width: int, text: int = 5, seed: int = 0) -> dict:
+    return flux_inputs(config, height, width, text, seed)
 
 
 def test_packing_is_fluxs_and_inverts():
@@ -120,13 +32,13 @@ def test_packing_is_fluxs_and_inverts():
 
 
 def test_rotary_tables_are_computed_once_per_shape():
-    model = Flux(FluxConfig(**full_config(CONFIGS["schnell-like"])))
-    x = inputs(full_config(CONFIGS["schnell-like"]), 8, 8)
+    model = Flux(FluxConfig(**CONFIGS["schnell-like"]))
+    x = inputs(CONFIGS["schnell-like"], 8, 8)
     with torch.no_grad():
-        ours_output(model, x)
-        ours_output(model, x)
+        ours(model, x)
+        ours(model, x)
         assert len(model.rope_cache) == 1
-        ours_output(model, inputs(full_config(CONFIGS["schnell-like"]), 8, 12))
+        ours(model, inputs(CONFIGS["schnell-like"], 8, 12))
     assert len(model.rope_cache) == 2
 
 
@@ -138,12 +50,13 @@ def test_fluxs_split_of_the_head_dim():
 
 
 def test_inputs_that_cannot_run_are_named():
-    config = full_config(CONFIGS["dev-like"])
+    config = CONFIGS["dev-like"]
     model = Flux(FluxConfig(**config))
     x = inputs(config, 8, 8)
+    x["text"], x["pooled"] = x["text"]["prompt_embeds"], x["text"]["pooled_prompt_embeds"]
     with pytest.raises(ValueError, match="has a guidance embedding: pass guidance"):
         model(x["latents"], x["text"], x["pooled"], x["sigma"] * 1000)
-    schnell = Flux(FluxConfig(**full_config(CONFIGS["schnell-like"])))
+    schnell = Flux(FluxConfig(**CONFIGS["schnell-like"]))
     with pytest.raises(ValueError, match="has no guidance embedding"):
         schnell(x["latents"], x["text"], x["pooled"], x["sigma"] * 1000, guidance=x["guidance"])
     with pytest.raises(ValueError, match="latents of 7x8 do not pack into 2x2 patches"):
@@ -207,10 +120,10 @@ def test_the_original_single_file_loads_as_diffusers_converts_it(prefix, tmp_pat
     reference.load_state_dict(diffusers_conversion(checkpoint, 32), strict=True)
     family, found = read_config(tmp_path / "flux1-tiny.safetensors")
     assert family.name == "flux" and found == FluxConfig(**config)
-    ours = load_diffusers_transformer(tmp_path / "flux1-tiny.safetensors").eval()
+    model = load_diffusers_transformer(tmp_path / "flux1-tiny.safetensors").eval()
     x = inputs(config, 6, 10)
     with torch.no_grad():
-        torch.testing.assert_close(ours_output(ours, x), diffusers_output(reference, x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours(model, x), flux_theirs(reference, x), rtol=1e-5, atol=1e-5)
 
 
 def test_blocks_of_fused_and_swapped_tensors_read_as_their_rows(tmp_path):

@@ -7,16 +7,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch._dynamo.utils import counters
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import train_mmdit_stable
-from configs.build import build_model, build_tokenizer
 from configs.schema import load_config
-from data.shapes import ShapesDataset
 from errors import ConfigError
-from perf.activation_checkpointing import apply_activation_checkpointing
 from perf.checkpoint import checkpoints
 from tests.conftest import assert_close, assert_differs, checkpoint_state, final_weights, losses, metric_rows
+from tests.test_families import checkpointing_model
 from train_mmdit_stable import main
 
 
@@ -83,58 +80,6 @@ def test_a_failed_compilation_falls_back_to_eager(tiny, tmp_path, monkeypatch, c
     assert fallbacks == {"eager": [None] * 3, "broken": [len(calls)] * 3} and len(calls) >= 2  # both block kinds
 
 
-def checkpointing_model(mode: str, every: int, family: str = "sd3"):
-    """A 3-block model (SD3: two joint blocks and the last one; FLUX: a double and two single blocks) with non-zero
-    weights (adaLN-Zero left as initialised would make blocks identities)."""
-    sizes = ["model.num_layers=3"] if family == "sd3" else ["model.num_layers=1", "model.num_single_layers=2"]
-    cfg = load_config(overrides=[f"model.family={family}", *sizes, "text_encoder.dim=32", "text_encoder.num_heads=2"])
-    torch.manual_seed(0)
-    model = build_model(cfg, ShapesDataset, build_tokenizer())
-    for p in model.parameters():
-        p.data.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.02)
-    apply_activation_checkpointing(model, mode, every)
-    return model
-
-
-class OpCount(TorchDispatchMode):
-    """How many times the forward and backward ran matmuls and layer norms."""
-
-    def __init__(self):
-        super().__init__()
-        self.matmuls = self.norms = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.matmuls += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
-        self.norms += func is torch.ops.aten.native_layer_norm.default
-        return func(*args, **(kwargs or {}))
-
-
-def gradients(model) -> dict:
-    g = torch.Generator().manual_seed(1)
-    x, sigma = torch.randn(4, 3, 32, 32, generator=g), torch.rand(4, generator=g)
-    model(x, sigma, build_tokenizer()(["a red circle in the center"] * 4)).square().mean().backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
-def gradients_and_op_counts(model) -> tuple[dict, OpCount]:
-    with OpCount() as count:
-        return gradients(model), count
-
-
-@pytest.mark.parametrize("family", ["sd3", "flux"])
-def test_activation_checkpointing_gives_the_same_gradients_and_recomputes_what_it_says(family):
-    """In blocks 0 and 2 of 3 (every 2nd): the same gradients bitwise, and the recompute each mode promises,
-    counted in the ops the step runs: selective runs the layer norms of those blocks again and no matmul; full runs
-    both again (each block's forward once more: both layer norms and matmuls of a forward, so it recomputes
-    matmuls)."""
-    (grads, none), (selective_grads, selective), (full_grads, full) = (
-        gradients_and_op_counts(checkpointing_model(mode, 2, family)) for mode in ("none", "selective", "full"))
-    assert_close(selective_grads, grads)
-    assert_close(full_grads, grads)
-    assert selective.matmuls == none.matmuls and selective.norms > none.norms
-    assert full.norms == selective.norms and full.matmuls > none.matmuls
-
-
 def test_activation_checkpointing_names_a_mode_it_does_not_have():
     with pytest.raises(ValueError, match="activation checkpointing mode 'mlp', expected one of"):
         checkpointing_model("mlp", 1)
@@ -162,20 +107,6 @@ def test_the_removed_mlp_checkpointing_is_named_with_what_to_use(tmp_path):
     saved.write_text("training:\n  activation_checkpointing: mlp\n  activation_checkpointing_every: 2\n")
     training = load_config(saved, resolve=False).training
     assert (training.activation_checkpointing, training.activation_checkpointing_every) == ("full", 2)
-
-
-@pytest.mark.parametrize("mode,family", [("selective", "sd3"), ("selective", "flux"), ("full", "flux")])
-def test_checkpointed_blocks_compile_without_graph_breaks(mode, family):
-    """Each kind of block compiles to one graph with its checkpointed region in it (fullgraph would raise on a
-    break; dynamo's counters say none happened), forward and backward, and computes what the eager blocks do."""
-    eager, compiled = checkpointing_model(mode, 1, family), checkpointing_model(mode, 1, family)
-    torch._dynamo.reset()
-    counters.clear()
-    for block in compiled.transformer.blocks:
-        block.compile(backend="aot_eager", fullgraph=True)
-    grads, compiled_grads = gradients(eager), gradients(compiled)
-    assert counters["stats"]["unique_graphs"] >= 2 and not counters["graph_break"]  # both kinds of block
-    assert_close(compiled_grads, grads, atol=1e-6)
 
 
 def test_compile_and_activation_checkpointing_compose(tiny, tmp_path):

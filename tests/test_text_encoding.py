@@ -1,12 +1,12 @@
 """data.text_encoding=on_the_fly: SD3's frozen text encoders run in the training step on the dataset's captions
-instead of reading stored embeddings; training equals training on the precomputed embeddings of the same
-captions, in one process and under FSDP (where the encoders are sharded like the MMDiT), and resumes exactly."""
+instead of reading stored embeddings; training equals training on the precomputed embeddings of the same captions,
+with caption dropout, validation and the held-out loss, and resumes exactly (under FSDP, for every family:
+tests/test_families.py)."""
 
 import pytest
-import torch
 
 from perf.checkpoint import checkpoints
-from tests.conftest import LATENT_RUN, assert_close, final_weights, metric_rows, sigkill_after, spawn, trains
+from tests.conftest import LATENT_RUN, assert_close, final_weights, metric_rows, sigkill_after
 from train_mmdit_stable import main
 
 pytest.importorskip("diffusers")
@@ -33,31 +33,6 @@ def test_encoding_in_the_step_equals_precomputed_embeddings(run, tmp_path):
     assert abs(rows("fly")[-1]["val/loss"] - rows("stored")[-1]["val/loss"]) < 1e-5
     assert sorted(p.name for p in (tmp_path / "fly" / "samples").glob("*.png")) == \
         ["step_00000002.png", "step_00000004.png"]
-
-
-def local_share(overrides: list[str]) -> dict:
-    """Under FSDP: the elements of the text encoders this rank holds, and their total."""
-    from configs.build import InitialValues, build_data, build_trained_model
-    from configs.schema import load_config
-    from perf.parallel import apply_parallelism
-    from runtime.distributed import init_distributed, world_from_env
-    cfg = load_config(overrides=overrides)
-    world = world_from_env()
-    device = init_distributed(world, torch.device("cpu"), 60)
-    model = build_trained_model(cfg, *build_data(cfg))
-    total = sum(p.numel() for p in model.text_encoder.parameters())
-    model = apply_parallelism(model, cfg, world, device, InitialValues(model, 0, None))
-    return {"local": sum(p.to_local().numel() for p in model.text_encoder.parameters()), "total": total}
-
-
-def test_under_fsdp_the_encoders_are_sharded_and_train_like_precomputed(run, tmp_path):
-    fsdp = ["parallel.strategy=fsdp", "training.train_batch_size=2"]
-    trains(2, run(*fsdp, name="stored"), tmp_path)
-    trains(2, run(*fsdp, "data.text_encoding=on_the_fly", name="fly"), tmp_path)
-    assert_close(final_weights(tmp_path / "fly"), final_weights(tmp_path / "stored"), atol=1e-5)
-    shares = spawn(2, local_share, run(*fsdp, "data.text_encoding=on_the_fly"), tmp_path=tmp_path)
-    assert all(s["local"] <= s["total"] // 2 + 64 for s in shares) and sum(s["local"] for s in shares) == \
-        shares[0]["total"], shares
 
 
 def test_a_run_killed_with_sigkill_resumes_bit_for_bit(run, tmp_path):

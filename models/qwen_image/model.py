@@ -85,7 +85,8 @@ class Modulation(nn.Sequential):
 
 class QwenImageBlock(nn.Module):
     """A dual-stream block: each stream modulated by its own projection of the timestep embedding, one joint
-    attention over [text, image], a feed-forward per stream, gated residuals. Returns (image, text).
+    attention over [text, image], a feed-forward per stream, gated residuals. Returns (image, text; None after the
+    last block).
 
     The last block's text output reaches nothing (the final layer reads the image tokens), yet diffusers' model has
     its weights: here they are kept, for the keys, but frozen and not computed (`text_output=False`), so a training
@@ -108,7 +109,7 @@ class QwenImageBlock(nn.Module):
         return [self.attn.to_add_out, *(m for m in self.txt_mlp.modules() if isinstance(m, nn.Linear))]
 
     def forward(self, x: torch.Tensor, c: torch.Tensor, temb: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.img_mod(temb)
         c_shift_msa, c_scale_msa, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.txt_mod(temb)
         attn_x, attn_c = self.attn(modulate(layer_norm(x), shift_msa, scale_msa),
@@ -116,7 +117,7 @@ class QwenImageBlock(nn.Module):
         x = gated(x, gate_msa, attn_x)
         x = gated(x, gate_mlp, self.img_mlp(modulate(layer_norm(x), shift_mlp, scale_mlp)))
         if not self.attn.text_output:
-            return x, c
+            return x, None
         c = gated(c, c_gate_msa, attn_c)
         c = gated(c, c_gate_mlp, self.txt_mlp(modulate(layer_norm(c), c_shift_mlp, c_scale_mlp)))
         return x, c

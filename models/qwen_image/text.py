@@ -86,8 +86,14 @@ class QwenTextEncoders(PipelineTextEncoders):
         return list(self.qwen.language_model.layers)
 
     def forward(self, qwen_ids: torch.Tensor, qwen_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        # the causal mask over the tokens that are there, as transformers makes it of the pipeline's padding mask, made
+        # here: transformers asks whether any padding is present (a host sync, and no answer on the meta device,
+        # where the FLOPs are counted)
+        length = qwen_ids.shape[1]
+        causal = torch.ones(length, length, dtype=torch.bool, device=qwen_ids.device).tril()
+        mask = causal[None, None] & qwen_mask[:, None, None, :].bool()
         with torch.no_grad():
-            hidden = self.qwen(input_ids=qwen_ids, attention_mask=qwen_mask).last_hidden_state
+            hidden = self.qwen(input_ids=qwen_ids, attention_mask=mask).last_hidden_state
         keep = slice(TEMPLATE_TOKENS, TEMPLATE_TOKENS + self.max_sequence_length)
         mask = qwen_mask[:, keep]
         return {"prompt_embeds": hidden[:, keep] * mask[..., None].to(hidden.dtype),

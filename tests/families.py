@@ -1,0 +1,254 @@
+"""Each model family as the shared tests see it (tests/test_families.py runs every property over all of them): its
+diffusers transformer and the configs to compare on, how its pipeline drives that transformer, a tiny shapes run, its
+tiny pipeline (tests/conftest.py's fixtures) and how that pipeline encodes text and images. A new family costs an
+entry here.
+
+Configs are written out to cover what a mapping error would hide behind (head dims, rotary splits, guidance on and
+off, several text widths) and drawn from a seeded generator too, so the mapping is not fitted to a hand-picked few.
+"""
+
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from models.blocks import pack, unpack
+from models.flux.model import position_ids as flux_position_ids
+
+
+def axes(r: random.Random, head_dim: int) -> list[int]:
+    """A random split of head_dim into three even rotary parts."""
+    first = 2 * r.randint(1, head_dim // 2 - 2)
+    second = 2 * r.randint(1, (head_dim - first) // 2 - 1)
+    return [first, second, head_dim - first - second]
+
+
+def text_inputs(gen: torch.Generator, config: dict, tokens: int, joint: str, pooled: str | None,
+                masked: bool) -> dict:
+    """Text embeddings by their dataset names: tokens of width config[joint], a pooled vector of width
+    config[pooled], a ragged padding mask (the second sample's text ends two tokens early)."""
+    text = {"prompt_embeds": torch.randn(2, tokens, config[joint], generator=gen)}
+    if pooled:
+        text["pooled_prompt_embeds"] = torch.randn(2, config[pooled], generator=gen)
+    if masked:
+        text["prompt_embeds_mask"] = torch.ones(2, tokens)
+        text["prompt_embeds_mask"][1, tokens - 2:] = 0
+    return text
+
+
+def ours(model, x: dict) -> torch.Tensor:
+    """This project's transformer on `x`: latents, timestep = sigma x 1000, the text its TEXT_INPUTS name."""
+    extra = {} if x.get("guidance") is None else {"guidance": x["guidance"]}
+    return model(x["latents"], timestep=x["sigma"] * 1000,
+                 **{arg: x["text"][name] for name, arg in model.TEXT_INPUTS.items()}, **extra)
+
+
+# ----------------------------------------------------------------------------------------------- SD3
+
+
+SD3_BASE = dict(sample_size=16, patch_size=2, in_channels=4, out_channels=4, joint_attention_dim=24,
+                pooled_projection_dim=20, pos_embed_max_size=12)
+
+
+def sd3_config(**config) -> dict:
+    config = {**SD3_BASE, **config}
+    return {**config, "caption_projection_dim": config["num_attention_heads"] * config["attention_head_dim"]}
+
+
+def sd3_random(seed: int) -> dict:
+    r = random.Random(seed)
+    layers = r.randint(1, 3)
+    return sd3_config(num_layers=layers, attention_head_dim=4 * r.randint(2, 5), num_attention_heads=r.randint(1, 3),
+                      qk_norm=r.choice([None, "rms_norm"]), joint_attention_dim=r.randint(3, 24),
+                      pooled_projection_dim=r.randint(3, 24),
+                      dual_attention_layers=sorted(r.sample(range(layers), r.randint(0, layers))))
+
+
+def sd3_inputs(config: dict, height: int, width: int, tokens: int, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    return {"latents": torch.randn(2, config["in_channels"], height, width, generator=gen),
+            "text": text_inputs(gen, config, tokens, "joint_attention_dim", "pooled_projection_dim", False),
+            "sigma": torch.tensor([0.25, 0.9])}
+
+
+def sd3_theirs(model, x: dict) -> torch.Tensor:
+    return model(hidden_states=x["latents"], encoder_hidden_states=x["text"]["prompt_embeds"],
+                 pooled_projections=x["text"]["pooled_prompt_embeds"], timestep=x["sigma"] * 1000,
+                 return_dict=False)[0]
+
+
+# ----------------------------------------------------------------------------------------------- FLUX.1
+
+
+FLUX_BASE = dict(in_channels=16, joint_attention_dim=24, pooled_projection_dim=16)
+
+
+def flux_random(seed: int) -> dict:
+    r = random.Random(seed)
+    head_dim = 2 * r.randint(3, 10)
+    return {**FLUX_BASE, "num_layers": r.randint(1, 2), "num_single_layers": r.randint(1, 3),
+            "attention_head_dim": head_dim, "num_attention_heads": r.randint(1, 3), "axes_dims_rope": axes(r, head_dim),
+            "guidance_embeds": r.random() < 0.5, "joint_attention_dim": r.randint(3, 24),
+            "pooled_projection_dim": r.randint(3, 24)}
+
+
+def flux_inputs(config: dict, height: int, width: int, tokens: int, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    return {"latents": torch.randn(2, config["in_channels"] // 4, height, width, generator=gen),
+            "text": text_inputs(gen, config, tokens, "joint_attention_dim", "pooled_projection_dim", False),
+            "sigma": torch.tensor([0.25, 0.9]),
+            "guidance": torch.tensor([3.5, 1.0]) if config["guidance_embeds"] else None}
+
+
+def flux_theirs(model, x: dict) -> torch.Tensor:
+    """What FluxPipeline does around its transformer: pack 2 x 2, ids (text zeros, image (0, row, column) on the
+    packed grid), sigma as the timestep, guidance on its scale; then unpack."""
+    h, w = x["latents"].shape[-2:]
+    ids = flux_position_ids(0, h // 2, w // 2, torch.device("cpu"))
+    out = model(hidden_states=pack(x["latents"], 2), encoder_hidden_states=x["text"]["prompt_embeds"],
+                pooled_projections=x["text"]["pooled_prompt_embeds"], timestep=x["sigma"], img_ids=ids,
+                txt_ids=torch.zeros(x["text"]["prompt_embeds"].shape[1], 3), guidance=x["guidance"],
+                return_dict=False)[0]
+    return unpack(out, h, w, 2)
+
+
+# ----------------------------------------------------------------------------------------------- Qwen-Image
+
+
+QWEN_BASE = dict(patch_size=2, in_channels=16, out_channels=4, joint_attention_dim=24)
+
+
+def qwen_random(seed: int) -> dict:
+    r = random.Random(seed)
+    head_dim = 2 * r.randint(3, 10)
+    return {**QWEN_BASE, "num_layers": r.randint(1, 3), "attention_head_dim": head_dim,
+            "num_attention_heads": r.randint(1, 3), "axes_dims_rope": axes(r, head_dim),
+            "joint_attention_dim": r.randint(3, 24)}
+
+
+def qwen_inputs(config: dict, height: int, width: int, tokens: int, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    return {"latents": torch.randn(2, config["out_channels"], height, width, generator=gen),
+            "text": text_inputs(gen, config, tokens, "joint_attention_dim", None, True),
+            "sigma": torch.tensor([0.25, 0.9])}
+
+
+def qwen_theirs(model, x: dict) -> torch.Tensor:
+    """What QwenImagePipeline does around its transformer: pack 2 x 2, the image's shape for its rotary positions,
+    the text mask, sigma as the timestep; then unpack."""
+    h, w = x["latents"].shape[-2:]
+    out = model(hidden_states=pack(x["latents"], 2), encoder_hidden_states=x["text"]["prompt_embeds"],
+                encoder_hidden_states_mask=x["text"]["prompt_embeds_mask"], timestep=x["sigma"],
+                img_shapes=[[(1, h // 2, w // 2)]] * 2, return_dict=False)[0]
+    return unpack(out, h, w, 2)
+
+
+# ----------------------------------------------------------------------------------------------- the families
+
+
+# ----------------------------------------------------------------------------------------------- pipelines
+
+
+def sd3_encode(pipe, captions: list[str]) -> dict:
+    from tests.conftest import T5_TOKENS
+    embeds, _, pooled, _ = pipe.encode_prompt(captions, None, None, do_classifier_free_guidance=False,
+                                              max_sequence_length=T5_TOKENS)
+    return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+
+
+def flux_encode(pipe, captions: list[str]) -> dict:
+    embeds, pooled, _ = pipe.encode_prompt(captions, None, max_sequence_length=512)
+    return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+
+
+def qwen_encode(pipe, captions: list[str]) -> dict:
+    """The pipeline's embeddings, padded to the batch's longest caption, and its mask (None where nothing is
+    padded: all ones)."""
+    embeds, mask = pipe.encode_prompt(captions, max_sequence_length=16)
+    return {"prompt_embeds": embeds, "prompt_embeds_mask": torch.ones(embeds.shape[:2]) if mask is None else mask}
+
+
+def kl_latents(pipe, pixels: torch.Tensor) -> torch.Tensor:
+    """AutoencoderKL's posterior mean, shifted and scaled by its config, as SD3's and FLUX.1's pipelines do."""
+    config = pipe.vae.config
+    return (pipe.vae.encode(pixels).latent_dist.mean - (config.shift_factor or 0.0)) * config.scaling_factor
+
+
+def qwen_latents(pipe, pixels: torch.Tensor) -> torch.Tensor:
+    """As QwenImageEditPipeline encodes an image: one frame, the posterior's mode, minus the mean, times 1 / std."""
+    config = pipe.vae.config
+    mean = torch.tensor(config.latents_mean).view(1, -1, 1, 1, 1)
+    scale = 1.0 / torch.tensor(config.latents_std).view(1, -1, 1, 1, 1)
+    return ((pipe.vae.encode(pixels[:, :, None]).latent_dist.mode() - mean) * scale)[:, :, 0]
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """A family's tiny pipeline (tests/conftest.py's fixtures) and what it computes."""
+    folder: str  # the fixture of its folder
+    data: str  # the fixture of a dataset precomputed with it
+    config: str  # the shipped LoRA config a run on it starts from
+    encode: Callable  # (pipeline, captions) -> its text embeddings by the dataset's names
+    latents: Callable  # (pipeline, pixels in [-1, 1]) -> normalised latents
+    generate: dict  # the pipeline's call for one small image
+
+
+@dataclass(frozen=True)
+class Case:
+    family: str  # model.family
+    reference: str  # diffusers' transformer class
+    configs: dict[str, dict]  # written-out configs of it (every key the class takes that matters)
+    random_config: Callable[[int], dict]  # a config no one picked, from a seed
+    inputs: Callable  # (config, height, width, text tokens, seed) -> inputs `ours` and `theirs` take
+    theirs: Callable  # (diffusers' transformer, inputs) -> velocity [B, C, H, W]
+    shapes: tuple[str, ...]  # overrides of a tiny shapes run (over tests/conftest.py's TINY)
+    block_kinds: int  # distinct blocks (the graphs compiling them makes)
+    three_blocks: tuple[str, ...]  # model.* overrides for 3 blocks, every kind among them
+    float8: tuple[tuple[str, ...], tuple[str, ...]]  # a block's linears float8 converts, and ones it keeps
+    pipeline: Pipeline
+
+    def config(self, name: str) -> dict:
+        return self.random_config(int(name.split("-")[1])) if name.startswith("random") else self.configs[name]
+
+    def config_names(self) -> list[str]:
+        return [*self.configs, "random-0", "random-1"]
+
+
+CASES = {
+    "sd3": Case(
+        "sd3", "SD3Transformer2DModel",
+        {"sd3-like": sd3_config(num_layers=2, attention_head_dim=16, num_attention_heads=2),
+         "sd3.5-dual-attention": sd3_config(num_layers=3, attention_head_dim=8, num_attention_heads=4,
+                                            qk_norm="rms_norm", dual_attention_layers=[0, 1]),
+         "odd-sizes": sd3_config(num_layers=1, attention_head_dim=12, num_attention_heads=3, patch_size=1,
+                                 in_channels=3, out_channels=5, sample_size=12, pos_embed_max_size=16)},
+        sd3_random, sd3_inputs, sd3_theirs, ("model.family=sd3",), 2, ("model.num_layers=3",),
+        (("attn.to_q", "ff.net.2"), ("attn.add_v_proj", "norm1.linear")),
+        Pipeline("sd3_dir", "sd3_data", "sd3_medium_lora.yaml", sd3_encode, kl_latents, {"guidance_scale": 2.0})),
+    "flux": Case(
+        "flux", "FluxTransformer2DModel",
+        {"dev-like": {**FLUX_BASE, "num_layers": 2, "num_single_layers": 2, "attention_head_dim": 16,
+                      "num_attention_heads": 2, "axes_dims_rope": [4, 6, 6], "guidance_embeds": True},
+         "schnell-like": {**FLUX_BASE, "num_layers": 1, "num_single_layers": 3, "attention_head_dim": 16,
+                          "num_attention_heads": 2, "axes_dims_rope": [2, 8, 6], "guidance_embeds": False},
+         "odd-head-dim": {**FLUX_BASE, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 12,
+                          "num_attention_heads": 3, "axes_dims_rope": [2, 6, 4], "guidance_embeds": True,
+                          "joint_attention_dim": 20, "pooled_projection_dim": 6}},
+        flux_random, flux_inputs, flux_theirs, ("model.family=flux", "model.num_single_layers=2"), 2,
+        ("model.num_layers=1", "model.num_single_layers=2"),
+        (("attn.to_q", "ff.net.2", "proj_mlp", "proj_out"), ("attn.add_v_proj", "ff_context.net.0.proj",
+                                                               "norm1.linear", "norm.linear")),
+        Pipeline("flux_dir", "flux_data", "flux_dev_lora.yaml", flux_encode, kl_latents,
+                 {"guidance_scale": 3.5, "max_sequence_length": 512})),
+    "qwen_image": Case(
+        "qwen_image", "QwenImageTransformer2DModel",
+        {"qwen-like": {**QWEN_BASE, "num_layers": 2, "attention_head_dim": 16, "num_attention_heads": 2,
+                       "axes_dims_rope": [4, 6, 6]},
+         "odd-head-dim": {**QWEN_BASE, "num_layers": 3, "attention_head_dim": 12, "num_attention_heads": 3,
+                          "axes_dims_rope": [2, 6, 4], "joint_attention_dim": 20}},
+        qwen_random, qwen_inputs, qwen_theirs, ("model.family=qwen_image",), 2, ("model.num_layers=3",),
+        (("attn.to_q", "img_mlp.net.2"), ("attn.add_v_proj", "txt_mlp.net.0.proj", "img_mod.1", "txt_mod.1")),
+        Pipeline("qwen_dir", "qwen_data", "qwen_image_lora.yaml", qwen_encode, qwen_latents,
+                 {"negative_prompt": " ", "true_cfg_scale": 4.0, "max_sequence_length": 16})),
+}

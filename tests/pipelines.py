@@ -1,0 +1,130 @@
+"""Tiny random pipelines of the families whose text encoders need more than tests/conftest.py's word-level
+tokenizers, built locally (nothing is downloaded) and saved by diffusers' own pipeline class.
+
+Qwen-Image: its pipeline drops the first 34 tokens of its prompt template by position, so the tokenizer must cut
+the template into exactly the real tokenizer's pieces. It is the real class (transformers' `Qwen2Tokenizer`, a
+byte-level BPE) over a small vocabulary: the 256 byte symbols, one token (reached by a chain of merges) for every
+pre-token of the template and of the captions' words, and Qwen's special tokens. The real tokenizer, too, maps each
+of these common pre-tokens to one token, so the template is 34 tokens here as there (the test checks it); other
+words still tokenize, letter by letter.
+"""
+
+from pathlib import Path
+
+import torch
+
+from models.qwen_image.text import TEMPLATE, TEMPLATE_TOKENS
+
+QWEN_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+                       "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+                       "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
+CAPTION_WORDS = ("a red blue green yellow white black circle square triangle cat dog on in of the grass snow photo "
+                 "make it top bottom left right").split()
+QWEN_TEXT_WIDTH = 32  # the tiny Qwen2.5-VL's hidden size: the transformer's joint_attention_dim
+# Qwen/Qwen-Image's scheduler/scheduler_config.json (docs/qwen-image-architecture.md)
+QWEN_SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+                      base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
+                      time_shift_type="exponential")
+
+
+def byte_symbols() -> list[str]:
+    """The 256 symbols of byte-level BPE (GPT-2's table, which Qwen's tokenizer uses)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return [chr(b) for b in printable] + [chr(256 + n) for n in range(len(others))]
+
+
+def pretokens(texts: list[str]) -> list[str]:
+    """The byte-level pre-tokens of `texts` as Qwen2Tokenizer cuts them (special tokens apart)."""
+    from transformers import Qwen2Tokenizer
+    pre = Qwen2Tokenizer()._tokenizer.pre_tokenizer
+    pieces = []
+    for text in texts:
+        for special in QWEN_SPECIAL_TOKENS:
+            text = text.replace(special, "\0")
+        pieces += [token for part in text.split("\0") if part for token, _ in pre.pre_tokenize_str(part)]
+    return list(dict.fromkeys(pieces))
+
+
+def merged(symbols: list[str], ranks: dict[tuple[str, str], int]) -> list[str]:
+    """BPE: merge the lowest-ranked adjacent pair until none has a rank."""
+    while len(symbols) > 1:
+        pairs = [(ranks[pair], i) for i, pair in enumerate(zip(symbols, symbols[1:])) if pair in ranks]
+        if not pairs:
+            break
+        i = min(pairs)[1]
+        symbols = [*symbols[:i], symbols[i] + symbols[i + 1], *symbols[i + 2:]]
+    return symbols
+
+
+def qwen_tokenizer():
+    """Qwen2Tokenizer over the byte symbols, the template's and the captions' pre-tokens (one token each) and the
+    special tokens; eos <|im_end|>, pad <|endoftext|>, as Qwen2.5-VL's tokenizer_config has them."""
+    from tokenizers import AddedToken
+    from transformers import Qwen2Tokenizer
+    vocab = {symbol: i for i, symbol in enumerate(byte_symbols())}
+    merges, ranks = [], {}
+    for word in pretokens([TEMPLATE.replace("{}", " "), " ".join(CAPTION_WORDS), "\n".join(CAPTION_WORDS)]):
+        while len(pieces := merged(list(word), ranks)) > 1:  # a merge added last never fires before the others
+            ranks[pieces[0], pieces[1]] = len(merges)
+            merges.append((pieces[0], pieces[1]))
+            vocab.setdefault(pieces[0] + pieces[1], len(vocab))
+    vocab.update({token: len(vocab) + i for i, token in enumerate(QWEN_SPECIAL_TOKENS)})
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, eos_token="<|im_end|>",
+                               pad_token="<|endoftext|>", errors="replace")
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIAL_TOKENS],
+                         special_tokens=True)
+    return tokenizer
+
+
+def template_tokens(tokenizer) -> int:
+    """The template's tokens before a caption's first token."""
+    ids = tokenizer(TEMPLATE.format("cat")).input_ids
+    return ids.index(tokenizer.convert_tokens_to_ids("cat"))
+
+
+def qwen_text_encoder(tokenizer):
+    """A tiny Qwen2.5-VL (2 layers, 32 wide; a 2-block vision tower, which the text-to-image pipeline never uses)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    ids = tokenizer.convert_tokens_to_ids
+    config = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=QWEN_TEXT_WIDTH, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+                         rms_norm_eps=1e-6, bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"),
+                         pad_token_id=ids("<|endoftext|>"),
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=QWEN_TEXT_WIDTH,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                           fullatt_block_indexes=[1]),
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"))
+    return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
+def qwen_vae():
+    """A tiny AutoencoderKLQwenImage: 4 latent channels with their own means and stds, one downsampling (the
+    released VAE has 16 channels and three)."""
+    import diffusers
+    return diffusers.AutoencoderKLQwenImage(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, attn_scales=[],
+                                            temperal_downsample=[False], latents_mean=[0.1, -0.2, 0.3, 0.05],
+                                            latents_std=[1.5, 0.8, 2.0, 1.1]).eval()
+
+
+def qwen_transformer(**config):
+    import diffusers
+    return diffusers.QwenImageTransformer2DModel(**{
+        "patch_size": 2, "in_channels": 16, "out_channels": 4, "num_layers": 2, "attention_head_dim": 16,
+        "num_attention_heads": 2, "joint_attention_dim": QWEN_TEXT_WIDTH, "axes_dims_rope": [4, 6, 6], **config}).eval()
+
+
+def build_qwen_image_pipeline(root: Path) -> Path:
+    """A tiny random QwenImagePipeline saved at `root` (model_index.json and all)."""
+    import diffusers
+    torch.manual_seed(0)
+    tokenizer = qwen_tokenizer()
+    assert template_tokens(tokenizer) == TEMPLATE_TOKENS, "the tiny tokenizer must cut the template as Qwen's does"
+    pipe = diffusers.QwenImagePipeline(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER), vae=qwen_vae(),
+        text_encoder=qwen_text_encoder(tokenizer), tokenizer=tokenizer, transformer=qwen_transformer())
+    pipe.save_pretrained(root)
+    return root
