@@ -1,4 +1,4 @@
-"""Qwen-Image's files that other tools write and read: the transformer as one safetensors file, as ComfyUI loads it
+"""Qwen-Image's files that other tools write and read. The transformer as one safetensors file, as ComfyUI loads it
 (diffusers' key names, bare or under model.diffusion_model., fp32, bf16 or float8 casts), loads with diffusers'
 outputs for the same weights; blocks of rows read as their rows; an incomplete or damaged file is named."""
 
@@ -35,10 +35,15 @@ def inputs(seed: int = 0) -> dict:
             "mask": mask, "sigma": torch.tensor([0.3, 0.8])}
 
 
-def diffusers_output(weights: dict[str, torch.Tensor], x: dict) -> torch.Tensor:
-    """QwenImageTransformer2DModel with `weights` (in fp32), driven as QwenImagePipeline drives it."""
+def diffusers_model(weights: dict[str, torch.Tensor]):
+    """QwenImageTransformer2DModel holding `weights` (in fp32)."""
     model = diffusers.QwenImageTransformer2DModel(**CONFIG).eval()
     model.load_state_dict({k: v.float() for k, v in weights.items()})
+    return model
+
+
+def diffusers_output(model, x: dict) -> torch.Tensor:
+    """The transformer driven as QwenImagePipeline drives it."""
     h, w = x["latents"].shape[-2:]
     with torch.no_grad():
         out = model(hidden_states=pack(x["latents"], 2), encoder_hidden_states=x["text"],
@@ -71,7 +76,8 @@ def test_comfyuis_single_file_loads_with_diffusers_outputs(prefix, dtype, tmp_pa
     assert family.name == "qwen_image" and config == QwenImageConfig(**CONFIG)
     ours = load_diffusers_transformer(tmp_path / "qwen_image_tiny.safetensors")
     x = inputs()
-    torch.testing.assert_close(ours_output(ours, x), diffusers_output(weights, x), rtol=1e-5, atol=1e-5)
+    expected = diffusers_output(diffusers_model(weights), x)
+    torch.testing.assert_close(ours_output(ours, x), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_the_assumed_rotary_split_is_said_once(tmp_path, caplog):
@@ -119,3 +125,13 @@ def test_files_that_are_not_a_complete_transformer_are_named(tmp_path):
         f.truncate(f.seek(0, 2) - 100)
     with pytest.raises(CheckpointFormatError, match=r"cut\.safetensors is not a readable safetensors file"):
         read_config(tmp_path / "cut.safetensors")
+
+
+def test_a_setting_that_contradicts_the_file_names_the_file(tmp_path):
+    """The architecture comes from the file's shapes: a size set otherwise names the file (it has no config.json)."""
+    from configs.schema import DEFAULT_CONFIG, load_config
+    from errors import ConfigError
+    save_file(reference_weights(), tmp_path / "f.safetensors")
+    with pytest.raises(ConfigError, match=r"model\.patch_size=4 contradicts \S*/f\.safetensors \(patch_size: 2\); "):
+        load_config(DEFAULT_CONFIG, [f"model.init_from={tmp_path / 'f.safetensors'}"])  # shapes.yaml's patch 4
+

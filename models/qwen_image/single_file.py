@@ -84,7 +84,8 @@ class QwenSingleFileReader:
             with torch.device("meta"):
                 expected = QwenImage(self.config()).state_dict().keys()
         except ValueError as e:
-            raise CheckpointFormatError(f"{self.path} is not a Qwen-Image transformer this trainer builds: {e}") from None
+            raise CheckpointFormatError(f"{self.path} is not a Qwen-Image transformer this trainer builds: "
+                                        f"{e}") from None
         missing, unused = sorted(expected - self.shapes.keys()), sorted(self.shapes.keys() - expected)
         if missing or unused:
             raise CheckpointFormatError(f"{self.path} is not a complete Qwen-Image transformer in diffusers' key "
