@@ -185,7 +185,6 @@ def lora_exports(tmp_path_factory):
     return base, root
 
 
-
 # ComfyUI a125cd84 (Comfy-Org/ComfyUI, formerly comfyanonymous/ComfyUI). What a LoRA file's tensors are called, for
 # each adapter kind that ComfyUI's LoRA class reads: (up, down) of a module name x, tried in this order
 # (comfy/weight_adapter/lora.py:93-99, 102-129; its A_name is the up matrix)
