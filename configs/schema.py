@@ -19,7 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from errors import ConfigError, FieldError
 from models.diffusers_io import CheckpointFormatError
-from models.families import FAMILIES, read_config
+from models.families import FAMILIES, is_single_file, read_config
 from models.lora import TEXT_ENCODER_PARTS
 
 DEFAULT_CONFIG = Path(__file__).parent / "shapes.yaml"
@@ -672,14 +672,15 @@ def family_defaults(cfg: DictConfig) -> None:
 
 
 def architecture_from_init(cfg: DictConfig, explicit: set[str]) -> None:
-    """Set the family and the sizes from model.init_from's config.json; a value set explicitly must agree with
-    it."""
+    """Set the family and the sizes from model.init_from's config.json (a single file's: from its shapes); a value
+    set explicitly must agree with it."""
     folder = cfg.model.init_from
     try:
         family, config = read_config(Path(folder))
     except CheckpointFormatError as e:
         raise ConfigError(f"model.init_from={folder}: {e}") from None
     theirs = {"family": family.name, **family.settings(config)}
+    source = folder if is_single_file(Path(folder)) else f"{folder}/config.json"  # a single file's shapes say them
     for key, value in theirs.items():
         ours = cfg.model[key]
         ours = OmegaConf.to_object(ours) if isinstance(ours, ListConfig) else ours
@@ -688,7 +689,7 @@ def architecture_from_init(cfg: DictConfig, explicit: set[str]) -> None:
                               f"({family.diffusers_class}): use a config of that family (configs/{family.name}_*.yaml)"
                               f" or a {ours} checkpoint")
         if key in explicit and ours != value:
-            raise ConfigError(f"model.{key}={ours} contradicts {folder}/config.json ({key}: {value}); the "
+            raise ConfigError(f"model.{key}={ours} contradicts {source} ({key}: {value}); the "
                               f"architecture comes from model.init_from: leave model.{key} unset, or point "
                               f"model.init_from at a transformer of that architecture")
         cfg.model[key] = value

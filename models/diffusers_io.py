@@ -6,6 +6,7 @@ before a single weight is copied. Which family a folder holds is models/families
 import dataclasses
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -21,6 +22,7 @@ WEIGHTS = "diffusion_pytorch_model.safetensors"
 INDEX = "diffusion_pytorch_model.safetensors.index.json"
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 LORA_METADATA_KEY = "lora_adapter_metadata"
+ADAPTER_KEY = re.compile(rf"(.+)\.lora_([AB])\.{ADAPTER}\.weight")  # peft's names of a module's A and B
 
 
 class CheckpointFormatError(InputError):
@@ -203,3 +205,31 @@ def export_diffusers_lora(adapters: dict[str, tuple[dict[str, torch.Tensor], dic
     metadata = {"format": "pt", LORA_METADATA_KEY: json.dumps(header)}
     return write_new_directory(directory, lambda tmp: save_safetensors(
         cpu_tensors(tensors, dtype), tmp / LORA_WEIGHTS, metadata=metadata))
+
+
+def adapter_pairs(weights: dict[str, torch.Tensor], scale: float, source: str) -> dict[str, tuple]:
+    """peft's adapter weights -> {module: (A, scale * B)}, for the layouts of other tools, which hold nothing else."""
+    pairs: dict[str, dict] = {}
+    for key, tensor in weights.items():
+        match = ADAPTER_KEY.fullmatch(key)
+        if match is None:
+            raise InputError(f"{source}: {key} is not a LoRA A or B weight; the kohya / ComfyUI format holds nothing "
+                             f"else")
+        pairs.setdefault(match[1], {})[match[2]] = tensor * scale if match[2] == "B" else tensor
+    lone = sorted(module for module, ab in pairs.items() if len(ab) != 2)
+    if lone:
+        raise InputError(f"{source}: LoRA modules without both A and B: {lone[:5]}")
+    return {module: (ab["A"], ab["B"]) for module, ab in pairs.items()}
+
+
+def save_named_lora_file(tensors: dict[str, torch.Tensor], directory: Path, dtype: torch.dtype) -> Path:
+    """Write `directory/<its name>.safetensors` (a name that tells the file apart once copied into ComfyUI's
+    models/loras) with the weights in `dtype` and the `.alpha` scalars in fp32 (a bf16 alpha would round some ranks
+    above 256). Returns the file."""
+    directory = Path(directory)
+    alphas = {k: v for k, v in tensors.items() if k.endswith(".alpha")}
+    weights = cpu_tensors({k: v for k, v in tensors.items() if k not in alphas}, dtype)
+    file = directory / f"{directory.name}.safetensors"
+    write_new_directory(directory, lambda tmp: save_safetensors({**weights, **alphas}, tmp / file.name,
+                                                                metadata={"format": "pt"}))
+    return file

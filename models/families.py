@@ -2,7 +2,8 @@
 record): SD3 / SD3.5 (`sd3`), FLUX.1 (`flux`), Qwen-Image (`qwen_image`). This module finds a family and its config from what the user gives:
 a diffusers transformer folder says which family it holds (config.json's `_class_name`), a pipeline folder too
 (model_index.json's `_class_name`), and a single .safetensors file is a family's original checkpoint, recognised
-by its keys (FLUX.1's BFL file: models/flux/bfl.py).
+by its keys (FLUX.1's BFL file: models/flux/bfl.py; Qwen-Image's, as ComfyUI loads it:
+models/qwen_image/single_file.py).
 """
 
 import dataclasses

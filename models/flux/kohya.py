@@ -14,19 +14,16 @@ which recognises this block-diagonal form, splits it back into exactly the A and
 alpha / rank is then 1. DoRA cannot be carried (diffusers drops kohya files' `dora_scale` keys).
 """
 
-import re
 from pathlib import Path
 
 import torch
 
 from errors import InputError
-from models.diffusers_io import cpu_tensors, lora_scale, save_safetensors, write_new_directory
+from models.diffusers_io import adapter_pairs, lora_scale, save_named_lora_file
 from models.flux.bfl import DOUBLE, EMBEDDERS, SINGLE
-from models.lora import ADAPTER
 
 UNET, CLIP_L = "lora_unet_", "lora_te1_"  # sd-scripts' prefixes of the transformer's and CLIP-L's modules
 COMPONENTS = ("transformer", "text_encoder")  # the pipeline components (FluxPipeline's) a file can hold
-ADAPTER_KEY = re.compile(rf"(.+)\.lora_([AB])\.{ADAPTER}\.weight")
 
 
 def bfl_modules(dim: int, double_blocks: int, single_blocks: int) -> dict[str, tuple[tuple[str, int], ...]]:
@@ -46,20 +43,6 @@ def bfl_modules(dim: int, double_blocks: int, single_blocks: int) -> dict[str, t
         modules.update({f"{bfl}.{a}": ((f"{ours}.{b}", 0),) for a, b in SINGLE.items()})
         modules[f"{bfl}.linear1"] = (*((f"{ours}.attn.to_{p}", dim) for p in "qkv"), (f"{ours}.proj_mlp", 4 * dim))
     return modules
-
-
-def adapter_pairs(weights: dict[str, torch.Tensor], scale: float, source: str) -> dict[str, tuple]:
-    """peft's adapter weights -> {module: (A, scale * B)}."""
-    pairs: dict[str, dict] = {}
-    for key, tensor in weights.items():
-        match = ADAPTER_KEY.fullmatch(key)
-        if match is None:
-            raise InputError(f"{source}: {key} is not a LoRA A or B weight; the kohya format holds nothing else")
-        pairs.setdefault(match[1], {})[match[2]] = tensor * scale if match[2] == "B" else tensor
-    lone = sorted(module for module, ab in pairs.items() if len(ab) != 2)
-    if lone:
-        raise InputError(f"{source}: LoRA modules without both A and B: {lone[:5]}")
-    return {module: (ab["A"], ab["B"]) for module, ab in pairs.items()}
 
 
 def fused(parts: tuple[tuple[str, int], ...], pairs: dict[str, tuple], rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,14 +110,6 @@ def outside_the_blocks(weights: dict[str, torch.Tensor]) -> list[str]:
 
 def export_kohya_lora(adapters: dict[str, tuple[dict[str, torch.Tensor], dict]], dims: tuple[int, int, int],
                       directory: Path, dtype: torch.dtype = torch.float32, source: str = "the checkpoint") -> Path:
-    """Write `directory/<its name>.safetensors` in the kohya layout (a name that tells it apart once copied into
-    ComfyUI's models/loras); every check runs before the directory is made. alpha is stored in fp32 whatever
-    `dtype` (a bf16 alpha would round some ranks above 256). Returns the file."""
-    tensors = kohya_lora(adapters, dims, source)
-    directory = Path(directory)
-    alphas = {k: v for k, v in tensors.items() if k.endswith(".alpha")}
-    weights = cpu_tensors({k: v for k, v in tensors.items() if k not in alphas}, dtype)
-    file = directory / f"{directory.name}.safetensors"
-    write_new_directory(directory, lambda tmp: save_safetensors({**weights, **alphas}, tmp / file.name,
-                                                                metadata={"format": "pt"}))
-    return file
+    """Write `directory/<its name>.safetensors` in the kohya layout (`save_named_lora_file`); every check runs before
+    the directory is made. Returns the file."""
+    return save_named_lora_file(kohya_lora(adapters, dims, source), directory, dtype)

@@ -1,10 +1,14 @@
 """Qwen-Image as a family of the trainer (models/family.py): the dual-stream blocks of models/qwen_image/model.py over
 latents packed 2 x 2 into tokens, conditioned on Qwen2.5-VL's hidden states with their padding mask
-(models/qwen_image/text.py); latents from its Wan-style VAE, normalised per channel (models/vae.py)."""
+(models/qwen_image/text.py); latents from its Wan-style VAE, normalised per channel (models/vae.py). ComfyUI's files:
+its single file of the transformer is read by models/qwen_image/single_file.py, its LoRA layout written by
+models/qwen_image/comfyui.py."""
 
 from models.blocks import rotary_axes
 from models.family import Family, ReleasedText, ResolutionShift, check_qk_norm, check_rotary_axes
+from models.qwen_image.comfyui import export_comfyui_lora
 from models.qwen_image.model import QwenImage, QwenImageConfig
+from models.qwen_image.single_file import QwenSingleFileReader
 from models.qwen_image.text import QwenTextEncoders, QwenTokenizers
 
 ARCHITECTURE = ("patch_size", "num_layers", "num_attention_heads", "attention_head_dim", "axes_dims_rope")
@@ -53,7 +57,7 @@ FAMILY = Family(
     settings=settings, build_config=build_config, check=check, fill_defaults=fill_defaults,
     # Qwen/Qwen-Image's scheduler/scheduler_config.json
     schedule=ResolutionShift(base_tokens=256, max_tokens=8192, base_shift=0.5, max_shift=0.9, terminal=0.02),
-    packing=2, cfg_renorm=True, negative_prompt=" ",
+    single_file=QwenSingleFileReader, kohya=export_comfyui_lora, packing=2, cfg_renorm=True, negative_prompt=" ",
     # the edit model Edit-2511's reference modulation, Qwen-Image-Layered's extra conditioning and layered rotary
     # positions: not implemented, accepted off
     neutral_values={"zero_cond_t": False, "use_additional_t_cond": False, "use_layer3d_rope": False})  # the model card's true_cfg_scale=4.0, negative_prompt=" "
