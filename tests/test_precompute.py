@@ -26,7 +26,7 @@ from data.precompute.units import PROGRESS, encode_unit
 from errors import InputError
 from models.diffusers_io import LORA_WEIGHTS
 from models.vae import VAE, load_vae
-from tests.conftest import CLIP_TOKENS, T5_TOKENS, export_random_base, image_folder, metric_rows
+from tests.conftest import T5_TOKENS, export_random_base, image_folder, metric_rows
 from train_mmdit_stable import main
 
 diffusers = pytest.importorskip("diffusers")
