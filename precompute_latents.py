@@ -169,6 +169,9 @@ def run(args: argparse.Namespace, ranks: Ranks, device: torch.device) -> int:
         prompts = read_validation_prompts(args.validation_prompts) if args.validation_prompts else None
         family = pipeline_family(args.model)
         length = args.max_sequence_length or default_sequence_length(args.model, family)
+        if family.max_text_tokens and length > family.max_text_tokens:
+            raise PrecomputeError(f"--max-sequence-length {length}: {family.title}'s pipeline takes at most "
+                                  f"{family.max_text_tokens} text tokens")
         multiple = vae_downsampling(args.model) * PATCH  # every latent side must divide into patches
         name = "bucket_step" if args.aspect_buckets else "resolution"
         if getattr(args, name) % multiple:

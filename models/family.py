@@ -67,6 +67,7 @@ class Family:
     # the default max_sequence_length for a transformer of these model.* settings (FLUX.1: dev's or schnell's)
     sequence_length: Callable | None = None
     extra_text_tokens: int = 0  # text tokens beside those max_sequence_length counts (SD3: CLIP's 77)
+    max_text_tokens: int | None = None  # the most max_sequence_length its pipelines take (None: no limit of theirs)
     # config.json keys of newer diffusers versions this module does not implement: accepted at these values only
     neutral_values: dict = field(default_factory=dict)
 

@@ -83,10 +83,10 @@ def build_kernel(backend: str):
 
 
 def forced_sdpa(choice: SDPBackend):
-    def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         # inside the kernel, not around the step: activation checkpointing re-runs the forward in the backward
         with sdpa_kernel(choice):
-            return F.scaled_dot_product_attention(q, k, v)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     kernel.__name__ = f"sdpa_{choice.name.lower()}"
     return kernel
 
@@ -97,7 +97,9 @@ def flash_attn_func(backend: str):
 
 
 def flash_kernel(flash_attn_func):
-    def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        if mask is not None:
+            raise ValueError("flash-attn's dense kernels take no attention mask (text padding)")
         # flash-attn takes one half-precision dtype for all three; q and k can leave their RMS norms in fp32
         dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else v.dtype
         q, k, v = (t.transpose(1, 2).to(dtype) for t in (q, k, v))  # it wants [B, L, H, D]
@@ -159,24 +161,32 @@ def probe_inputs(length: int, head_dim: int, device: torch.device, dtype: torch.
     return [torch.randn(1, 1, length, head_dim, generator=g).to(device, dtype) for _ in range(4)]
 
 
-def token_errors(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor) -> dict[str, float]:
-    """How far `kernel`'s output and dq, dk, dv are from the fp32 math kernel's on the same inputs: the largest error
-    of one token's vector, relative to the reference's RMS token norm."""
+def probe_mask(length: int, device: torch.device) -> torch.Tensor:
+    """A key mask as a family with padded text gives one: its last eighth of the keys masked."""
+    mask = torch.ones(1, 1, 1, length, dtype=torch.bool, device=device)
+    mask[..., length - max(1, length // 8):] = False
+    return mask
+
+
+def token_errors(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
+                 mask: torch.Tensor | None = None) -> dict[str, float]:
+    """How far `kernel`'s output and dq, dk, dv are from the fp32 math kernel's on the same inputs (and key mask):
+    the largest error of one token's vector, relative to the reference's RMS token norm."""
     results = []
     for fn, dtype in ((kernel, q.dtype), (math_attention, torch.float32)):
         inputs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-        out = fn(*inputs)
+        out = fn(*inputs, mask=mask)
         results.append([t.detach().float() for t in (out, *torch.autograd.grad(out, inputs, grad.to(out.dtype)))])
     return {name: float((ours - ref).norm(dim=-1).max() / ref.norm(dim=-1).square().mean().sqrt())
             for name, ours, ref in zip(("output", "dq", "dk", "dv"), *results)}
 
 
-def traces(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+def traces(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> str | None:
     """None if dynamo captures `kernel`, forward and backward, in one graph (what fullgraph=True needs); else
     why not. The aot_eager backend traces the backward as inductor would, without generating code."""
     inputs = [t.detach().requires_grad_() for t in (q, k, v)]
     try:
-        compiled = torch.compile(lambda q, k, v: kernel(q, k, v), fullgraph=True, backend="aot_eager")
+        compiled = torch.compile(lambda q, k, v: kernel(q, k, v, mask=mask), fullgraph=True, backend="aot_eager")
         compiled(*inputs).float().sum().backward()
         return None
     except Exception as e:  # dynamo's Unsupported and whatever a kernel raises under fake tensors
@@ -185,16 +195,17 @@ def traces(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | N
 
 
 def probe(kernel, device: torch.device, dtype: str, head_dim: int, lengths=(PROBE_LENGTH,),
-          fullgraph: bool = False, header: str | None = None) -> str | None:
-    """None if `kernel` runs forward and backward and agrees with the math kernel at each of `lengths` (and
-    traces in one graph, if `fullgraph`); else why not (a forced SDPA kernel's reasons: SDPA's after `header`)."""
+          fullgraph: bool = False, header: str | None = None, masked: bool = False) -> str | None:
+    """None if `kernel` runs forward and backward and agrees with the math kernel at each of `lengths` (with a key
+    mask, if `masked`; and traces in one graph, if `fullgraph`); else why not (a forced SDPA kernel's reasons: SDPA's
+    after `header`)."""
     torch_dtype = DTYPES.get(dtype, torch.float32)
     for length in lengths:
         q, k, v, grad = probe_inputs(length, head_dim, device, torch_dtype)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                errors = token_errors(kernel, q, k, v, grad)
+                errors = token_errors(kernel, q, k, v, grad, probe_mask(length, device) if masked else None)
             except Exception as e:  # any failure means it does not run here; its message says why
                 reasons = refusal([str(w.message).strip() for w in caught], header)
                 return (" ".join(reasons) or f"{type(e).__name__}: {e}").replace("\n", " ")[:400]
@@ -203,16 +214,20 @@ def probe(kernel, device: torch.device, dtype: str, head_dim: int, lengths=(PROB
             return (f"at sequence length {length} its " + ", ".join(f"{n} is off by {e:.2g}" for n, e in wrong.items())
                     + f" of a token's norm from the math kernel's (tolerance {TOLERANCE[torch_dtype]:g})")
     if fullgraph:
-        return traces(kernel, *probe_inputs(PROBE_LENGTH, head_dim, device, torch_dtype)[:3])
+        return traces(kernel, *probe_inputs(PROBE_LENGTH, head_dim, device, torch_dtype)[:3],
+                      probe_mask(PROBE_LENGTH, device) if masked else None)
     return None
 
 
 def why_not(backend: str, device: torch.device, dtype: str, head_dim: int, lengths=(PROBE_LENGTH,),
-            fullgraph: bool = False) -> str | None:
+            fullgraph: bool = False, masked: bool = False) -> str | None:
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     reason = requirement(backend, device, dtype, head_dim, capability)
+    if reason is None and masked and backend in FLASH_ATTN:
+        return "its dense kernels take no attention mask, and this family masks its text's padding"
     if reason is None and backend not in ("sdpa", "math"):
-        reason = probe(build_kernel(backend), device, dtype, head_dim, lengths, fullgraph, SDPA_REFUSALS.get(backend))
+        reason = probe(build_kernel(backend), device, dtype, head_dim, lengths, fullgraph, SDPA_REFUSALS.get(backend),
+                       masked)
     return reason
 
 
@@ -231,11 +246,11 @@ def candidates(device: torch.device) -> tuple[str, ...]:
 
 
 def choose(device: torch.device, dtype: str, head_dim: int, lengths=(PROBE_LENGTH,),
-           fullgraph: bool = False) -> tuple[str, str]:
+           fullgraph: bool = False, masked: bool = False) -> tuple[str, str]:
     """(backend, why) of `auto`: the first of `candidates` usable here."""
     skipped = []
     for backend in candidates(device):
-        reason = why_not(backend, device, dtype, head_dim, lengths, fullgraph)
+        reason = why_not(backend, device, dtype, head_dim, lengths, fullgraph, masked)
         if reason is None:
             return backend, explain(backend, device, dtype, head_dim, lengths, fullgraph, skipped)
         skipped.append(f"{backend} ({reason})")
@@ -261,12 +276,14 @@ def apply_attention_backend(model: nn.Module, requested: str, device: torch.devi
                             lengths=(PROBE_LENGTH,), fullgraph: bool = False) -> str:
     """Set the attention kernel of every attention in `model`; returns the backend's name. `lengths`: the run's
     sequence lengths (image + text tokens of each latent size), where each kernel is checked against the math
-    kernel; `fullgraph`: the blocks will be compiled with fullgraph=True."""
+    kernel; `fullgraph`: the blocks will be compiled with fullgraph=True. A family whose text is padded (its
+    transformer takes `prompt_embeds_mask`) needs a kernel that takes a key mask, and is checked with one."""
     lengths = sorted(set(lengths))
+    masked = "prompt_embeds_mask" in getattr(getattr(model, "transformer", model), "TEXT_INPUTS", {})
     if requested == "auto":
-        backend, why = choose(device, dtype, head_dim, lengths, fullgraph)
+        backend, why = choose(device, dtype, head_dim, lengths, fullgraph, masked)
     else:
-        reason = why_not(requested, device, dtype, head_dim, lengths, fullgraph)
+        reason = why_not(requested, device, dtype, head_dim, lengths, fullgraph, masked)
         if reason:
             raise ConfigError(f"training.attention_backend={requested} cannot run here: {reason}; use auto (the "
                               f"fastest that runs) or another of {', '.join(BACKENDS)}")

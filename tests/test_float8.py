@@ -15,8 +15,9 @@ import torch.nn as nn
 pytest.importorskip("torchao")
 
 from errors import ConfigError
-from models.families import FAMILIES
+from models.families import family_of_model
 from models.flux.model import Flux, FluxConfig
+from models.qwen_image.model import QwenImage, QwenImageConfig
 from models.lora import apply_lora
 from models.sd3.model import MMDiT, MMDiTConfig
 from perf import float8
@@ -132,10 +133,9 @@ def float8_step(transformer: nn.Module, inputs, monkeypatch, lora: bool = False)
     throughout, as under FSDP's bf16 parameters; the matmuls' operands are the same shapes either way."""
     model = TextToImage(transformer)
     if lora:
-        family = "flux" if isinstance(transformer, Flux) else "sd3"
         apply_lora(model, SimpleNamespace(enabled=True, rank=16, alpha=16, dropout=0.0, use_dora=False,
                                           use_rslora=False, text_encoders=[],
-                                          target_modules=list(FAMILIES[family].lora_targets)))
+                                          target_modules=list(family_of_model(transformer).lora_targets)))
     model.to(torch.bfloat16)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     apply_float8(model, SimpleNamespace(enabled=True, emulate=False), torch.device("cuda"), sharded=False)
@@ -174,13 +174,25 @@ def flux_inputs(batch: int) -> list[tuple]:
     return [(batch, 16, 128, 128), (batch, 512, 4096), (batch, 768), (batch,), (batch,)]  # T5's 512 tokens
 
 
+def qwen_image() -> QwenImage:
+    """Qwen-Image's two kinds of block (with and without the text stream's output) at its width (60 blocks repeat
+    these shapes)."""
+    with torch.device("meta"):
+        return QwenImage(QwenImageConfig(num_layers=2))
+
+
+def qwen_inputs(batch: int) -> list[tuple]:
+    return [(batch, 16, 128, 128), (batch, 512, 3584), (batch, 512), (batch,)]  # Qwen2.5-VL's tokens and their mask
+
+
 @pytest.mark.parametrize("model,inputs,lora", [
     (lambda: sd3(), sd3_inputs(4), False),  # SD3-medium full fine-tune: configs/sd3_medium.yaml's batch 4
     (lambda: sd3((2432, 38), qk_norm="rms_norm"), sd3_inputs(2), True),  # SD3.5-large LoRA, its config's batch 2
     (lambda: flux_dev(), flux_inputs(2), False),  # FLUX.1-dev full fine-tune
     (lambda: flux_dev(), flux_inputs(1), True),  # and LoRA
+    (lambda: qwen_image(), qwen_inputs(1), False),  # Qwen-Image full fine-tune (configs/qwen_image.yaml: batch 1)
     (lambda: sd3(), sd3_inputs(1, latent=126), False),  # 1008 px: 3969 image tokens, not a multiple of 16
-], ids=["sd3-medium", "sd35-large-lora", "flux-dev", "flux-dev-lora", "sd3-medium-1008px"])
+], ids=["sd3-medium", "sd35-large-lora", "flux-dev", "flux-dev-lora", "qwen-image", "sd3-medium-1008px"])
 def test_every_float8_matmul_of_a_step_is_one_the_cuda_kernel_takes(model, inputs, lora, monkeypatch):
     float8_step(model(), inputs, monkeypatch, lora)
 

@@ -9,7 +9,7 @@ from models.family import Family, ReleasedText, ResolutionShift, check_qk_norm, 
 from models.qwen_image.comfyui import export_comfyui_lora
 from models.qwen_image.model import QwenImage, QwenImageConfig
 from models.qwen_image.single_file import QwenSingleFileReader
-from models.qwen_image.text import QwenTextEncoders, QwenTokenizers
+from models.qwen_image.text import MAX_SEQUENCE_LENGTH, QwenTextEncoders, QwenTokenizers
 
 ARCHITECTURE = ("patch_size", "num_layers", "num_attention_heads", "attention_head_dim", "axes_dims_rope")
 
@@ -45,7 +45,7 @@ TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_p
 FAMILY = Family(
     name="qwen_image", title="Qwen-Image", transformer=QwenImage, config=QwenImageConfig,
     pipelines=("QwenImagePipeline",), lora_targets=TARGETS, text_encoders=QwenTextEncoders, tokenizers=QwenTokenizers,
-    max_sequence_length=512,  # QwenImagePipeline.__call__'s default (it takes up to 1024)
+    max_sequence_length=512, max_text_tokens=MAX_SEQUENCE_LENGTH,  # QwenImagePipeline.__call__'s default; its most
     options=("axes_dims_rope",), architecture=ARCHITECTURE,
     # 6 dual-stream blocks: sd3's demo in blocks and width
     demo={"num_layers": 6},
