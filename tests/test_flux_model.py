@@ -197,10 +197,12 @@ def diffusers_conversion(checkpoint: dict, width: int) -> dict:
 
 
 @pytest.mark.parametrize("prefix", ["", "model.diffusion_model."])  # BFL's file, and ComfyUI's
-def test_the_original_single_file_loads_as_diffusers_converts_it(prefix, tmp_path):
+@pytest.mark.parametrize("variant", ["dev-like", "schnell-like"])  # with a guidance embedding, and without
+def test_the_original_single_file_loads_as_diffusers_converts_it(variant, prefix, tmp_path):
     from safetensors.torch import save_file
-    config = {**config_of("dev-like"), "axes_dims_rope": flux_axes(16)}  # the file holds no rotary split: FLUX.1's
+    config = {**config_of(variant), "axes_dims_rope": flux_axes(16)}  # the file holds no rotary split: FLUX.1's
     checkpoint = bfl_checkpoint(config)
+    assert any(k.startswith("guidance_in.") for k in checkpoint) == config["guidance_embeds"]
     save_file({prefix + k: v for k, v in checkpoint.items()}, tmp_path / "flux1-tiny.safetensors")
     reference = diffusers.FluxTransformer2DModel(**config).eval()
     reference.load_state_dict(diffusers_conversion(checkpoint, 32), strict=True)

@@ -85,6 +85,8 @@ class BFLReader:
                     start += rows
 
         for bfl, ours in EMBEDDERS.items():
+            if bfl == "guidance_in" and not self.has_guidance():  # schnell has no guidance embedding
+                continue
             linear(f"{bfl}.in_layer", f"{ours}.linear_1")
             linear(f"{bfl}.out_layer", f"{ours}.linear_2")
         linear("img_in", "x_embedder")
@@ -115,6 +117,9 @@ class BFLReader:
                                         f"layout: missing {missing[:10]}, not understood {unused[:10]}")
         return stacks
 
+    def has_guidance(self) -> bool:
+        return "guidance_in.in_layer.weight" in self.bfl_shapes
+
     def config(self) -> FluxConfig:
         """The architecture the shapes imply (the rotary split, which they do not, is FLUX.1's)."""
         s = self.bfl_shapes
@@ -124,7 +129,7 @@ class BFLReader:
                           num_layers=self.blocks("double_blocks"), num_single_layers=self.blocks("single_blocks"),
                           attention_head_dim=head_dim, num_attention_heads=dim // head_dim,
                           joint_attention_dim=s["txt_in.weight"][1], pooled_projection_dim=s["vector_in.in_layer.weight"][1],
-                          guidance_embeds="guidance_in.in_layer.weight" in s, axes_dims_rope=flux_axes(head_dim))
+                          guidance_embeds=self.has_guidance(), axes_dims_rope=flux_axes(head_dim))
 
     def check(self, expected: dict[str, tuple], source) -> None:
         check_shapes(expected, self.shapes, source)
