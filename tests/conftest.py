@@ -235,6 +235,24 @@ def losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in metric_rows(run_dir) if "loss" in r]
 
 
+class RunsCode:
+    """Unpickled, this creates `marker` (through a shell): what the author of a crafted checkpoint could run."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch '{self.marker}'",)
+
+
+def reseal(checkpoint: Path) -> None:
+    """Make a checkpoint's manifest match its files again, as the author of a crafted one can."""
+    from perf.checkpoint import MANIFEST, file_record
+    manifest = json.loads((checkpoint / MANIFEST).read_text())
+    manifest["files"] = {name: file_record(checkpoint / name) for name in manifest["files"]}
+    (checkpoint / MANIFEST).write_text(json.dumps(manifest))
+
+
 def randomize(model: torch.nn.Module, seed: int) -> None:
     """Non-zero everywhere (adaLN-Zero initialises gates to zero, which would hide mapping errors)."""
     gen = torch.Generator().manual_seed(seed)
