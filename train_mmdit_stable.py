@@ -191,8 +191,9 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
             log.error("the final checkpoint was not written; exiting with an error")
             return 1
         if preempted:
-            log.info("pre-empted: checkpoint of step %d written, exiting cleanly", done)
-            return mark_exit(world.rank, "preempted", status=0)
+            log.info("pre-empted: checkpoint of step %d written; exit %d (not finished: the same command resumes)",
+                     done, preemption.exit_status)
+            return mark_exit(world.rank, "preempted", status=preemption.exit_status)
         validation.at_end(model, ema, run_dir, logger)
     if world.is_main:
         curve = run_dir / "loss_curve.png"

@@ -176,7 +176,7 @@ def pipeline_lora(flux_dir, flux_data, tmp_path):
 
 def sigint_at_first_step(overrides: list[str]) -> int:
     """main() in this process, sent SIGINT (Ctrl-C, a scheduler's pre-emption) as it logs its first step: the
-    run must checkpoint at that step's end and return 0."""
+    run must checkpoint at that step's end and return 130 (128 + SIGINT: not finished)."""
     class Interrupt(logging.Handler):
         def emit(self, record):
             if " loss " in record.getMessage() and not self.sent:
@@ -219,14 +219,14 @@ def image(pipe) -> torch.Tensor:
 
 def test_lora_run_resumes_after_sigint_and_sigkill_and_loads_into_the_flux_pipeline(pipeline_lora, flux_dir,
                                                                                    tmp_path, caplog):
-    """precompute (flux_data) -> LoRA run on a released transformer folder, SIGINT (checkpoint, exit 0) then
+    """precompute (flux_data) -> LoRA run on a released transformer folder, SIGINT (checkpoint, exit 130) then
     resume, SIGKILL then resume: bit for bit the uninterrupted run -> export -> FluxPipeline.load_lora_weights
     gives this project's transformer output and CLIP-L pooled output -> one image."""
     common = ["training.max_steps=8", "checkpoint.every=3"]
     assert main(pipeline_lora(*common, name="straight")) == 0
     interrupted = pipeline_lora(*common, name="interrupted")
-    assert sigint_at_first_step(interrupted) == 0
-    assert "received SIGINT" in caplog.text and "pre-empted: checkpoint of step 1 written" in caplog.text
+    assert sigint_at_first_step(interrupted) == 130
+    assert "received SIGINT" in caplog.text and "pre-empted: checkpoint of step 1 written; exit 130" in caplog.text
     assert [c.name for c in checkpoints(tmp_path / "interrupted")] == ["step_00000001"]
     sigkill_after(interrupted, "step_00000003 complete", tmp_path / "killed.log")
     assert "step_00000003" in [c.name for c in checkpoints(tmp_path / "interrupted")]
