@@ -45,6 +45,16 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dic
     os.replace(tmp, path)
 
 
+def open_safetensors(path: Path):
+    """`safe_open(path)`, naming a file that is not a whole safetensors file: most often a download that did not
+    finish."""
+    try:
+        return safe_open(path, "pt")
+    except Exception as e:  # safetensors reports a truncated or corrupt header without the file's name
+        raise CheckpointFormatError(f"{path} is not a whole safetensors file ({e}); a download that did not finish "
+                                    f"leaves one like it: download it again") from None
+
+
 class WeightReader:
     """A model directory's weights (one safetensors file, or shards with their index; `stem` names them:
     diffusers' transformers use diffusion_pytorch_model, transformers' text encoders model), read one tensor,
@@ -65,7 +75,7 @@ class WeightReader:
             raise CheckpointFormatError(f"{self.directory} has neither {weights} nor {index}")
         self.file_of, self.shapes = {}, {}
         for file in files:
-            with safe_open(self.directory / file, "pt") as f:
+            with open_safetensors(self.directory / file) as f:
                 for key in f.keys():
                     self.file_of[key], self.shapes[key] = file, tuple(f.get_slice(key).get_shape())
         self.handles: dict[str, object] = {}
@@ -79,7 +89,7 @@ class WeightReader:
         """Tensor `key`, or its block starting at `offsets` of `sizes`."""
         file = self.file_of[key]
         if file not in self.handles:
-            self.handles[file] = safe_open(self.directory / file, "pt")
+            self.handles[file] = open_safetensors(self.directory / file)
         region = self.handles[file].get_slice(key)
         if offsets is not None:
             region = region[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]

@@ -15,9 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-
-from models.diffusers_io import CheckpointFormatError, check_shapes
+from models.diffusers_io import CheckpointFormatError, check_shapes, open_safetensors
 from models.flux.model import FluxConfig, flux_axes
 
 PREFIX = "model.diffusion_model."  # ComfyUI's files put the transformer under it
@@ -50,10 +48,7 @@ class BFLReader:
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        try:
-            self.handle = safe_open(self.path, "pt")
-        except Exception as e:  # safetensors raises its own error types for a file that is not one
-            raise CheckpointFormatError(f"{self.path} is not a readable safetensors file ({e})") from None
+        self.handle = open_safetensors(self.path)
         self.prefix = PREFIX if any(k.startswith(PREFIX) for k in self.handle.keys()) else ""
         self.bfl_shapes = {k.removeprefix(self.prefix): tuple(self.handle.get_slice(k).get_shape())
                            for k in self.handle.keys() if k.startswith(self.prefix)}
