@@ -7,9 +7,12 @@ What differs from diffusers' layout: fused projections (a double block's `img_at
 stacked by rows; a single block's `linear1` is to_q, to_k, to_v and proj_mlp), renamed modules, and the final
 modulation's halves in the order (shift, scale) where diffusers has (scale, shift). A diffusers tensor is a
 stack of row ranges of BFL tensors (`Rows`); a read of rows o..o+n takes just those rows from each.
-The config (which the file does not hold) follows from the shapes, the rotary split is FLUX.1's.
+The config (which the file does not hold) follows from the shapes, the rotary split is FLUX.1's (said once per
+file; a head dim other than FLUX.1's 128 gets a warning with the split assumed).
 """
 
+import functools
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +21,9 @@ import torch
 from models.diffusers_io import CheckpointFormatError, check_shapes, open_safetensors
 from models.flux.model import FluxConfig, flux_axes
 
+log = logging.getLogger("mmdit")
 PREFIX = "model.diffusion_model."  # ComfyUI's files put the transformer under it
+FLUX1_HEAD_DIM = 128
 EMBEDDERS = {"time_in": "time_text_embed.timestep_embedder", "vector_in": "time_text_embed.text_embedder",
              "guidance_in": "time_text_embed.guidance_embedder"}
 # double_blocks.i.<bfl> -> transformer_blocks.i.<diffusers> (whole tensors)
@@ -37,6 +42,18 @@ class Rows:
     key: str  # the BFL tensor
     start: int  # its first row in the diffusers tensor's stack
     count: int
+
+
+@functools.cache  # once per file, however often its config is read
+def say_rotary_split(path: Path, head_dim: int) -> None:
+    """The file holds no rotary split: say which one is assumed, and warn where the head dim is not FLUX.1's."""
+    if head_dim == FLUX1_HEAD_DIM:
+        log.info("%s: FLUX.1's rotary split %s of its head dim %d (the file does not hold one)", path,
+                 flux_axes(head_dim), head_dim)
+    else:
+        log.warning("%s: head dim %d is not FLUX.1's (%d), and the file holds no rotary split: assuming FLUX.1's "
+                    "scaled to it, %s; a model trained with another gives wrong outputs", path, head_dim,
+                    FLUX1_HEAD_DIM, flux_axes(head_dim))
 
 
 def is_bfl_file(path: Path) -> bool:
@@ -120,6 +137,7 @@ class BFLReader:
         s = self.bfl_shapes
         dim, channels = s["img_in.weight"]
         head_dim = s["double_blocks.0.img_attn.norm.query_norm.scale"][0]
+        say_rotary_split(self.path, head_dim)
         return FluxConfig(in_channels=channels, out_channels=s["final_layer.linear.weight"][0],
                           num_layers=self.blocks("double_blocks"), num_single_layers=self.blocks("single_blocks"),
                           attention_head_dim=head_dim, num_attention_heads=dim // head_dim,
