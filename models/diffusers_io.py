@@ -124,12 +124,17 @@ def load_diffusers_weights(model: nn.Module, directory: Path, dtype: torch.dtype
             tensor.copy_(reader.read(key).to(dtype))
 
 
+def refuse_existing(directory: Path) -> None:
+    """What a command writes goes into a new directory: an existing one is never overwritten."""
+    if directory.exists():
+        raise FileExistsError(f"{directory} exists; write into a new directory (nothing was overwritten)")
+
+
 def write_new_directory(directory: Path, write) -> Path:
     """Call `write(tmp)` on a temporary sibling, then rename it to `directory`: an existing directory is
     never overwritten, and a half-written export never appears under the final name."""
     directory = Path(directory)
-    if directory.exists():
-        raise FileExistsError(f"{directory} exists; export into a new directory (nothing was overwritten)")
+    refuse_existing(directory)
     blocking = next((p for p in directory.parents if p.exists() and not p.is_dir()), None)
     if blocking is not None:
         raise NotADirectoryError(f"cannot create {directory}: {blocking} is a file, not a directory")

@@ -174,8 +174,12 @@ def test_resume_with_another_world_size_must_keep_the_global_batch(tiny, tmp_pat
     from train_mmdit_stable import main
     assert main(tiny("training.max_steps=1")) == 0
     cfg = load_config(overrides=tiny("training.max_steps=2"))
-    with pytest.raises(ConfigError, match=r"world size\): 8 -> 16"):
+    with pytest.raises(ConfigError, match=r"world size\): 8 -> 16\); keep the global batch with "
+                                          r"training\.train_batch_size=4 training\.gradient_accumulation_steps=1;"):
         prepare_run_dir(cfg, world_size=2)
+    with pytest.raises(ConfigError, match=r"8 -> 24\); 3 processes cannot split a global batch of 8: resume on a "
+                                          r"process count that divides it \(1, 2, 4, 8\); or choose another"):
+        prepare_run_dir(cfg, world_size=3)  # a user's NPROC_PER_NODE=3, which no override can make fit
     halved = load_config(overrides=tiny("training.max_steps=2", "training.train_batch_size=4"))
     prepare_run_dir(halved, world_size=2)  # 4 x 2 ranks: the same global batch, so the resume is allowed
 

@@ -108,6 +108,11 @@ def test_run_directory_resume_and_sampling(tiny, tmp_path, caplog):
     assert sample_mmdit.main(["--checkpoint", str(run_dir), "--prompts", str(prompts), "--out", str(tmp_path / "out"),
                               "--steps", "2"]) == 0
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["0000.png", "0001.png"]
+    before = {p: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir()}
+    assert sample_mmdit.main(["--checkpoint", str(run_dir), "--prompts", str(prompts), "--out", str(tmp_path / "out"),
+                              "--steps", "2"]) == 2  # as export: an existing folder is never written into
+    assert f"sample: {tmp_path / 'out'} exists; write into a new directory (nothing was overwritten)" in caplog.text
+    assert before == {p: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir()}
 
 
 def test_run_directory_of_another_model_is_refused_untouched(tiny, tmp_path, caplog):
