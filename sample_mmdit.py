@@ -28,6 +28,7 @@ from models.pipeline import generate, initial_noise
 from models.text_encoder import TextToImage
 from perf.checkpoint import find_checkpoint, read_checkpoint
 from runtime.directory_lock import writable_directory
+from runtime.quiet_imports import torchao_only_if
 
 log = logging.getLogger("mmdit")
 
@@ -123,4 +124,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with torchao_only_if(used=False):  # transformers and peft would import it, and its noise, at start-up
+        sys.exit(main())
