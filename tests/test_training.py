@@ -157,7 +157,7 @@ def test_sampler_rejects_unknown_words_and_missing_checkpoints(tiny, tmp_path, c
         prompts.write_text("a red circle in the center\n")
         assert sample_mmdit.main(["--checkpoint", str(tmp_path / "run"), "--prompts", str(prompts), "--out",
                                   str(SYSFS_NEW / "o")]) == 2
-        assert f"--out {SYSFS_NEW / 'o'}: cannot create or write into {SYSFS_NEW / 'o'} (at {SYSFS_NEW})" in caplog.text
+        assert f"--out {SYSFS_NEW / 'o'}: cannot create or write into {SYSFS_NEW}: " in caplog.text  # its new parent
 
 
 def test_failed_checkpoint_write_leaves_training_running(tiny, tmp_path, monkeypatch, caplog):
