@@ -83,11 +83,11 @@ fi
 # Why workers exit, which torchrun cannot tell: it answers a signal by raising an error (exit 1) and killing the
 # workers 30 s later, and prints a long traceback for any worker that exits non-zero. So torchrun runs in a session
 # of its own, where a terminal's Ctrl-C (sent to the foreground process group) does not reach it; the launcher
-# passes signals to the workers directly, and each worker leaves "REASON STATUS" in MMDIT_STATUS_DIR and exits 0, which
-# torchrun neither reports nor restarts (runtime/preemption.py:mark_exit): "preempted" (it checkpointed because it
-# was asked to, and every rank agreed on the signal: once every local worker did, the launcher exits with their
-# status, 128 + the signal, whether or not it was signalled itself), "input-error" (rank 0 printed the one line
-# that says what is wrong: exit 2), "failed" (rank 0 said why: exit 1) or "interrupted" (exit 130).
+# passes signals to the workers directly, and each worker leaves "REASON STATUS" in MMDIT_STATUS_DIR and exits 0,
+# which torchrun neither reports nor restarts (runtime/preemption.py:mark_exit): "preempted" (it checkpointed
+# because it was asked to, and every rank agreed on the signal: once every local worker did, the launcher exits
+# with their status, 128 + the signal, whether or not it was signalled itself), "input-error" (rank 0 printed the
+# one line that says what is wrong: exit 2), "failed" (rank 0 said why: exit 1) or "interrupted" (exit 130).
 export MMDIT_STATUS_DIR
 MMDIT_STATUS_DIR="$(mktemp -d)"
 torchrun_pid=""
