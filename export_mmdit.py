@@ -34,6 +34,7 @@ from models.diffusers_io import (CheckpointFormatError, check_state_dict, export
 from models.families import FAMILIES, transformer_of_record
 from perf.checkpoint import find_checkpoint, read_checkpoint
 from runtime.directory_lock import writable_directory
+from runtime.quiet_imports import torchao_only_if
 
 log = logging.getLogger("mmdit")
 PREFIX = "transformer."  # the MMDiT's place in the trained TextToImage module
@@ -99,4 +100,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with torchao_only_if(used=False):  # transformers and peft would import it, and its noise, at start-up
+        sys.exit(main())

@@ -11,10 +11,12 @@
 #   RDZV_ENDPOINT (host:port), RDZV_ID            elastic c10d rendezvous instead of MASTER_ADDR
 #   MAX_RESTARTS=N  torchrun restarts all workers up to N times after one fails (resuming from the last checkpoint);
 #                   with MASTER_ADDR this uses c10d rendezvous there (torchrun's static one cannot restart workers)
-# SIGTERM / SIGINT (Ctrl-C) make training checkpoint at the next step and exit 0, as schedulers expect of a job that
-# was pre-empted cleanly; under torchrun the launcher passes them (and SIGHUP, as SIGTERM) to the workers and then
-# exits as one process would. A worker's error that it has reported (the user's input, exit 2; a failure it
-# explained, exit 1; an interruption, exit 130) ends the launch with that status and no torchrun traceback.
+# SIGTERM / SIGINT (Ctrl-C) make training checkpoint at the next step and exit 128 + the signal (143, 130), as a
+# shell reports a command a signal ended: 0 means the run reached training.max_steps, so `... && export` and
+# `until ./train_mmdit_stable.sh ...; do :; done` do what they say. Under torchrun the launcher passes them (and
+# SIGHUP, as SIGTERM) to the workers and then exits as one process would. A worker's error that it has reported
+# (the user's input, exit 2; a failure it explained, exit 1; an interruption, exit 130) ends the launch with that
+# status and no torchrun traceback.
 # A launcher killed by a signal it cannot pass on (kill -9, the OOM killer) takes torchrun and every worker with it
 # (runtime/parent_death.py); a second launch into a run or output directory in use is refused with exit 2
 # (runtime/directory_lock.py).
@@ -81,16 +83,15 @@ fi
 # Why workers exit, which torchrun cannot tell: it answers a signal by raising an error (exit 1) and killing the
 # workers 30 s later, and prints a long traceback for any worker that exits non-zero. So torchrun runs in a session
 # of its own, where a terminal's Ctrl-C (sent to the foreground process group) does not reach it; the launcher
-# passes signals to the workers directly, and each worker leaves its reason in MMDIT_STATUS_DIR and exits 0
-# (runtime/preemption.py:mark_exit): "preempted" (it checkpointed because it was asked to: the launcher exits 0 once
-# every local worker did), "input-error" (rank 0 printed the one line that says what is wrong: exit 2), "failed"
-# (rank 0 said why: exit 1) or "interrupted" (exit 130).
+# passes signals to the workers directly, and each worker leaves "REASON STATUS" in MMDIT_STATUS_DIR and exits 0,
+# which torchrun neither reports nor restarts (runtime/preemption.py:mark_exit): "preempted" (it checkpointed
+# because it was asked to, and every rank agreed on the signal: once every local worker did, the launcher exits
+# with their status, 128 + the signal, whether or not it was signalled itself), "input-error" (rank 0 printed the
+# one line that says what is wrong: exit 2), "failed" (rank 0 said why: exit 1) or "interrupted" (exit 130).
 export MMDIT_STATUS_DIR
 MMDIT_STATUS_DIR="$(mktemp -d)"
-signalled=0
 torchrun_pid=""
 forward() {  # SIGINT stays SIGINT (a second Ctrl-C interrupts, as for one process); SIGTERM and SIGHUP: SIGTERM
-  signalled=1
   [[ -z "$torchrun_pid" ]] || pkill "-$1" -P "$torchrun_pid" 2>/dev/null || true
 }
 trap 'forward INT' INT  # before the start: a signal then can never leave torchrun running on its own
@@ -107,14 +108,15 @@ while true; do  # `wait` returns early when a trapped signal arrives; wait again
   wait "$torchrun_pid" && status=0 || status=$?
   kill -0 "$torchrun_pid" 2>/dev/null || break
 done
-said() { (grep -lx "$1" "$MMDIT_STATUS_DIR"/* 2>/dev/null || true) | wc -l; }
+said() { (grep -lE "^$1( |$)" "$MMDIT_STATUS_DIR"/* 2>/dev/null || true) | wc -l; }
 input_errors=$(said input-error) failed=$(said failed) interrupted=$(said interrupted) preempted=$(said preempted)
+preempted_status=$(awk '$1 == "preempted" { print $2; exit }' "$MMDIT_STATUS_DIR"/* 2>/dev/null || true)
 rm -rf "$MMDIT_STATUS_DIR"
 if (( input_errors > 0 )); then exit 2; fi
 if (( failed > 0 )); then exit 1; fi
 if (( interrupted > 0 )); then exit 130; fi
-if (( signalled && preempted == nproc )); then
-  echo "pre-empted: all $nproc local worker(s) checkpointed and exited cleanly" >&2
-  exit 0
+if (( preempted == nproc )); then
+  echo "pre-empted: all $nproc local worker(s) checkpointed; exit $preempted_status (the same command resumes)" >&2
+  exit "$preempted_status"
 fi
 exit "$status"

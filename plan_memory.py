@@ -31,6 +31,7 @@ from models.families import FAMILIES, read_config
 from models.lora import apply_lora
 from models.quantized import quantize_linears
 from runtime.memory_plan import GIB, cheapest_checkpointing, count_model, plan
+from runtime.quiet_imports import torchao_only_if
 
 # The released transformers' sizes (each family's record: models/<family>/family.py)
 RELEASED = {name: {"family": family.name, **settings} for family in FAMILIES.values()
@@ -256,4 +257,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with torchao_only_if(used=False):  # transformers and peft would import it, and its noise, at start-up
+        sys.exit(main())

@@ -66,6 +66,7 @@ from formats import DTYPES
 from runtime.directory_lock import lock_directory
 from runtime.distributed import stop_together
 from runtime.preemption import mark_exit
+from runtime.quiet_imports import torchao_only_if
 
 log = logging.getLogger("mmdit")
 PATCH = 2  # latent pixels per token side of the released models (SD3's patches, FLUX.1's packing)
@@ -193,4 +194,5 @@ def run(args: argparse.Namespace, ranks: Ranks, device: torch.device) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with torchao_only_if(used=False):  # transformers and peft would import it, and its noise, at start-up
+        sys.exit(main())

@@ -3,7 +3,8 @@
     python sample_mmdit.py --checkpoint PATH --prompts FILE --out DIR [--steps N] [--cfg W] [--seed S]
 
 PATH is a run directory (its newest complete checkpoint is used) or one checkpoint directory. Images are
-written as 0000.png, 0001.png, ... in prompt order, from the EMA weights unless --no-ema is given.
+written as 0000.png, 0001.png, ... in prompt order, from the EMA weights unless --no-ema is given. DIR must not
+exist: nothing is ever overwritten.
 """
 
 import argparse
@@ -20,13 +21,14 @@ from configs.schema import load_config
 from data.images import save_png, to_unit
 from data.shapes import ShapesDataset
 from errors import ConfigError, InputError
-from models.diffusers_io import load_diffusers_weights
+from models.diffusers_io import load_diffusers_weights, refuse_existing, write_new_directory
 from models.lora import apply_lora
 from models.families import FAMILIES, open_weights, transformer_of_record
 from models.pipeline import generate, initial_noise
 from models.text_encoder import TextToImage
 from perf.checkpoint import find_checkpoint, read_checkpoint
 from runtime.directory_lock import writable_directory
+from runtime.quiet_imports import torchao_only_if
 
 log = logging.getLogger("mmdit")
 
@@ -61,9 +63,10 @@ def load_trained(checkpoint: Path, use_ema: bool = True) -> tuple[TextToImage, D
 
 def load_for_sampling(path: Path, use_ema: bool = True):
     checkpoint = find_checkpoint(path)
-    if load_config(checkpoint / "config.yaml", resolve=False).data.name != "shapes":
+    cfg = load_config(checkpoint / "config.yaml", resolve=False)
+    if cfg.data.name != "shapes":
         raise InputError(f"{checkpoint} was trained on precomputed latents: export it (export_mmdit.py) and "
-                         f"sample with a diffusers StableDiffusion3Pipeline")
+                         f"sample with diffusers' {FAMILIES[cfg.model.family].pipeline_class}")
     model, cfg = load_trained(checkpoint, use_ema)
     return model, build_tokenizer(), cfg, checkpoint
 
@@ -77,11 +80,16 @@ def read_prompts(path: Path) -> list[str]:
     return prompts
 
 
+def save_pngs(images: torch.Tensor, directory: Path) -> None:
+    for i, image in enumerate(images):
+        save_png(image, directory / f"{i:04d}.png")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, type=Path, help="run directory or checkpoint directory")
     parser.add_argument("--prompts", required=True, type=Path, help="text file, one prompt per line")
-    parser.add_argument("--out", required=True, type=Path, help="output directory for NNNN.png")
+    parser.add_argument("--out", required=True, type=Path, help="new directory for NNNN.png")
     parser.add_argument("--steps", type=int, help="Euler steps (default: the run's sampling.steps)")
     parser.add_argument("--cfg", type=float, help="guidance scale (default: the run's sampling.cfg_scale)")
     parser.add_argument("--seed", type=int, default=0, help="image i uses noise keyed by (seed, i)")
@@ -97,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
             tokenizer(prompts)
         except ValueError as e:  # a word outside the dataset's vocabulary
             raise InputError(f"{args.prompts}: {e}") from None
-        writable_directory(args.out, f"--out {args.out}")  # before the sampling, not after it
-    except InputError as e:
+        refuse_existing(args.out)  # before the sampling, not after it
+        writable_directory(args.out.parent, f"--out {args.out}")
+    except (InputError, FileExistsError) as e:
         log.error("sample: %s", e)
         return 2
     steps = cfg.sampling.steps if args.steps is None else args.steps
@@ -108,12 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     sampler = dataclasses.replace(build_sampler(cfg, shape[1:]), steps=steps, cfg_scale=cfg_scale)
     x = generate(model, tokenizer(prompts), tokenizer([""]), noise, sampler)
     images = to_unit(x)
-    for i, image in enumerate(images):
-        save_png(image, args.out / f"{i:04d}.png")
+    write_new_directory(args.out, lambda tmp: save_pngs(images, tmp))  # whole or not at all
     log.info("wrote %d images to %s from %s (%d steps, cfg %.1f, %s weights)", len(images), args.out,
              checkpoint, steps, cfg_scale, "raw" if args.no_ema else "EMA")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with torchao_only_if(used=False):  # transformers and peft would import it, and its noise, at start-up
+        sys.exit(main())

@@ -40,6 +40,7 @@ from runtime.metrics import RunLogger, TrainingLog, save_loss_curve
 from runtime.nonfinite import NonFiniteGuard
 from runtime.outputs import Output
 from runtime.preemption import PreemptionHandler, mark_exit
+from runtime.quiet_imports import torchao_only_if
 from runtime.step_stats import (MemoryStats, SigmaBuckets, StepTimer, Throughput, peak_flops,
                                 train_flops_per_sample)
 
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             with stop_together():  # one training per run directory, refused before anything is computed or written
                 lock = lock_directory(Path(cfg.logging.output_dir), f"logging.output_dir={cfg.logging.output_dir}",
                                       ConfigError) if world.is_main else nullcontext()
-            with lock:
+            with lock, torchao_only_if(cfg.float8.enabled):  # torchao's import is noise to other runs
                 return train(cfg, world, device)
         except BaseException as e:
             # the frames of its traceback hold the run's process groups: let them go with the rest, now, not at
@@ -191,8 +192,9 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
             log.error("the final checkpoint was not written; exiting with an error")
             return 1
         if preempted:
-            log.info("pre-empted: checkpoint of step %d written, exiting cleanly", done)
-            return mark_exit(world.rank, "preempted", status=0)
+            log.info("pre-empted: checkpoint of step %d written; exit %d (not finished: the same command resumes)",
+                     done, preemption.exit_status)
+            return mark_exit(world.rank, "preempted", status=preemption.exit_status)
         validation.at_end(model, ema, run_dir, logger)
     if world.is_main:
         curve = run_dir / "loss_curve.png"

@@ -2,8 +2,8 @@
 # Launcher: ./train_mmdit_stable.sh [--config FILE] [key=value ...]
 # Arguments pass through to train_mmdit_stable.py as config overrides, on one process or under torchrun as
 # launch.sh decides (./launch.sh --help lists NPROC_PER_NODE, NNODES, MASTER_ADDR, MAX_RESTARTS, ...; SIGTERM and
-# Ctrl-C checkpoint and exit 0). ENABLE_PROFILING=true turns on the scheduled profiler (PROFILE_STEPS=N: active
-# steps).
+# Ctrl-C checkpoint and exit 143 and 130: 0 only once the run reached training.max_steps). ENABLE_PROFILING=true
+# turns on the scheduled profiler (PROFILE_STEPS=N: active steps).
 set -euo pipefail
 if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then
   sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"  # the comment above, then train_mmdit_stable.py's options

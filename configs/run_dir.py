@@ -53,16 +53,32 @@ def check_same_run(run_dir: Path, cfg: DictConfig, world_size: int) -> None:
     except ConfigError as e:
         raise ConfigError(f"{run_dir}/config.yaml does not load ({e}); fix it or choose another logging.output_dir")
     changes = identity_changes(old, cfg)
-    if global_batch(old, info["world_size"]) != global_batch(cfg, world_size):
+    remedies = [f"restore {'it' if len(changes) == 1 else 'them'} (key=old value)"] if changes else []
+    batch = global_batch(old, info["world_size"])
+    if batch != global_batch(cfg, world_size):
         changes.append(f"global batch (training.train_batch_size * training.gradient_accumulation_steps * "
-                       f"world size): {global_batch(old, info['world_size'])} -> {global_batch(cfg, world_size)}")
+                       f"world size): {batch} -> {global_batch(cfg, world_size)}")
+        remedies.append(keep_global_batch(batch, world_size, cfg.training.train_batch_size))
     if changes:
         raise ConfigError(f"{run_dir} holds a run with other settings that its checkpoints depend on "
-                          f"({'; '.join(changes)}); restore them, or choose another logging.output_dir "
+                          f"({'; '.join(changes)}); {'; '.join(remedies)}; or choose another logging.output_dir "
                           f"(nothing was changed on disk)")
     old_keys, new_keys = flat_keys(OmegaConf.to_container(old)), flat_keys(OmegaConf.to_container(cfg))
     for key in sorted(k for k in new_keys if old_keys.get(k) != new_keys[k]):
         log.info("config change since the run's last start: %s %s -> %s", key, old_keys.get(key), new_keys[key])
+
+
+def keep_global_batch(batch: int, world_size: int, micro_batch: int) -> str:
+    """How `world_size` processes train a run's global batch again (the overrides, the micro-batch at most
+    `micro_batch`), or the process counts that can."""
+    if batch % world_size:
+        counts = ", ".join(str(n) for n in range(1, batch + 1) if batch % n == 0)
+        return (f"{world_size} processes cannot split a global batch of {batch}: resume on a process count that "
+                f"divides it ({counts})")
+    per_process = batch // world_size
+    micro = max(m for m in range(1, min(micro_batch, per_process) + 1) if per_process % m == 0)
+    return (f"keep the global batch with training.train_batch_size={micro} "
+            f"training.gradient_accumulation_steps={per_process // micro}")
 
 
 def identity_part(cfg: DictConfig, key: str):

@@ -484,8 +484,8 @@ def check_combinations(cfg: DictConfig) -> None:
                           f"precomputed embeddings the text was encoded once, before training, and the encoders do "
                           f"not run in the step")
     if cfg.data.text_encoding == "on_the_fly" and cfg.data.name != "latents":
-        raise ConfigError("data.text_encoding=on_the_fly runs SD3's text encoders over a latent dataset's captions; "
-                          "the shapes data trains its own text encoder (data.name=latents to use it)")
+        raise ConfigError("data.text_encoding=on_the_fly runs the pipeline's text encoders over a latent dataset's "
+                          "captions; the shapes data trains its own text encoder (data.name=latents to use it)")
     if cfg.data.text_encoders_from and cfg.data.text_encoding != "on_the_fly":
         raise ConfigError("data.text_encoders_from names the text encoders of data.text_encoding=on_the_fly; "
                           "set that too, or leave data.text_encoders_from unset")
@@ -580,7 +580,7 @@ def load_config(path: str | Path = DEFAULT_CONFIG, overrides: list[str] = (), re
     family_defaults(cfg)
     check_sections(cfg)
     if resolve:
-        check_guidance_keys(cfg, given)
+        check_guidance_keys(cfg, given, loaded, path)
     check_combinations(cfg)
     return cfg
 
@@ -647,13 +647,23 @@ def check_sections(cfg: DictConfig) -> None:
                 raise ConfigError(f"{name}.{e}") from None
 
 
-def check_guidance_keys(cfg: DictConfig, given: DictConfig) -> None:
-    """flux.* feeds a guidance embedding: given to a model without one (FLUX.1-schnell, SD3), it would be ignored."""
+def check_guidance_keys(cfg: DictConfig, given: DictConfig, file: DictConfig, path: Path) -> None:
+    """flux.* feeds a guidance embedding: given to a model without one (FLUX.1-schnell, SD3), it would be ignored.
+    Where the config file sets it, the command line cannot unset it: the remedy is another config."""
     given_keys = [f"flux.{k}" for k in ("train_guidance", "sample_guidance") if OmegaConf.select(given, f"flux.{k}") is not None]
     if given_keys and not cfg.model.guidance_embeds:
+        key = given_keys[0]
         model = f"{cfg.model.init_from} has" if cfg.model.init_from else "model.guidance_embeds=false:"
-        raise ConfigError(f"{given_keys[0]} sets the guidance a guidance-distilled model (FLUX.1-dev) embeds, and "
-                          f"{model} no guidance embedding (FLUX.1-schnell and SD3 have none): remove it")
+        remedy = (f"{path} is a config for FLUX.1-dev; for FLUX.1-schnell use configs/flux_schnell_lora.yaml (or "
+                  f"a copy of {path} without its flux section)" if OmegaConf.select(file, key) is not None
+                  else f"leave {key} off the command line")
+        raise ConfigError(f"{key} sets the guidance a guidance-distilled model (FLUX.1-dev) embeds, and {model} no "
+                          f"guidance embedding (FLUX.1-schnell and SD3 have none): {remedy}")
+
+
+def as_override(value) -> str:
+    """A value as a key=value override writes it, with nothing a shell would split."""
+    return "null" if value is None else str(value).replace(" ", "") if isinstance(value, list) else str(value)
 
 
 def family_defaults(cfg: DictConfig) -> None:
@@ -690,6 +700,7 @@ def architecture_from_init(cfg: DictConfig, explicit: set[str]) -> None:
                               f" or a {ours} checkpoint")
         if key in explicit and ours != value:
             raise ConfigError(f"model.{key}={ours} contradicts {source} ({key}: {value}); the "
-                              f"architecture comes from model.init_from: leave model.{key} unset, or point "
+                              f"architecture comes from model.init_from: set model.{key}={as_override(value)} "
+                              f"or leave it unset (configs/{family.name}_*.yaml set no sizes), or point "
                               f"model.init_from at a transformer of that architecture")
         cfg.model[key] = value

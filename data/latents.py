@@ -318,6 +318,6 @@ def vae_folder(dataset: "LatentDataset", override: str | None) -> Path:
         folder = folder / "vae"
     if not (folder / "config.json").is_file():
         raise DataFormatError(f"{source}: {folder} is not a diffusers VAE folder (no config.json); set "
-                              f"validation.vae_from to the SD3 pipeline (or its vae/ folder) that encoded the data")
+                              f"validation.vae_from to the pipeline (or its vae/ folder) that encoded the data")
     return folder
 

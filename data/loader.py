@@ -63,11 +63,17 @@ def training_order(dataset, items) -> dict:
 
 
 def check_batches(dataset, items, global_batch: int) -> None:
-    """Before a run starts: with several latent sizes, some size must fill a global batch (in every dataset)."""
+    """Before a run starts: with several latent sizes, some size must fill a global batch (in every dataset); with
+    one, a global batch larger than the training items is said, since every step then repeats items."""
     order = training_order(dataset, items)
-    for buckets in order["buckets"] if "weights" in order else [order["buckets"]]:
+    bucketings = order["buckets"] if "weights" in order else [order["buckets"]]
+    for buckets in bucketings:
         if buckets:
             batches_per_epoch(tuple((size, len(b)) for size, b in buckets.items()), global_batch)
+    if not any(bucketings) and len(items) < global_batch:
+        log.warning("the global batch (%d) is larger than the %d training items: every step holds some of them more "
+                    "than once (lower training.train_batch_size, training.gradient_accumulation_steps or the "
+                    "process count to see each item once per step)", global_batch, len(items))
 
 
 @lru_cache

@@ -47,6 +47,16 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dic
     os.replace(tmp, path)
 
 
+def open_safetensors(path: Path):
+    """`safe_open(path)`, naming a file that is not a whole safetensors file: most often a download that did not
+    finish."""
+    try:
+        return safe_open(path, "pt")
+    except Exception as e:  # safetensors reports a truncated or corrupt header without the file's name
+        raise CheckpointFormatError(f"{path} is not a whole safetensors file ({e}); a download that did not finish "
+                                    f"leaves one like it: download it again") from None
+
+
 class WeightReader:
     """A model directory's weights (one safetensors file, or shards with their index; `stem` names them:
     diffusers' transformers use diffusion_pytorch_model, transformers' text encoders model), read one tensor,
@@ -67,7 +77,7 @@ class WeightReader:
             raise CheckpointFormatError(f"{self.directory} has neither {weights} nor {index}")
         self.file_of, self.shapes = {}, {}
         for file in files:
-            with safe_open(self.directory / file, "pt") as f:
+            with open_safetensors(self.directory / file) as f:
                 for key in f.keys():
                     self.file_of[key], self.shapes[key] = file, tuple(f.get_slice(key).get_shape())
         self.handles: dict[str, object] = {}
@@ -81,7 +91,7 @@ class WeightReader:
         """Tensor `key`, or its block starting at `offsets` of `sizes`."""
         file = self.file_of[key]
         if file not in self.handles:
-            self.handles[file] = safe_open(self.directory / file, "pt")
+            self.handles[file] = open_safetensors(self.directory / file)
         region = self.handles[file].get_slice(key)
         if offsets is not None:
             region = region[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
@@ -116,12 +126,17 @@ def load_diffusers_weights(model: nn.Module, directory: Path, dtype: torch.dtype
             tensor.copy_(reader.read(key).to(dtype))
 
 
+def refuse_existing(directory: Path) -> None:
+    """What a command writes goes into a new directory: an existing one is never overwritten."""
+    if directory.exists():
+        raise FileExistsError(f"{directory} exists; write into a new directory (nothing was overwritten)")
+
+
 def write_new_directory(directory: Path, write) -> Path:
     """Call `write(tmp)` on a temporary sibling, then rename it to `directory`: an existing directory is
     never overwritten, and a half-written export never appears under the final name."""
     directory = Path(directory)
-    if directory.exists():
-        raise FileExistsError(f"{directory} exists; export into a new directory (nothing was overwritten)")
+    refuse_existing(directory)
     blocking = next((p for p in directory.parents if p.exists() and not p.is_dir()), None)
     if blocking is not None:
         raise NotADirectoryError(f"cannot create {directory}: {blocking} is a file, not a directory")

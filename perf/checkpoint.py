@@ -19,11 +19,16 @@ resume from (`resume()`), and which old checkpoints to delete.
 - Resuming: the newest checkpoint that verifies (every rank hashes a share of the files). Damaged newer ones
   are moved to `checkpoints/damaged/`, never deleted. If checkpoints exist but none verifies, the run refuses
   to start, naming each one and what is wrong, and changes nothing on disk.
+- Reading (resume, export, sampling): DCP unpickles a checkpoint's `.metadata` and its non-tensor values;
+  unpickling runs whatever code a file's author put in it, and run directories are passed around. So both are
+  read by unpicklers that admit only what DCP writes there (`CheckpointReader`, `PlainDataPlanner`); the
+  manifest guards against cut writes, not against an author.
 """
 
 import json
 import logging
 import os
+import pickle
 import shutil
 import time
 import warnings
@@ -34,7 +39,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor
@@ -135,6 +141,78 @@ def find_checkpoint(path: Path) -> Path:
     return found
 
 
+# What DCP's .metadata pickle is made of (torch 2.13's checkpoint/metadata.py and filesystem.py), besides
+# torch's dtypes; nothing else may be unpickled from it
+METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                              "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+                                              "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch": {"Size"},
+    "torch.serialization": {"_get_layout"},  # how torch pickles a layout (torch.strided)
+    "pathlib": {"PosixPath"},  # StorageMeta.checkpoint_id
+}
+UNTRUSTED = "refused unread: unpickling it could run code its author chose (docs/checkpoints.md)"
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if dtype or name in METADATA_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it holds {module}.{name}, which DCP's metadata never does")
+
+
+class CheckpointReader(dcp.FileSystemReader):
+    """DCP's file reader, unpickling `.metadata` with `MetadataUnpickler`; a file that holds anything else is
+    refused (an `InputError` naming it) before any of it is built."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        try:
+            with self.fs.create_stream(path, "rb") as file:
+                metadata = MetadataUnpickler(file).load()
+        except pickle.UnpicklingError as e:
+            raise InputError(f"{path}: {e}; {UNTRUSTED}") from None
+        if not isinstance(metadata, Metadata):
+            raise InputError(f"{path}: it holds a {type(metadata).__name__}, not DCP's Metadata; {UNTRUSTED}")
+        if metadata.storage_meta is None:  # what FileSystemReader.read_metadata does after its pickle.load
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class PlainDataPlanner(DefaultLoadPlanner):
+    """DCP's load planner, but a state's non-tensor values (an optimizer's hyperparameters, counters), which DCP
+    unpickles with torch.load(weights_only=False), must load with weights_only=True first: plain data only."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.path = path
+
+    def load_bytes(self, read_item, value) -> None:
+        try:
+            torch.load(value, weights_only=True)
+        except pickle.UnpicklingError:
+            raise InputError(f"{self.path}: the value of {read_item.dest_index.fqn} is not plain data; "
+                             f"{UNTRUSTED}") from None
+        value.seek(0)
+        super().load_bytes(read_item, value)  # the same bytes, now known to hold plain data
+
+
+def load_checkpoint(state: dict, path: Path, group=None) -> None:
+    """`dcp.load` of `path` into `state` through `CheckpointReader` and `PlainDataPlanner` (on `group`'s ranks,
+    or this process alone). A value they refuse is an `InputError`, on every rank, as DCP wraps it."""
+    try:
+        dcp.load(state, storage_reader=CheckpointReader(path), planner=PlainDataPlanner(path), process_group=group,
+                 no_dist=group is None)
+    except dcp.CheckpointException as e:
+        refused = [error for error, _ in e.failures.values() if isinstance(error, InputError)]
+        if refused:
+            raise InputError(str(refused[0])) from None
+        raise
+
+
 def read_meta(path: Path) -> dict:
     meta = json.loads((Path(path) / STATE).read_text())
     check_format(meta, FORMAT, f"the checkpoint {path}", "this trainer", "use the version that wrote it")
@@ -143,7 +221,7 @@ def read_meta(path: Path) -> dict:
 
 def stored_tensors(path: Path) -> dict[str, set[tuple]]:
     """For each top-level part of a checkpoint, the paths of the tensors it holds, from its metadata alone."""
-    metadata = dcp.FileSystemReader(path).read_metadata()
+    metadata = CheckpointReader(path).read_metadata()
     parts: dict[str, set[tuple]] = {}
     for key, item in metadata.state_dict_metadata.items():
         nesting = metadata.planner_data[key]
@@ -158,12 +236,12 @@ def read_checkpoint(path: Path, parts: tuple[str, ...] = ("model", "ema")) -> tu
     state.json; in this process alone (export, sampling)."""
     path = Path(path)
     meta = read_meta(path)
-    metadata = dcp.FileSystemReader(path).read_metadata()
+    metadata = CheckpointReader(path).read_metadata()
     leaves = {metadata.planner_data[key]: torch.empty(item.size, dtype=item.properties.dtype)
               for key, item in metadata.state_dict_metadata.items()
               if isinstance(item, TensorStorageMetadata) and metadata.planner_data[key][0] in parts}
     template = nest(leaves)
-    dcp.load(template, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    load_checkpoint(template, path)
     return template, meta
 
 
@@ -342,8 +420,7 @@ class Checkpointer:
                 raise ConfigError(f"{path} holds other {name} state than this run: missing "
                                   f"{sorted(map(dotted, missing))[:5]}, unexpected {sorted(map(dotted, unexpected))[:5]}")
             parts[name] = state
-        dcp.load(parts, storage_reader=dcp.FileSystemReader(path), process_group=self.group,
-                 no_dist=self.group is None)
+        load_checkpoint(parts, path, self.group)
         meta = read_meta(path)
         self.last_complete = path
         log.info("resumed from %s%s", path, f" (written by {meta['strategy']} over {meta['world_size']} process(es))"

@@ -13,9 +13,10 @@ one process the launcher execs the script: killing it kills the run.) The data l
 their parent themselves (torch checks every 5 s), as do the compile workers of torch.compile.
 
 SIGKILL rather than SIGTERM (which would checkpoint): a launcher traps SIGTERM, SIGINT and SIGHUP and passes them
-on as a pre-emption (checkpoint, exit 0), so it dies only of a signal it cannot trap: a user's `kill -9`, the OOM
-killer. The user wants the run ended then, and a checkpoint is not safe to attempt: it needs every rank at the same
-step, with torchrun (which ends the others when one fails) and the launcher (which reports the outcome) gone.
+on as a pre-emption (checkpoint, exit 128 + the signal), so it dies only of a signal it cannot trap: a user's
+`kill -9`, the OOM killer. The user wants the run ended then, and a checkpoint is not safe to attempt: it needs
+every rank at the same step, with torchrun (which ends the others when one fails) and the launcher (which reports
+the outcome) gone.
 A checkpoint is written so that a SIGKILL at any moment keeps the last complete one (perf/checkpoint.py), and the
 run directory's lock dies with its holder (runtime/directory_lock.py): the same command resumes.
 

@@ -211,7 +211,7 @@ def sigkill_after(overrides: list[str], line_marker: str, log: Path) -> None:
 
 def sigint_at_first_step(overrides: list[str]) -> int:
     """main() in this process, sent SIGINT (Ctrl-C, a scheduler's pre-emption) as it logs its first step: the
-    run must checkpoint at that step's end and return 0."""
+    run must checkpoint at that step's end and return 130 (128 + SIGINT: not finished)."""
     class Interrupt(logging.Handler):
         def emit(self, record):
             if " loss " in record.getMessage() and not self.sent:
@@ -262,6 +262,24 @@ def checkpoint_state(path: Path, parts=("model", "ema", "optimizer")) -> dict:
 
 def losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in metric_rows(run_dir) if "loss" in r]
+
+
+class RunsCode:
+    """Unpickled, this creates `marker` (through a shell): what the author of a crafted checkpoint could run."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch '{self.marker}'",)
+
+
+def reseal(checkpoint: Path) -> None:
+    """Make a checkpoint's manifest match its files again, as the author of a crafted one can."""
+    from perf.checkpoint import MANIFEST, file_record
+    manifest = json.loads((checkpoint / MANIFEST).read_text())
+    manifest["files"] = {name: file_record(checkpoint / name) for name in manifest["files"]}
+    (checkpoint / MANIFEST).write_text(json.dumps(manifest))
 
 
 def randomize(model: torch.nn.Module, seed: int) -> None:

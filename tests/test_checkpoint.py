@@ -11,12 +11,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.state_dict_saver as dcp_saver
 
 from errors import ConfigError, InputError
 from perf.checkpoint import (Checkpointer, CheckpointWriteError, checkpoints, prune_checkpoints,
                              read_checkpoint, read_meta, remove_leftovers, verify)
-from tests.conftest import assert_close, checkpoint_disk_full
+from tests.conftest import RunsCode, assert_close, checkpoint_disk_full, reseal
 
 SHARD = "__0_0.distcp"  # the tensors one writer wrote
 
@@ -170,6 +171,22 @@ def test_resume_checks_every_part_and_a_missing_part_starts_fresh(tmp_path, capl
     counter.count = 7
     assert checkpointer(tmp_path, {"model": Weights(), "loop": counter}).resume() == 1
     assert "holds no loop state: it starts fresh" in caplog.text and counter.count == 7
+
+
+def test_a_value_that_is_not_plain_data_is_refused_unread(tmp_path):
+    """DCP unpickles a state's non-tensor values with torch.load(weights_only=False): one that would run code
+    (here, create a marker file) is refused on resume, naming the checkpoint and the value, and nothing runs."""
+    marker = tmp_path / "ran"
+    write(tmp_path / "run", 1)
+    path = checkpoints(tmp_path / "run")[0]
+    crafted = {"model": Weights().tensors, "loop": {"count": RunsCode(marker)}}  # written as DCP writes a counter
+    (path / ".metadata").unlink()  # rewritten below (DCP warns before overwriting one)
+    dcp.save(crafted, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+    reseal(path)
+    with pytest.raises(InputError, match=rf"^{re.escape(str(path))}: the value of loop\.count is not plain data; "
+                                         r"refused unread: unpickling it could run code"):
+        checkpointer(tmp_path / "run", {"model": Weights(), "loop": Counter()}).resume()
+    assert not marker.exists()
 
 
 def test_a_checkpoint_of_an_earlier_format_is_named(tmp_path):

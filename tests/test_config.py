@@ -44,6 +44,7 @@ def test_overrides_apply():
     ("flow.sigma_sampling=beta", "flow.sigma_sampling"),
     ("parallel.shard_size=2", "parallel.shard_size must be 0 with strategy=ddp"),
     ("parallel.cpu_offload=true", "parallel.cpu_offload"),
+    ("data.text_encoding=on_the_fly", "data.text_encoding=on_the_fly runs the pipeline's text encoders"),
     ("lora.base_quantization=nf4", "lora.enabled=true"),
     ("logging.wandb.mode=x", "logging.wandb.mode"),
     ("checkpoint.every=-1", "checkpoint.every"),
@@ -134,8 +135,12 @@ def test_the_architecture_comes_from_init_from_and_a_contradiction_names_the_key
     with pytest.raises(ConfigError, match=r"model\.num_layers=4 contradicts .*base/config\.json \(num_layers: 3\)"):
         load_config("finetune.yaml", ["model.init_from=base", "model.num_layers=4"])
     assert load_config("finetune.yaml", ["model.init_from=base", "model.num_layers=3"]).model.num_layers == 3
-    with pytest.raises(ConfigError, match=r"model\.patch_size=4 contradicts"):  # shapes.yaml sets its sizes
+    with pytest.raises(ConfigError, match=r"model\.patch_size=4 contradicts .* set model\.patch_size=2 or leave it "
+                                          r"unset \(configs/sd3_\*\.yaml set no sizes\)"):  # shapes.yaml sets them
         load_config(DEFAULT_CONFIG, ["model.init_from=base"])
+    assert load_config(DEFAULT_CONFIG, ["model.init_from=base", "model.patch_size=2", "model.qk_norm=null"])
+    with pytest.raises(ConfigError, match=r"set model\.dual_attention_layers=\[1\] or leave"):  # a list, as typed
+        load_config("finetune.yaml", ["model.init_from=base", "model.dual_attention_layers=[0,1]"])
     with pytest.raises(ConfigError, match=r"model\.init_from=.*nowhere.*does not exist"):
         load_config("finetune.yaml", ["model.init_from=nowhere"])
     config = json.loads((tmp_path / "base" / "config.json").read_text())

@@ -2,6 +2,7 @@
 named, training started from one (every family's outputs against diffusers': tests/test_families.py)."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -70,3 +71,8 @@ def test_training_starts_from_a_diffusers_directory(tiny, tmp_path, caplog):
     assert main(tiny("training.max_steps=1", "model.num_layers=3", f"model.init_from={tmp_path / 'init'}",
                      run="other")) == 2
     assert "model.init_from" in caplog.text and "num_layers" in caplog.text
+    weights = tmp_path / "init" / "diffusion_pytorch_model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)  # a download cut short
+    assert main(tiny("training.max_steps=1", f"model.init_from={tmp_path / 'init'}", run="cut")) == 2
+    assert f"{weights} is not a whole safetensors file (Error while deserializing header: incomplete metadata" \
+           in caplog.text and "did not finish leaves one like it: download it again" in caplog.text

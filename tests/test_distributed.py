@@ -174,8 +174,12 @@ def test_resume_with_another_world_size_must_keep_the_global_batch(tiny, tmp_pat
     from train_mmdit_stable import main
     assert main(tiny("training.max_steps=1")) == 0
     cfg = load_config(overrides=tiny("training.max_steps=2"))
-    with pytest.raises(ConfigError, match=r"world size\): 8 -> 16"):
+    with pytest.raises(ConfigError, match=r"world size\): 8 -> 16\); keep the global batch with "
+                                          r"training\.train_batch_size=4 training\.gradient_accumulation_steps=1;"):
         prepare_run_dir(cfg, world_size=2)
+    with pytest.raises(ConfigError, match=r"8 -> 24\); 3 processes cannot split a global batch of 8: resume on a "
+                                          r"process count that divides it \(1, 2, 4, 8\); or choose another"):
+        prepare_run_dir(cfg, world_size=3)  # a user's NPROC_PER_NODE=3, which no override can make fit
     halved = load_config(overrides=tiny("training.max_steps=2", "training.train_batch_size=4"))
     prepare_run_dir(halved, world_size=2)  # 4 x 2 ranks: the same global batch, so the resume is allowed
 
@@ -258,3 +262,37 @@ def test_a_bug_in_the_checkpoint_load_keeps_its_type_and_traceback(two_ranks_and
     results = spawn(2, resume_with_a_broken_load, [*resume, "training.gradient_accumulation_steps=4",
                                                    f"logging.output_dir={tmp_path / 'two'}"], tmp_path=tmp_path)
     assert results == ["ValueError: injected: a bug in the checkpoint load", {"status": 1}], results
+
+
+def test_a_shared_checkpoint_that_would_run_code_is_refused_and_runs_nothing(two_ranks_and_one, tmp_path, caplog):
+    """A run directory whose DCP metadata was replaced by a pickle that runs a shell command (its manifest updated
+    to match): export, sampling and a resume, on one process and on two ranks, each refuse it in one line naming
+    the file (exit 2), and the command never runs."""
+    import pickle
+    import shutil
+
+    import export_mmdit
+    import sample_mmdit
+    from perf.checkpoint import checkpoints
+    from tests.conftest import RunsCode, reseal
+    from train_mmdit_stable import main
+    tmp, _ = two_ranks_and_one
+    marker = tmp_path / "ran"
+    for run in ("one", "two"):
+        shutil.copytree(tmp / run, tmp_path / run)
+        metadata = checkpoints(tmp_path / run)[-1] / ".metadata"
+        metadata.write_bytes(pickle.dumps(RunsCode(marker)))
+        reseal(metadata.parent)
+    (tmp_path / "prompts.txt").write_text("a red circle\n")
+    one = str(tmp_path / "one")
+    assert export_mmdit.main(["--checkpoint", one, "--out", str(tmp_path / "export")]) == 2
+    assert sample_mmdit.main(["--checkpoint", one, "--prompts", str(tmp_path / "prompts.txt"), "--out",
+                              str(tmp_path / "samples")]) == 2
+    resume = [*TINY, "training.max_steps=4", "training.train_batch_size=1"]
+    assert main([*resume, "training.gradient_accumulation_steps=8", f"logging.output_dir={one}"]) == 2
+    said = f"{checkpoints(tmp_path / 'one')[-1] / '.metadata'}: it holds posix.system, which DCP's metadata never does"
+    assert [said in r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [True] * 3, caplog.text
+    results = spawn(2, train, [*resume, "training.gradient_accumulation_steps=4",
+                               f"logging.output_dir={tmp_path / 'two'}"], tmp_path=tmp_path)
+    assert results == [{"status": 2}] * 2, results
+    assert not marker.exists() and not (tmp_path / "export").exists() and not (tmp_path / "samples").exists()

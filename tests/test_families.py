@@ -15,6 +15,7 @@ from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import export_mmdit
+import sample_mmdit
 from configs.build import build_model, build_tokenizer
 from configs.schema import load_config
 from data.shapes import ShapesDataset
@@ -313,8 +314,8 @@ def test_a_lora_run_stopped_twice_resumes_bit_for_bit_and_loads_into_the_pipelin
     folder, data = request.getfixturevalue(case.pipeline.folder), request.getfixturevalue(case.pipeline.data)
     assert main(pipeline_lora(case.pipeline, folder, data, tmp_path / "straight", "training.max_steps=6")) == 0
     interrupted = pipeline_lora(case.pipeline, folder, data, tmp_path / "interrupted", "training.max_steps=6")
-    assert sigint_at_first_step(interrupted) == 0
-    assert "pre-empted: checkpoint of step 1 written" in caplog.text
+    assert sigint_at_first_step(interrupted) == 130
+    assert "pre-empted: checkpoint of step 1 written; exit 130" in caplog.text
     sigkill_after(interrupted, "step_00000003 complete", tmp_path / "killed.log")
     assert main(interrupted) == 0
     for part in ("model", "ema"):
@@ -322,6 +323,10 @@ def test_a_lora_run_stopped_twice_resumes_bit_for_bit_and_loads_into_the_pipelin
 
     out = tmp_path / "lora"
     assert export_mmdit.main(["--checkpoint", str(tmp_path / "interrupted"), "--out", str(out)]) == 0
+    (tmp_path / "prompts.txt").write_text("a cat\n")  # sampling a LoRA run here: refused, with the family's pipeline
+    assert sample_mmdit.main(["--checkpoint", str(tmp_path / "interrupted"), "--prompts", str(tmp_path / "prompts.txt"),
+                              "--out", str(tmp_path / "samples")]) == 2
+    assert f"sample with diffusers' {FAMILIES[family].pipeline_class}" in caplog.text
     pipe = getattr(diffusers, FAMILIES[family].pipeline_class).from_pretrained(folder)
     pipe.set_progress_bar_config(disable=True)
     x = case.inputs(dict(pipe.transformer.config), 8, 8, 5, seed=3)

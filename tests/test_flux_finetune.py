@@ -54,7 +54,12 @@ def test_mistakes_are_named_before_compute(flux_dir, flux_data, tmp_path, caplog
     assert main(["--config", "configs/flux_schnell_lora.yaml", *run, f"model.init_from={schnell}",
                  "flux.train_guidance=3.5"]) == 2
     assert ("flux.train_guidance sets the guidance a guidance-distilled model (FLUX.1-dev) embeds, and "
-            f"{schnell} has no guidance embedding" in caplog.text)
+            f"{schnell} has no guidance embedding (FLUX.1-schnell and SD3 have none): leave flux.train_guidance off "
+            "the command line" in caplog.text)
+    assert main(["--config", "configs/flux_dev_lora.yaml", *run, f"model.init_from={schnell}"]) == 2  # flux: in it
+    assert ("has no guidance embedding (FLUX.1-schnell and SD3 have none): configs/flux_dev_lora.yaml is a config "
+            "for FLUX.1-dev; for FLUX.1-schnell use configs/flux_schnell_lora.yaml (or a copy of "
+            "configs/flux_dev_lora.yaml without its flux section)" in caplog.text)
     assert main([*FLUX_RUN, *run, "model.patch_size=3"]) == 2
     assert "model.patch_size=3 does not divide the 8x8 latents (packed tokens of 3x3)" in caplog.text
     assert main([*FLUX_RUN, *run[:2], "model.family=sd3", "model.num_single_layers=0", "model.guidance_embeds=false",
@@ -274,7 +279,7 @@ def test_dora_exports_in_diffusers_format_with_equal_outputs_and_kohya_is_refuse
     assert not (tmp_path / "comfy").exists() and not list(tmp_path.glob(".comfy*"))
     before = (out / "pytorch_lora_weights.safetensors").read_bytes()
     assert export_mmdit.main(["--checkpoint", str(run), "--out", str(out)]) == 2
-    assert f"{out} exists; export into a new directory (nothing was overwritten)" in caplog.text
+    assert f"{out} exists; write into a new directory (nothing was overwritten)" in caplog.text
     assert (out / "pytorch_lora_weights.safetensors").read_bytes() == before and len(list(out.iterdir())) == 1
 
 

@@ -1,6 +1,9 @@
 """What is FLUX.1's own in its transformer: packing 2 x 2, rotary tables made once per shape, its split of the head
 dim, inputs it cannot run named, and its original single file (Black Forest Labs' key names, fused and swapped
-tensors) read as diffusers' conversion reads it. Its outputs against diffusers' both ways: tests/test_families.py."""
+tensors; dev's and schnell's) read as diffusers' conversion reads it. Its outputs against diffusers' both ways:
+tests/test_families.py."""
+
+import logging
 
 import pytest
 import torch
@@ -111,19 +114,39 @@ def diffusers_conversion(checkpoint: dict, width: int) -> dict:
 
 
 @pytest.mark.parametrize("prefix", ["", "model.diffusion_model."])  # BFL's file, and ComfyUI's
-def test_the_original_single_file_loads_as_diffusers_converts_it(prefix, tmp_path):
+@pytest.mark.parametrize("variant", ["dev-like", "schnell-like"])  # with a guidance embedding, and without
+def test_the_original_single_file_loads_as_diffusers_converts_it(variant, prefix, tmp_path, caplog):
     from safetensors.torch import save_file
-    config = {**config_of("dev-like"), "axes_dims_rope": rotary_axes(16)}  # the file holds no rotary split: FLUX.1's
+    config = {**config_of(variant), "axes_dims_rope": rotary_axes(16)}  # the file holds no rotary split: FLUX.1's
     checkpoint = bfl_checkpoint(config)
+    assert any(k.startswith("guidance_in.") for k in checkpoint) == config["guidance_embeds"]
     save_file({prefix + k: v for k, v in checkpoint.items()}, tmp_path / "flux1-tiny.safetensors")
     reference = diffusers.FluxTransformer2DModel(**config).eval()
     reference.load_state_dict(diffusers_conversion(checkpoint, 32), strict=True)
     family, found = read_config(tmp_path / "flux1-tiny.safetensors")
     assert family.name == "flux" and found == FluxConfig(**config)
-    model = load_diffusers_transformer(tmp_path / "flux1-tiny.safetensors").eval()
+    model = load_diffusers_transformer(tmp_path / "flux1-tiny.safetensors").eval()  # reads the config again
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if "rotary split" in r.getMessage()]
+    assert said == [("WARNING", f"{tmp_path / 'flux1-tiny.safetensors'}: head dim 16 is not FLUX.1's (128), and the "
+                     f"file holds no rotary split: assuming FLUX.1's scaled to it, [2, 6, 8]; a model trained with "
+                     f"another gives wrong outputs")], said  # once
     x = inputs(config, 6, 10)
     with torch.no_grad():
         torch.testing.assert_close(ours(model, x), flux_theirs(reference, x), rtol=1e-5, atol=1e-5)
+
+
+def test_the_single_files_rotary_split_is_said_once(tmp_path, caplog):
+    """FLUX.1's head dim (128): the split it takes is FLUX.1's own, said once however often the config is read."""
+    from safetensors.torch import save_file
+    caplog.set_level(logging.INFO, logger="mmdit")
+    config = {**CASES["flux"].configs["schnell-like"], "num_layers": 1, "num_single_layers": 1,
+              "attention_head_dim": 128, "num_attention_heads": 1, "axes_dims_rope": [16, 56, 56]}
+    save_file(bfl_checkpoint(config), tmp_path / "flux1.safetensors")
+    for _ in range(2):
+        assert read_config(tmp_path / "flux1.safetensors")[1].axes_dims_rope == [16, 56, 56]
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if "rotary split" in r.getMessage()]
+    assert said == [("INFO", f"{tmp_path / 'flux1.safetensors'}: FLUX.1's rotary split [16, 56, 56] of its head dim "
+                             f"128 (the file does not hold one)")], said
 
 
 def test_blocks_of_fused_and_swapped_tensors_read_as_their_rows(tmp_path):

@@ -3,13 +3,15 @@
 import json
 import re
 import shutil
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from data.latents import DataFormatError, LatentDataset
-from data.loader import StepBatchSampler, step_batches
+from data.loader import StepBatchSampler, check_batches, step_batches
 from perf.checkpoint import checkpoints
 from tests.conftest import LATENT_DIMS, assert_close, final_weights, losses, write_latent_shards
 from train_mmdit_stable import main
@@ -115,6 +117,16 @@ def test_a_size_too_small_for_a_batch_is_skipped_with_a_warning(caplog):
                                     buckets=buckets))
     assert all(len(b) == 4 for b in batches) and not {38, 39} & {i for b in batches for _, _, i, _ in b}
     assert "latent sizes with fewer items than one global batch (4) are never drawn: 4x16 (2 items)" in caplog.text
+
+
+def test_a_global_batch_larger_than_the_data_is_said(caplog):
+    """3 processes x 8 on 12 items: every step repeats items. The run goes on, and says so before it starts."""
+    one_size = SimpleNamespace(latent_sizes=[(8, 8)])
+    check_batches(one_size, np.arange(24), 24)  # fits
+    assert "larger than" not in caplog.text
+    check_batches(one_size, np.arange(12), 24)
+    assert "the global batch (24) is larger than the 12 training items: every step holds some of them more than " \
+           "once" in caplog.text
 
 
 def test_loader_workers_read_the_same_batches(tmp_path):

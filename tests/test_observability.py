@@ -257,3 +257,25 @@ def test_an_unknown_gpu_gets_no_mfu_and_one_line_saying_why(monkeypatch, caplog)
     assert peak_flops(torch.device("cuda"), "bf16", True, 0.0) is None
     assert "MFU is not reported: the peak FLOP/s of NVIDIA RTX A6000 is not known" in caplog.text
     assert peak_flops(torch.device("cuda"), "bf16", True, 150.0) == 150e12  # logging.peak_tflops
+
+
+def test_torchao_is_imported_only_by_a_run_that_uses_it_and_quietly(monkeypatch, caplog):
+    """transformers and peft import torchao at start-up whenever it is installed, and its import logs warnings
+    about kernels and triton that say nothing about a run (what a LoRA run printed first). A run without float8
+    sees no torchao (and imports none); one with float8 keeps its import warnings out of the log, not its errors."""
+    import importlib.util
+
+    from runtime.quiet_imports import torchao_only_if
+    monkeypatch.delitem(sys.modules, "torchao", raising=False)  # as in a fresh process (restored after)
+    with torchao_only_if(used=False):
+        assert importlib.util.find_spec("torchao") is None
+        with pytest.raises(ImportError):
+            import torchao  # noqa: F401
+    assert "torchao" not in sys.modules
+    with torchao_only_if(used=True):
+        logging.getLogger("torchao").warning("Failed to load _C_mxfp8.so")
+        logging.getLogger("torch.utils._pytree").warning("register_constant() on Enum subclasses is deprecated")
+        logging.getLogger("torchao.kernel").error("a real failure")
+    assert "Failed to load" not in caplog.text and "deprecated" not in caplog.text and "a real failure" in caplog.text
+    logging.getLogger("torchao").warning("after the run")
+    assert "after the run" in caplog.text

@@ -108,6 +108,11 @@ def test_run_directory_resume_and_sampling(tiny, tmp_path, caplog):
     assert sample_mmdit.main(["--checkpoint", str(run_dir), "--prompts", str(prompts), "--out", str(tmp_path / "out"),
                               "--steps", "2"]) == 0
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["0000.png", "0001.png"]
+    before = {p: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir()}
+    assert sample_mmdit.main(["--checkpoint", str(run_dir), "--prompts", str(prompts), "--out", str(tmp_path / "out"),
+                              "--steps", "2"]) == 2  # as export: an existing folder is never written into
+    assert f"sample: {tmp_path / 'out'} exists; write into a new directory (nothing was overwritten)" in caplog.text
+    assert before == {p: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir()}
 
 
 def test_run_directory_of_another_model_is_refused_untouched(tiny, tmp_path, caplog):
@@ -152,7 +157,7 @@ def test_sampler_rejects_unknown_words_and_missing_checkpoints(tiny, tmp_path, c
         prompts.write_text("a red circle in the center\n")
         assert sample_mmdit.main(["--checkpoint", str(tmp_path / "run"), "--prompts", str(prompts), "--out",
                                   str(SYSFS_NEW / "o")]) == 2
-        assert f"--out {SYSFS_NEW / 'o'}: cannot create or write into {SYSFS_NEW / 'o'} (at {SYSFS_NEW})" in caplog.text
+        assert f"--out {SYSFS_NEW / 'o'}: cannot create or write into {SYSFS_NEW}: " in caplog.text  # its new parent
 
 
 def test_failed_checkpoint_write_leaves_training_running(tiny, tmp_path, monkeypatch, caplog):

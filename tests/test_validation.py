@@ -67,7 +67,8 @@ def test_a_missing_vae_is_named_before_training(latent_run, tmp_path, caplog):
     assert "records no VAE; set validation.vae_from" in caplog.text and not (tmp_path / "run").exists()
     assert main(latent_run("training.max_steps=2", "validation.every=1", f"validation.vae_from={tmp_path}",
                            data=data)) == 2
-    assert f"validation.vae_from: {tmp_path} is not a diffusers VAE folder" in caplog.text
+    assert f"validation.vae_from: {tmp_path} is not a diffusers VAE folder (no config.json); set validation.vae_from " \
+           f"to the pipeline (or its vae/ folder) that encoded the data" in caplog.text  # of any family
 
 
 def test_validation_off_builds_and_runs_nothing(latent_run, tmp_path, monkeypatch):

@@ -186,7 +186,7 @@ def test_a_shard_that_cannot_be_read_ends_a_launch_with_exit_1_and_no_traceback(
     workers: a real two-rank launch is the test above)."""
     monkeypatch.setenv("MMDIT_STATUS_DIR", str(tmp_path))
     assert run_in_process(sd3_dir, tmp_path / "out", f"pipe:cat {tmp_path}/missing.tar") == 0
-    assert (tmp_path / "rank0").read_text() == "failed" and "1 input shard(s) could not be read" in caplog.text
+    assert (tmp_path / "rank0").read_text() == "failed 1" and "1 input shard(s) could not be read" in caplog.text
     worker = tmp_path / "worker.py"
     worker.write_text("import os, pathlib, sys\n"
                       "rank = os.environ['RANK']\n"

@@ -7,21 +7,24 @@ What differs from diffusers' layout: fused projections (a double block's `img_at
 stacked by rows; a single block's `linear1` is to_q, to_k, to_v and proj_mlp), renamed modules, and the final
 modulation's halves in the order (shift, scale) where diffusers has (scale, shift). A diffusers tensor is a
 stack of row ranges of BFL tensors (`Rows`); a read of rows o..o+n takes just those rows from each.
-The config (which the file does not hold) follows from the shapes, the rotary split is FLUX.1's.
+The config (which the file does not hold) follows from the shapes, the rotary split is FLUX.1's (said once per
+file; a head dim other than FLUX.1's 128 gets a warning with the split assumed).
 """
 
+import functools
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-
-from models.diffusers_io import CheckpointFormatError, check_shapes
 from models.blocks import rotary_axes
+from models.diffusers_io import CheckpointFormatError, check_shapes, open_safetensors
 from models.flux.model import FluxConfig
 
+log = logging.getLogger("mmdit")
 PREFIX = "model.diffusion_model."  # ComfyUI's files put the transformer under it
+FLUX1_HEAD_DIM = 128
 EMBEDDERS = {"time_in": "time_text_embed.timestep_embedder", "vector_in": "time_text_embed.text_embedder",
              "guidance_in": "time_text_embed.guidance_embedder"}
 # double_blocks.i.<bfl> -> transformer_blocks.i.<diffusers> (whole tensors)
@@ -42,6 +45,18 @@ class Rows:
     count: int
 
 
+@functools.cache  # once per file, however often its config is read
+def say_rotary_split(path: Path, head_dim: int) -> None:
+    """The file holds no rotary split: say which one is assumed, and warn where the head dim is not FLUX.1's."""
+    if head_dim == FLUX1_HEAD_DIM:
+        log.info("%s: FLUX.1's rotary split %s of its head dim %d (the file does not hold one)", path,
+                 rotary_axes(head_dim), head_dim)
+    else:
+        log.warning("%s: head dim %d is not FLUX.1's (%d), and the file holds no rotary split: assuming FLUX.1's "
+                    "scaled to it, %s; a model trained with another gives wrong outputs", path, head_dim,
+                    FLUX1_HEAD_DIM, rotary_axes(head_dim))
+
+
 class BFLReader:
     """`WeightReader`'s interface over one BFL-format safetensors file."""
 
@@ -55,10 +70,7 @@ class BFLReader:
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        try:
-            self.handle = safe_open(self.path, "pt")
-        except Exception as e:  # safetensors raises its own error types for a file that is not one
-            raise CheckpointFormatError(f"{self.path} is not a readable safetensors file ({e})") from None
+        self.handle = open_safetensors(self.path)
         self.prefix = PREFIX if any(k.startswith(PREFIX) for k in self.handle.keys()) else ""
         self.bfl_shapes = {k.removeprefix(self.prefix): tuple(self.handle.get_slice(k).get_shape())
                            for k in self.handle.keys() if k.startswith(self.prefix)}
@@ -90,6 +102,8 @@ class BFLReader:
                     start += rows
 
         for bfl, ours in EMBEDDERS.items():
+            if bfl == "guidance_in" and not self.has_guidance():  # schnell has no guidance embedding
+                continue
             linear(f"{bfl}.in_layer", f"{ours}.linear_1")
             linear(f"{bfl}.out_layer", f"{ours}.linear_2")
         linear("img_in", "x_embedder")
@@ -120,16 +134,20 @@ class BFLReader:
                                         f"layout: missing {missing[:10]}, not understood {unused[:10]}")
         return stacks
 
+    def has_guidance(self) -> bool:
+        return "guidance_in.in_layer.weight" in self.bfl_shapes
+
     def config(self) -> FluxConfig:
         """The architecture the shapes imply (the rotary split, which they do not, is FLUX.1's)."""
         s = self.bfl_shapes
         dim, channels = s["img_in.weight"]
         head_dim = s["double_blocks.0.img_attn.norm.query_norm.scale"][0]
+        say_rotary_split(self.path, head_dim)
         return FluxConfig(in_channels=channels, out_channels=s["final_layer.linear.weight"][0],
                           num_layers=self.blocks("double_blocks"), num_single_layers=self.blocks("single_blocks"),
                           attention_head_dim=head_dim, num_attention_heads=dim // head_dim,
                           joint_attention_dim=s["txt_in.weight"][1], pooled_projection_dim=s["vector_in.in_layer.weight"][1],
-                          guidance_embeds="guidance_in.in_layer.weight" in s, axes_dims_rope=rotary_axes(head_dim))
+                          guidance_embeds=self.has_guidance(), axes_dims_rope=rotary_axes(head_dim))
 
     def check(self, expected: dict[str, tuple], source) -> None:
         check_shapes(expected, self.shapes, source)
