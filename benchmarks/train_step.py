@@ -200,11 +200,19 @@ def qwen_anchor(cfg, data: SimpleNamespace, device: torch.device):
 
     from models.blocks import pack, unpack
     m, p = cfg.model, cfg.model.patch_size
-    with torch.device(device):
-        model = QwenImageTransformer2DModel(
-            patch_size=p, in_channels=data.latent_channels * p * p, out_channels=data.latent_channels,
-            num_layers=m.num_layers, attention_head_dim=m.attention_head_dim, num_attention_heads=m.num_attention_heads,
-            joint_attention_dim=data.text_dims[0], axes_dims_rope=tuple(m.axes_dims_rope))
+    # a LoRA base is built in the compute dtype it is trained in: 20.4B parameters in fp32 (82 GB) would not fit
+    # an 80 GB GPU on the way
+    default, dtype = torch.get_default_dtype(), DTYPES[cfg.training.dtype] if cfg.lora.enabled else torch.float32
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = QwenImageTransformer2DModel(
+                patch_size=p, in_channels=data.latent_channels * p * p, out_channels=data.latent_channels,
+                num_layers=m.num_layers, attention_head_dim=m.attention_head_dim,
+                num_attention_heads=m.num_attention_heads, joint_attention_dim=data.text_dims[0],
+                axes_dims_rope=tuple(m.axes_dims_rope))
+    finally:
+        torch.set_default_dtype(default)
 
     def forward(x_t: torch.Tensor, sigma: torch.Tensor, text: dict) -> torch.Tensor:
         h, w = x_t.shape[-2:]
