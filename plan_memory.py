@@ -1,15 +1,16 @@
 """Will this config fit on these GPUs? A memory plan per rank, before renting them.
 
     python plan_memory.py --config configs/sd35_large_lora.yaml --gpus 1 --gpu-gib 24 [key=value ...]
-    python plan_memory.py --table      # docs/sd3.md's table: SD3-medium, SD3.5-medium, SD3.5-large on 24/48/80 GB
+    python plan_memory.py --table [--model qwen-image]   # what fits 24/48/80 GB, each released model (or one):
+                                                         # the tables of docs/sd3.md, docs/flux.md, docs/qwen-image-plan.md
 
 For the config as given and for the choices near it (activation checkpointing, a quantized base, FSDP over the
 GPUs, CPU offload, another micro-batch) it prints, per rank, the weights, gradients, optimizer state, EMA,
 weights in flight, activations and overhead, the total, whether it fits, and the step time activation checkpointing
 adds (estimated for an H100); then the activation checkpointing setting that fits with the least recompute
 (runtime/memory_plan.py says how each is counted). The architecture comes from model.init_from when that folder
-exists, else from the released model the config is named after (or --model); the data's sizes from SD3's encoders
-at --resolution.
+exists, else from the released model the config is named after (or --model); the data's sizes from the family's
+released pipeline at --resolution (its text encoders' tokens and widths, a text mask where it pads the text).
 """
 
 import argparse
@@ -181,9 +182,9 @@ def print_rows(rows: list[dict], gpu_gib: float) -> None:
               + f"{'yes' if r['fits'] else 'NO':>14}")
 
 
-def readme_table(resolution: int) -> str:
-    """For each released model, full and LoRA, at micro-batch 1 in bf16: the lightest setting that fits one GPU
-    of 24, 48 and 80 GiB, and the per-GPU figure of FSDP over 8 GPUs of 80 GiB."""
+def readme_table(resolution: int, models: list[str] | None = None) -> str:
+    """For each released model (or those of `models`), full and LoRA, at micro-batch 1 in bf16: the lightest
+    setting that fits one GPU of 24, 48 and 80 GiB, and the per-GPU figure of FSDP over 8 GPUs of 80 GiB."""
     tried = [  # in order: the first that fits is shown
         ("bf16", {}), ("bf16 + selective AC", {"checkpointing": "selective"}),
         ("bf16 + AC", {"checkpointing": "full"}),
@@ -192,7 +193,7 @@ def readme_table(resolution: int) -> str:
         ("bf16 + AC + CPU offload", {"checkpointing": "full", "cpu_offload": True, "strategy": "fsdp"})]
     lines = [f"| model ({resolution} px) | training | 1 x 24 GiB | 1 x 48 GiB | 1 x 80 GiB | 8 x 80 GiB, FSDP |",
              "|---|---|---|---|---|---|"]
-    for model in RELEASED:
+    for model in models or RELEASED:
         for lora in (False, True):
             path = f"configs/{model.replace('-', '_')}{'_lora' if lora else ''}.yaml"
             if not Path(path).is_file():  # FLUX.1-schnell: LoRA only
@@ -234,11 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-gib", type=float, default=80.0, help="memory of one GPU")
     parser.add_argument("--model", choices=list(RELEASED), help="the architecture, when model.init_from is not here")
     parser.add_argument("--resolution", type=int, default=1024, help="image side in pixels (latents: /8)")
-    parser.add_argument("--table", action="store_true", help="print docs/sd3.md's table of released models")
+    parser.add_argument("--table", action="store_true", help="print what fits 24/48/80 GB for each released model "
+                        "(--model: for that one), as the families' guides show it")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args(argv)
     if args.table:
-        print(readme_table(args.resolution))
+        print(readme_table(args.resolution, [args.model] if args.model else None))
         return 0
     if not args.config:
         parser.error("--config is required (or --table)")

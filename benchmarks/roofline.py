@@ -9,10 +9,10 @@ every rate is printed with its source.
 
 The model is the one training builds (`build_trained_model` on the meta device: LoRA adapters, the frozen base in
 the compute dtype), with the released architecture of the preset, at 1024 px (128x128 latents: 4096 image tokens;
-SD3's 333 text tokens, FLUX.1's 512). Each distinct kind of block (SD3's joint block and its last, text-pre-only
-one; SD3.5-medium's dual-attention blocks; FLUX's double- and single-stream blocks; under LoRA the first block,
-whose inputs need no gradient) runs once on fake tensors (no
-memory, no GPU: torch's FakeTensorMode) under bf16 autocast with CUDA's autocast policy (`cuda_autocast_policy`),
+SD3's 333 text tokens, FLUX.1's 512, Qwen-Image's 512 with their padding mask). Each distinct kind of block (SD3's
+joint block and its last, text-pre-only one; SD3.5-medium's dual-attention blocks; FLUX's double- and single-stream
+blocks; Qwen-Image's dual-stream block and its last, whose text stream is not computed; under LoRA the first block,
+whose inputs need no gradient) runs once on fake tensors (no memory, no GPU: torch's FakeTensorMode) under bf16 autocast with CUDA's autocast policy (`cuda_autocast_policy`),
 so autocast inserts the casts it inserts on a GPU. Two paths:
 
 - eager: every aten op the forward and backward dispatch, recorded below autograd (a TorchDispatchMode), with
@@ -62,9 +62,10 @@ sys.path.insert(0, str(ROOT))  # the project folders import by their names
 
 from configs.build import build_trained_model  # noqa: E402
 from configs.schema import Config, family_defaults  # noqa: E402
+from data.latents import empty_text, text_shapes  # noqa: E402
 from errors import ConfigError, InputError  # noqa: E402
-from models.blocks import packing  # noqa: E402
 from models.flux.model import SingleTransformerBlock  # noqa: E402
+from models.qwen_image.model import QwenImageBlock  # noqa: E402
 from models.rectified_flow import interpolate, per_sample_loss  # noqa: E402
 from plan_memory import RELEASED, released_text  # noqa: E402
 from runtime.memory_plan import CUDA_CONTEXT, FRAGMENTATION, GIB  # noqa: E402
@@ -159,6 +160,9 @@ ASSUMPTIONS = [  # (what, value, source), printed with every table
                                                                       "seq 4k, non-causal)"),
     ("attention backward work", "2.5 forwards at the paper's rates, 2 in model FLOPs", "flash-attention's benchmark "
                                                                                       "flops(); torch's flop counter"),
+    ("masked attention (Qwen-Image's text padding)", "at the same rates as unmasked", "assumed: a key mask skips "
+                                                                                   "no work; which kernels take it "
+                                                                                   "is not measured here"),
     ("launch floor", "5 us per eager op, 2 us per compiled kernel", "assumed"),
     ("fp32 attention", "50 TFLOP/s", "assumed (67 TFLOP/s fp32 peak, no tensor cores)"),
     ("overlap", "none: kernels one after another, each reading from and writing to HBM", "assumed"),
@@ -449,11 +453,18 @@ def autocast(dtype: str):
 def data_like(cfg, resolution: int = 1024) -> SimpleNamespace:
     """What the model needs to know of the data (as plan_memory.py and benchmarks/train_step.py describe it): the
     family's latents and text embeddings at `resolution` (SD3: CLIP-L + CLIP-G and T5, 333 tokens; FLUX.1: T5,
-    512 tokens for dev, 256 for schnell)."""
+    512 tokens for dev, 256 for schnell; Qwen-Image: Qwen2.5-VL, 512 tokens with their padding mask)."""
     text = released_text(cfg)
     side = resolution // text["vae_factor"]
-    return SimpleNamespace(latent_channels=text["latent_channels"], latent_sizes=[(side, side)],
-                           text_dims=(text["joint"], text["pooled"]), text_tokens=text["tokens"])
+    dims = (text["joint"], text["pooled"])
+    return SimpleNamespace(latent_channels=text["latent_channels"], latent_sizes=[(side, side)], text_dims=dims,
+                           text_tokens=text["tokens"], text_shapes=text_shapes(text["tokens"], dims, text["masked"]))
+
+
+def text_fields(data: SimpleNamespace) -> dict[str, tuple[int, ...]]:
+    """The text embeddings of one sample by name and shape (data/latents.py's `text_shapes`): the data's, or the
+    tokens and the pooled vector of `text_dims` (no mask) where it names none."""
+    return getattr(data, "text_shapes", None) or text_shapes(data.text_tokens, data.text_dims)
 
 
 @dataclass
@@ -466,11 +477,14 @@ class BlockShape:
     dtype: str = "bf16"  # autocast dtype, or fp32 (no autocast)
     temb_grad: bool = True  # the conditioning vector needs a gradient (its embedders train: not under LoRA)
     stream_grad: bool = True  # the streams need a gradient (not into the first block when the embedders are frozen)
+    masked: bool = False  # the text is padded, with a key mask over the joint sequence (Qwen-Image)
 
 
 def block_kind(block: nn.Module) -> str:
     if isinstance(block, SingleTransformerBlock):
         return "single"
+    if isinstance(block, QwenImageBlock):
+        return "dual-stream" + ("" if block.attn.text_output else ", last (text not computed)")
     if block.attn.text_first:
         return "double"
     return ("joint" + (" + attn2" if block.dual_attention else "")
@@ -483,23 +497,27 @@ def rotary(block: nn.Module) -> bool:
 
 def block_tensors(block: nn.Module, s: BlockShape) -> list[torch.Tensor]:
     """A block's inputs as the model hands them under autocast (outputs of linears, in the autocast dtype): the
-    streams (FLUX's single blocks: the joint sequence), the conditioning vector, and FLUX's rotary tables."""
+    streams (FLUX's single blocks: the joint sequence), the conditioning vector, the rotary tables of FLUX and
+    Qwen-Image, and Qwen-Image's key mask over the joint sequence (bool, last)."""
     act = torch.float32 if s.dtype == "fp32" else torch.bfloat16
     tokens = s.image_tokens + s.text_tokens
     temb = torch.empty(s.batch, s.width, dtype=act, requires_grad=s.temb_grad)
     rope = [torch.empty(tokens, s.head_dim), torch.empty(tokens, s.head_dim)] if rotary(block) else []
+    mask = [torch.ones(s.batch, 1, 1, tokens, dtype=torch.bool)] if s.masked else []
     if isinstance(block, SingleTransformerBlock):
         return [torch.empty(s.batch, tokens, s.width, dtype=act, requires_grad=s.stream_grad), temb, *rope]
     x = torch.empty(s.batch, s.image_tokens, s.width, dtype=act, requires_grad=s.stream_grad)
     c = torch.empty(s.batch, s.text_tokens, s.width, dtype=act, requires_grad=s.stream_grad)
-    return [x, c, temb, *rope]
+    return [x, c, temb, *rope, *mask]
 
 
 def arguments(block: nn.Module, inputs: list[torch.Tensor]) -> tuple:
+    mask = (inputs[-1],) if inputs[-1].dtype == torch.bool else ()
+    inputs = inputs[:len(inputs) - len(mask)]
     rope = (inputs[-2], inputs[-1]) if rotary(block) else None
     if isinstance(block, SingleTransformerBlock):
         return inputs[0], inputs[1], rope
-    return inputs[0], inputs[1], inputs[2], rope
+    return inputs[0], inputs[1], inputs[2], rope, *mask
 
 
 def outputs(result) -> list[torch.Tensor]:
@@ -664,7 +682,7 @@ class Cut(nn.Module):
     """Stands in for the blocks while what runs outside them is counted: keeps their inputs, returns new leaves
     (so the final layer's backward stops where the blocks' would start)."""
 
-    def forward(self, x, c, temb, rope=None):
+    def forward(self, x, c, temb, rope=None, mask=None):
         self.inputs = [x, c]
         return torch.empty_like(x, requires_grad=True), torch.empty_like(c, requires_grad=True)
 
@@ -677,16 +695,14 @@ def outside_census(model: nn.Module, data: SimpleNamespace, batch: int, dtype: s
     memo = {id(transformer.transformer_blocks): nn.ModuleList([Cut()])}
     if singles is not None:
         memo[id(singles)] = nn.ModuleList()
-    model, saved, (h, w), (joint, pooled) = copy.deepcopy(model, memo), Counter(), data.latent_sizes[-1], data.text_dims
+    model, saved, (h, w) = copy.deepcopy(model, memo), Counter(), data.latent_sizes[-1]
     with FakeTensorMode(allow_non_fake_inputs=True), cuda_autocast_policy(fused_rms_norm_kernel=True):  # nf4 levels
         fake_parameters(model)
-        if singles is not None:  # FLUX's rotary tables: made once per shape and kept, not per step
-            p = packing(model.transformer.cfg.in_channels, data.latent_channels)
-            model.transformer.rope(data.text_tokens, h // p, w // p, torch.device("cpu"))
         x0, noise = (torch.empty(batch, data.latent_channels, h, w) for _ in range(2))
         sigma = torch.empty(batch)
-        text = {"prompt_embeds": torch.empty(batch, data.text_tokens, joint),
-                "pooled_prompt_embeds": torch.empty(batch, pooled)}
+        text = empty_text(text_fields(data), batch)
+        with torch.no_grad(), autocast(dtype):  # FLUX's and Qwen-Image's rotary tables: made once per shape and
+            model(x0, sigma, text)  # kept, not per step
         census = OpCensus(model.parameters())
         with census:
             with saved_activations(census, [], saved):
@@ -808,10 +824,11 @@ def count_step(cfg, data: SimpleNamespace, paths=("eager", "compiled")) -> StepC
     image_tokens = (h // m.patch_size) * (w // m.patch_size)
     shape = BlockShape(batch, image_tokens, data.text_tokens, m.num_attention_heads * m.attention_head_dim,
                        m.attention_head_dim, dtype,
-                       temb_grad=any(p.requires_grad for p in transformer.time_text_embed.parameters()))
+                       temb_grad=any(p.requires_grad for p in transformer.time_text_embed.parameters()),
+                       masked="prompt_embeds_mask" in text_fields(data))
     # with the embedders frozen (LoRA), nothing before the first block needs a gradient: its backward stops inside it
-    embedders_trained = any(p.requires_grad for name, p in transformer.named_parameters()
-                            if name.split(".")[0] in ("pos_embed", "x_embedder", "context_embedder"))
+    embedders_trained = any(p.requires_grad for name, p in transformer.named_parameters() if name.split(".")[0] in
+                            ("pos_embed", "x_embedder", "context_embedder", "img_in", "txt_in", "txt_norm"))
     kinds = [block_kind(b) + ("" if i or embedders_trained else ", first (no input gradient)")
              for i, b in enumerate(transformer.blocks)]
     blocks = []
@@ -967,6 +984,8 @@ PRESETS = {
     "sd3.5-large-lora": Preset("configs/sd35_large_lora.yaml", RELEASED["sd35-large"]),
     "flux-dev-lora": Preset("configs/flux_dev_lora.yaml", RELEASED["flux-dev"]),
     "flux-dev": Preset("configs/flux_dev.yaml", RELEASED["flux-dev"]),
+    "qwen-image-lora": Preset("configs/qwen_image_lora.yaml", RELEASED["qwen-image"]),
+    "qwen-image": Preset("configs/qwen_image.yaml", RELEASED["qwen-image"]),
 }
 
 

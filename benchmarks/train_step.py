@@ -1,11 +1,13 @@
-"""The training step at real shapes: what one optimizer step of SD3 / SD3.5 fine-tuning costs (`make bench`).
+"""The training step at real shapes: what one optimizer step of SD3 / SD3.5, FLUX.1 and Qwen-Image fine-tuning
+costs (`make bench`).
 
     python benchmarks/train_step.py [--size real|tiny] [--models NAME ...] [--variants NAME ...] [--list]
                                     [--steps 10] [--warmup 3] [--out FILE | --resume FILE [--redo-failed]]
                                     [--stop-after SECONDS] [--overrides KEY=VALUE ...] [--resolution PX]
 
 Each model is a fine-tuning config of configs/ with the released architecture (plan_memory.py's table; random
-weights, nothing downloaded) at 1024 px (128x128 latents, 4096 image tokens + 333 text tokens), the config's
+weights, nothing downloaded) at 1024 px (128x128 latents, 4096 image tokens + 333 text tokens for SD3, 512 for
+FLUX.1 and Qwen-Image, Qwen-Image's with their padding mask, every token present), the config's
 micro-batch, one micro-step per optimizer step. A row runs the REAL step of train_mmdit_stable.py on batches that
 are already on the device (the loader is measured apart): `forward_backward` then `optimizer_step` (clip,
 fused AdamW, the EMA), imported, not re-implemented; the model is built as training builds it
@@ -36,7 +38,8 @@ at the same shape, precision, activation checkpointing, attention kernel and ste
 (diffusers 0.42 lists no `_repeated_blocks` for it); then SD3-medium bf16 eager and fp32+TF32 eager and each
 other config as written (FLUX.1-dev LoRA's diffusers anchor after it); then the rest of SD3-medium's sweep (each
 activation-checkpointing choice, each attention backend) and float8 (SD3-medium, and SD3.5-large LoRA: its target
-is 1.2x bf16 there). A model's rows are entries of MODELS (its config, architecture, which variants, its diffusers
+is 1.2x bf16 there); then Qwen-Image LoRA as configured, its diffusers anchor (QwenImageTransformer2DModel with
+peft adapters on the same targets) eager and compiled, and its 24 GB config. A model's rows are entries of MODELS (its config, architecture, which variants, its diffusers
 anchor, how many kinds of block it compiles). Any failure of a row is caught and recorded with
 its error (the traceback goes to stderr) and the table goes on; a row that cannot run here (a CUDA-only kernel,
 a missing package) is "not runnable" with the reason. On a GPU whose CUDA context an error broke, the run stops:
@@ -105,6 +108,7 @@ sys.path.insert(0, str(ROOT))  # the project folders import by their names
 import perf.compile  # noqa: E402
 from configs.build import build_model, build_trained_model  # noqa: E402
 from configs.schema import check_sections  # noqa: E402
+from data.latents import empty_text, text_shapes  # noqa: E402
 from errors import ConfigError  # noqa: E402
 from formats import DTYPES  # noqa: E402
 from models.families import FAMILIES  # noqa: E402
@@ -187,12 +191,44 @@ def flux_anchor(cfg, data: SimpleNamespace, device: torch.device):
     return model, [*model.transformer_blocks, *model.single_transformer_blocks], forward
 
 
+def qwen_anchor(cfg, data: SimpleNamespace, device: torch.device):
+    """diffusers' QwenImageTransformer2DModel with `cfg`'s architecture, driven as QwenImagePipeline drives it
+    (packed tokens, the text with its padding mask, the image's shape for the rotary positions, sigma as timestep):
+    sd3_anchor's triple. diffusers computes the last block's text stream, which reaches nothing (ours skips it), and
+    peft adapts it too: those adapters never get a gradient (AdamW and clipping skip them)."""
+    from diffusers import QwenImageTransformer2DModel
+
+    from models.blocks import pack, unpack
+    m, p = cfg.model, cfg.model.patch_size
+    # a LoRA base is built in the compute dtype it is trained in: 20.4B parameters in fp32 (82 GB) would not fit
+    # an 80 GB GPU on the way
+    default, dtype = torch.get_default_dtype(), DTYPES[cfg.training.dtype] if cfg.lora.enabled else torch.float32
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = QwenImageTransformer2DModel(
+                patch_size=p, in_channels=data.latent_channels * p * p, out_channels=data.latent_channels,
+                num_layers=m.num_layers, attention_head_dim=m.attention_head_dim,
+                num_attention_heads=m.num_attention_heads, joint_attention_dim=data.text_dims[0],
+                axes_dims_rope=tuple(m.axes_dims_rope))
+    finally:
+        torch.set_default_dtype(default)
+
+    def forward(x_t: torch.Tensor, sigma: torch.Tensor, text: dict) -> torch.Tensor:
+        h, w = x_t.shape[-2:]
+        out = model(hidden_states=pack(x_t, p), encoder_hidden_states=text["prompt_embeds"],
+                    encoder_hidden_states_mask=text["prompt_embeds_mask"], timestep=sigma,
+                    img_shapes=[[(1, h // p, w // p)]] * len(x_t), return_dict=False)[0]
+        return unpack(out, h, w, p)
+    return model, list(model.transformer_blocks), forward
+
+
 # --size tiny: every model 2 blocks of 2 heads x 16 at 128 px (16x16 latents, 8x8 patches), 8 text tokens
 SD3_TINY = {"num_layers": 2, "num_attention_heads": 2, "attention_head_dim": 16, "sample_size": 16,
             "pos_embed_max_size": 8}
 TINY = {"text": {"tokens": 8, "joint": 32, "pooled": 16}, "resolution": 128}
-SD3_TEXT, FLUX_TEXT = (family_text(FAMILIES[RELEASED[name]["family"]], SimpleNamespace(**RELEASED[name]))
-                       for name in ("sd3-medium", "flux-dev"))
+SD3_TEXT, FLUX_TEXT, QWEN_TEXT = (family_text(FAMILIES[RELEASED[name]["family"]], SimpleNamespace(**RELEASED[name]))
+                                  for name in ("sd3-medium", "flux-dev", "qwen-image"))
 
 
 @dataclass(frozen=True)
@@ -203,7 +239,9 @@ class Model:
     text: dict = field(default_factory=lambda: SD3_TEXT)  # text embeddings' and latents' shapes
     anchor: Callable | None = None  # diffusers' model of the architecture (as sd3_anchor), for anchor variants
     tiny: dict = field(default_factory=lambda: SD3_TINY)  # model.* at --size tiny
-    block_kinds: int = 2  # distinct blocks, each one graph to compile (SD3: joint and last; FLUX.1: double, single)
+    block_kinds: int = 2  # distinct blocks, each one graph to compile (SD3: joint and last; FLUX.1: double, single;
+    # Qwen-Image: dual-stream and the last, whose text stream is not computed)
+    tier: int = 1  # of its row as configured (the first model's: 0)
 
 
 def anchors(tier: int) -> tuple[Variant, Variant]:
@@ -228,6 +266,7 @@ SD3_MEDIUM_SWEEP = (
 SD35_MEDIUM_TINY = {**SD3_TINY, "dual_attention_layers": [0]}  # its first blocks have a second image attention
 FLUX_TINY = {"num_layers": 1, "num_single_layers": 2, "num_attention_heads": 2, "attention_head_dim": 16,
              "axes_dims_rope": [2, 6, 8]}  # a double and two single blocks, 8x8 packed tokens
+QWEN_TINY = {"num_layers": 2, "num_attention_heads": 2, "attention_head_dim": 16, "axes_dims_rope": [2, 6, 8]}
 MODELS = {
     "sd3-medium": Model("sd3_medium.yaml", "sd3-medium", SD3_MEDIUM_SWEEP, anchor=sd3_anchor),
     # its dual-attention blocks are a third kind
@@ -241,6 +280,12 @@ MODELS = {
     # base is SD3.5-large's row (the roofline predicts a loss there; docs/performance.md)
     "flux-dev-lora": Model("flux_dev_lora.yaml", "flux-dev", anchors(1), FLUX_TEXT, flux_anchor, FLUX_TINY),
     "flux-dev-lora-24gb": Model("flux_dev_lora_24gb.yaml", "flux-dev", (), FLUX_TEXT, tiny=FLUX_TINY),
+    # Qwen-Image (20.4B): LoRA on one 80 GB GPU against diffusers' model with peft's adapters on the same targets,
+    # and on a 24 GB GPU's nf4 base; after the first tiers (a new family's rows wait for the headline's sweep:
+    # benchmarks/RESULTS.md, the GPU recipe)
+    "qwen-image-lora": Model("qwen_image_lora.yaml", "qwen-image", anchors(2), QWEN_TEXT, qwen_anchor, QWEN_TINY,
+                             tier=2),
+    "qwen-image-lora-24gb": Model("qwen_image_lora_24gb.yaml", "qwen-image", (), QWEN_TEXT, tiny=QWEN_TINY, tier=2),
 }
 
 
@@ -258,7 +303,7 @@ def all_rows() -> list[Row]:
     """Every row, in the order they run: by tier, then in MODELS' order and each model's."""
     rows = []
     for i, (name, model) in enumerate(MODELS.items()):
-        rows += [Row(name, Variant("as configured", (), 0 if i == 0 else 1))]
+        rows += [Row(name, Variant("as configured", (), 0 if i == 0 else model.tier))]
         rows += [Row(name, variant) for variant in model.variants]
     return sorted(rows, key=lambda row: row.variant.tier)  # stable: MODELS' order within a tier
 
@@ -280,24 +325,31 @@ def benchmark_config(model: str, overrides: list[str], size: str):
 
 
 def data_shapes(model: str, size: str, resolution: int = RESOLUTION) -> SimpleNamespace:
-    """What the model needs to know of the data: latents and text embeddings at the benchmark's size."""
+    """What the model needs to know of the data: latents and text embeddings at the benchmark's size (the text's
+    fields as a latent dataset holds them: data/latents.py's `text_shapes`, Qwen-Image's padding mask included)."""
     text = MODELS[model].text
     tokens, joint, pooled = (TINY["text"][k] for k in ("tokens", "joint", "pooled")) if size == "tiny" else \
         (text["tokens"], text["joint"], text["pooled"])
+    pooled = pooled if text["pooled"] else 0  # a family without a pooled vector has none at any size
     side = (TINY["resolution"] if size == "tiny" else resolution) // text["vae_factor"]
     return SimpleNamespace(latent_channels=text["latent_channels"], latent_sizes=[(side, side)],
-                           text_dims=(joint, pooled), text_tokens=tokens)
+                           text_dims=(joint, pooled), text_tokens=tokens,
+                           text_shapes=text_shapes(tokens, (joint, pooled), text["masked"]))
 
 
 def device_batch(cfg, data: SimpleNamespace, device: torch.device) -> dict:
-    """One step's batch as the loader delivers it, made on the device."""
+    """One step's batch as the loader delivers it, made on the device: random latents, noise, sigma and text
+    embeddings; a text mask of every token present (a padded caption runs the same kernels)."""
     g = torch.Generator(device).manual_seed(0)
-    b, (h, w), joint, pooled = cfg.training.train_batch_size, data.latent_sizes[-1], *data.text_dims
+    b, (h, w) = cfg.training.train_batch_size, data.latent_sizes[-1]
     latents = lambda: torch.randn(b, data.latent_channels, h, w, generator=g, device=device)  # noqa: E731
-    return {"step": 0, "first_position": 0, "latents": latents(), "noise": latents(),
-            "sigma": torch.rand(b, generator=g, device=device),
-            "text": {"prompt_embeds": torch.randn(b, data.text_tokens, joint, generator=g, device=device),
-                     "pooled_prompt_embeds": torch.randn(b, pooled, generator=g, device=device)}}
+    batch = {"step": 0, "first_position": 0, "latents": latents(), "noise": latents(),
+             "sigma": torch.rand(b, generator=g, device=device)}
+    with torch.device(device):
+        text = empty_text(data.text_shapes, b)
+    batch["text"] = {name: t if name == "prompt_embeds_mask" else torch.randn(t.shape, generator=g, device=device)
+                     for name, t in text.items()}
+    return batch
 
 
 @torch.no_grad()
@@ -324,12 +376,9 @@ def flops_per_sample(cfg, data: SimpleNamespace) -> int:
 
 def count_flops_per_sample(cfg, data: SimpleNamespace) -> int:
     shape = (data.latent_channels, *data.latent_sizes[-1])
-    joint, pooled = data.text_dims
 
     def inputs():  # made inside the counter's meta-device context
-        text = {"prompt_embeds": torch.zeros(1, data.text_tokens, joint),
-                "pooled_prompt_embeds": torch.zeros(1, pooled)}
-        return torch.zeros(1, *shape), torch.full((1,), 0.5), text
+        return torch.zeros(1, *shape), torch.full((1,), 0.5), empty_text(data.text_shapes)
     return train_flops_per_sample(lambda: apply_lora(build_model(cfg, data), cfg.lora), inputs)
 
 
@@ -749,7 +798,8 @@ def list_rows(rows: list[Row], args) -> int:
 
 def predict_rows(rows: list[Row], out: Path) -> int:
     """Each row's step at its released size as benchmarks/roofline.py predicts it on one H100 (one micro-step, as
-    measured here); rows it does not model (float8, some attention backends, the diffusers anchors) say why."""
+    measured here); rows it does not model (float8, some attention backends, the diffusers anchors) say why. Rows
+    `out` holds that are not among `rows` are kept."""
     from benchmarks.roofline import predict_step
     predicted = {}
     for row in rows:
@@ -763,7 +813,8 @@ def predict_rows(rows: list[Row], out: Path) -> int:
             predicted[row.name] = {"reason": str(e)}
         print(f"  {row.name}: " + (f"{p.seconds:.4f} s, MFU {p.mfu:.1%}" if "step_s" in predicted[row.name] else
                                    f"not predicted ({predicted[row.name]['reason']})"), flush=True)
-    write(out, predicted)
+    previous = json.loads(out.read_text()) if out.is_file() else {}
+    write(out, {**previous, **predicted})  # the other rows' predictions stay
     print(f"wrote {out}")
     return 0
 

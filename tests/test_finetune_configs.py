@@ -1,8 +1,9 @@
-"""The released SD3 / SD3.5 fine-tuning configs (medium and large, full and LoRA) describe the released
-architectures (checked against diffusers' SD3Transformer2DModel on the meta device: no weights, no memory)
-and run as written."""
+"""The shipped fine-tuning configs of every family (SD3 / SD3.5, FLUX.1, Qwen-Image; full and LoRA) describe the
+released architectures (checked against diffusers' transformer classes on the meta device: no weights, no memory),
+fit the GPUs their headers name (plan_memory.py's plan at 1024 px), and run as written."""
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -10,48 +11,108 @@ import torch
 
 from configs.build import transformer_config
 from configs.schema import load_config
+from models.families import FAMILIES
 from models.lora import apply_lora
-from models.sd3.model import MMDiT
 from models.text_encoder import TextToImage
 from tests.conftest import export_random_base, losses, write_latent_shards
 from train_mmdit_stable import main
 
 diffusers = pytest.importorskip("diffusers")
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-# docs/sd3-architecture.md: released sizes, and SD3's latents and text conditioning
-RELEASED = {"sd3_medium": dict(num_layers=24, num_attention_heads=24, pos_embed_max_size=192, qk_norm=None,
-                               dual_attention_layers=[]),
-            "sd35_medium": dict(num_layers=24, num_attention_heads=24, pos_embed_max_size=384, qk_norm="rms_norm",
-                                dual_attention_layers=list(range(13))),
-            "sd35_large": dict(num_layers=38, num_attention_heads=38, pos_embed_max_size=192, qk_norm="rms_norm",
-                               dual_attention_layers=[])}
-SD3_INPUTS = dict(latent_channels=16, latent_sizes=[(128, 128)], text_dims=(4096, 2048))
 
 
-@pytest.mark.parametrize("name", ["sd3_medium", "sd3_medium_lora", "sd35_medium", "sd35_medium_lora", "sd35_large",
-                                  "sd35_large_lora", "sd35_medium_lora_24gb", "sd35_large_lora_24gb"])
-def test_config_with_the_released_transformer_is_the_released_architecture(name, tmp_path):
-    """The configs take the MMDiT's sizes from model.init_from's config.json; pointed at (the config of) the
-    released transformer, they build diffusers' SD3Transformer2DModel key for key."""
-    model_name = name.removesuffix("_24gb").removesuffix("_lora")
-    released = {**RELEASED[model_name], "attention_head_dim": 64, "patch_size": 2, "in_channels": 16,
-                "out_channels": 16, "sample_size": 128, "joint_attention_dim": 4096, "pooled_projection_dim": 2048,
-                "caption_projection_dim": 64 * RELEASED[model_name]["num_attention_heads"]}
+def sd3(blocks: int, pos_embed_max_size: int, qk_norm: str | None, dual_attention_layers: list[int]) -> dict:
+    """An SD3 / SD3.5 config.json (docs/sd3-architecture.md): `blocks` joint blocks of as many heads x 64."""
+    return dict(sample_size=128, patch_size=2, in_channels=16, num_layers=blocks, attention_head_dim=64,
+                num_attention_heads=blocks, joint_attention_dim=4096, caption_projection_dim=64 * blocks,
+                pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=pos_embed_max_size,
+                dual_attention_layers=dual_attention_layers, qk_norm=qk_norm)
+
+
+FLUX = dict(patch_size=1, in_channels=64, out_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+            num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, axes_dims_rope=[16, 56, 56])
+# released config.json values, by plan_memory.py's model names (docs/*-architecture.md)
+RELEASED = {"sd3-medium": ("SD3Transformer2DModel", sd3(24, 192, None, [])),
+            "sd35-medium": ("SD3Transformer2DModel", sd3(24, 384, "rms_norm", list(range(13)))),
+            "sd35-large": ("SD3Transformer2DModel", sd3(38, 192, "rms_norm", [])),
+            "flux-dev": ("FluxTransformer2DModel", {**FLUX, "guidance_embeds": True}),
+            "flux-schnell": ("FluxTransformer2DModel", {**FLUX, "guidance_embeds": False}),
+            "qwen-image": ("QwenImageTransformer2DModel", dict(
+                patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
+                num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False, axes_dims_rope=[16, 56, 56]))}
+# each shipped config: the released model it fine-tunes and the GPUs its header names (count, GB each)
+SHIPPED = {"sd3_medium": ("sd3-medium", 1, 80), "sd3_medium_lora": ("sd3-medium", 1, 24),
+           "sd35_medium": ("sd35-medium", 1, 80), "sd35_medium_lora": ("sd35-medium", 1, 24),
+           "sd35_medium_lora_24gb": ("sd35-medium", 1, 24), "sd35_large": ("sd35-large", 8, 80),
+           "sd35_large_lora": ("sd35-large", 1, 48), "sd35_large_lora_24gb": ("sd35-large", 1, 24),
+           "flux_dev_lora": ("flux-dev", 1, 80), "flux_dev_lora_24gb": ("flux-dev", 1, 24),
+           "flux_dev": ("flux-dev", 8, 80), "flux_schnell_lora": ("flux-schnell", 1, 80),
+           "qwen_image_lora": ("qwen-image", 1, 80), "qwen_image_lora_24gb": ("qwen-image", 1, 24),
+           "qwen_image": ("qwen-image", 8, 80)}
+NOT_PLANNED = {"flux_schnell_lora"}  # dev's LoRA plan but for the guidance embedding and T5's length: not counted again
+
+
+def adapters(family: str, config: dict) -> int:
+    """Parameters of rank-1 LoRA on the family's default targets (models/<family>/family.py), in units of the
+    width D: a D x D linear takes 2 D, a feed-forward's D x 4D or 4D x D one 5 D."""
+    blocks = config["num_layers"]
+    if family == "sd3":  # 8 square attention projections per block; the last block (text pre-only) has no to_add_out
+        return (8 * blocks - 1) * 2
+    if family == "flux":  # double blocks: 8 projections and both feed-forwards; single blocks: to_q, to_k, to_v
+        return blocks * (8 * 2 + 4 * 5) + config["num_single_layers"] * 3 * 2
+    # qwen_image: both streams' 8 projections and feed-forwards; the last block's text stream (to_add_out and the
+    # text feed-forward) reaches nothing and is left out
+    return blocks * (8 * 2 + 4 * 5) - (2 + 2 * 5)
+
+
+def test_every_shipped_config_is_checked():
+    assert {p.stem for p in CONFIGS.glob("*.yaml")} - {"shapes"} == set(SHIPPED)
+    assert set(RELEASED) == {name for family in FAMILIES.values() for name in family.released}
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_config_with_the_released_transformer_is_the_released_architecture_and_fits_where_it_says(name, tmp_path):
+    """The configs take the transformer's sizes from model.init_from's config.json; pointed at (the config of) the
+    released transformer, each builds the family's diffusers class key for key and shape for shape (20B parameters
+    on the meta device), trains what the family's LoRA targets say (or everything), and the memory plan of the
+    config as written (plan_memory.py's first row) fits the GPUs its header names, at 1024 px."""
+    import plan_memory
+    from runtime.memory_plan import GIB, plan
+    model_name, gpus, gib = SHIPPED[name]
+    diffusers_class, released = RELEASED[model_name]
     with torch.device("meta"):
-        theirs = diffusers.SD3Transformer2DModel(**released)
+        theirs = getattr(diffusers, diffusers_class)(**released)
     theirs.save_config(tmp_path / "transformer")  # config.json only, as in the released folder
-    cfg = load_config(CONFIGS / f"{name}.yaml", ["data.path=unused", f"model.init_from={tmp_path / 'transformer'}"])
-    ours = transformer_config(cfg, **SD3_INPUTS)
+    path = CONFIGS / f"{name}.yaml"
+    header = "".join(line for line in path.read_text().splitlines(keepends=True) if line.startswith("#"))
+    assert re.search(rf"\b{gib} GB\b", header) and (gpus == 1 or f"{gpus} GPUs" in header), header
+    cfg = load_config(path, ["data.path=unused", f"model.init_from={tmp_path / 'transformer'}"])
+    family = FAMILIES[cfg.model.family]
+    assert family.diffusers_class == diffusers_class and model_name in family.released
+    text = family.released_text
+    ours = transformer_config(cfg, text.latent_channels, [(128, 128)], (text.joint, text.pooled))
     assert dataclasses.asdict(ours) == released
     with torch.device("meta"):
-        model = TextToImage(MMDiT(ours))
-    expected = {k: v.shape for k, v in theirs.state_dict().items()}
-    assert {k: v.shape for k, v in model.transformer.state_dict().items()} == expected
+        model = TextToImage(family.transformer(ours))
+    assert {k: v.shape for k, v in model.transformer.state_dict().items()} == \
+        {k: v.shape for k, v in theirs.state_dict().items()}
     apply_lora(model, cfg.lora)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    # LoRA: 8 square attention projections per block (the last block has no to_add_out), rank x (in + out) each
-    adapters = (8 * released["num_layers"] - 1) * cfg.lora.rank * 2 * released["caption_projection_dim"]
-    assert trained == (sum(p.numel() for p in model.parameters()) if not cfg.lora.enabled else adapters)
+    width = released["num_attention_heads"] * released["attention_head_dim"]
+    if cfg.lora.enabled:
+        assert trained == adapters(family.name, released) * cfg.lora.rank * width
+    else:  # a full fine-tune trains all but what reaches nothing (Qwen-Image's last text stream)
+        unused = [model.transformer.get_submodule(m) for m in getattr(model.transformer, "unused_modules", list)()]
+        assert trained == sum(p.numel() for p in model.parameters()) - sum(p.numel() for m in unused
+                                                                           for p in m.parameters())
+    if name in NOT_PLANNED:
+        return
+    cfg, _ = plan_memory.planning_config(str(path), [f"model.init_from={tmp_path / 'transformer'}"], None)
+    _, choice = plan_memory.choices(cfg, gpus)[0]
+    counted = plan_memory.count(cfg, *plan_memory.data_like(cfg, 1024), choice["quantization"])
+    result = plan(counted, checkpointing=choice["checkpointing"], every=choice["every"],
+                  **plan_memory.settings(cfg, choice, gpus))
+    assert result.peak / GIB <= gib, result
 
 
 @pytest.mark.parametrize("name", ["sd3_medium_lora", "sd35_medium", "sd35_large_lora_24gb"])
@@ -70,39 +131,3 @@ def test_config_runs_as_written_on_a_shrunken_model(name, tmp_path):
            "logging.log_every=1", f"logging.output_dir={tmp_path / 'run'}"]
     assert main(run) == 0
     assert len(losses(tmp_path / "run")) == 3
-
-
-FLUX_RELEASED = dict(patch_size=1, in_channels=64, out_channels=64, num_layers=19, num_single_layers=38,
-                     attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
-                     axes_dims_rope=[16, 56, 56])  # docs/flux.md
-
-
-@pytest.mark.parametrize("name,gpus,gib", [("flux_dev_lora", 1, 80), ("flux_dev_lora_24gb", 1, 24),
-                                           ("flux_dev", 8, 80), ("flux_schnell_lora", 1, 80)])
-def test_flux_configs_are_the_released_architecture_and_fit_where_they_say(name, gpus, gib, tmp_path):
-    """Pointed at (the config of) the released FLUX.1 transformer, each config builds diffusers'
-    FluxTransformer2DModel key for key (12B parameters on the meta device), and the memory plan of the config as
-    written (plan_memory.py's first row) fits the GPUs its header names, at 1024 px. (schnell's plan is dev's but for
-    the guidance embedding and T5's length: it is not counted again, for time.)"""
-    import plan_memory
-    from models.flux.model import Flux
-    from runtime.memory_plan import GIB, plan
-    released = {**FLUX_RELEASED, "guidance_embeds": "schnell" not in name}
-    with torch.device("meta"):
-        theirs = diffusers.FluxTransformer2DModel(**released)
-    theirs.save_config(tmp_path / "transformer")
-    cfg = load_config(CONFIGS / f"{name}.yaml", ["data.path=unused", f"model.init_from={tmp_path / 'transformer'}"])
-    assert cfg.model.family == "flux" and cfg.model.patch_size == 2
-    ours = transformer_config(cfg, latent_channels=16, latent_sizes=[(128, 128)], text_dims=(4096, 768))
-    assert dataclasses.asdict(ours) == released
-    with torch.device("meta"):
-        model = Flux(ours)
-    assert {k: v.shape for k, v in model.state_dict().items()} == {k: v.shape for k, v in theirs.state_dict().items()}
-    if "schnell" in name:
-        return
-    cfg, _ = plan_memory.planning_config(str(CONFIGS / f"{name}.yaml"), [], "flux-dev")
-    _, choice = plan_memory.choices(cfg, gpus)[0]
-    counted = plan_memory.count(cfg, *plan_memory.data_like(cfg, 1024), choice["quantization"])
-    result = plan(counted, checkpointing=choice["checkpointing"], every=choice["every"],
-                  **plan_memory.settings(cfg, choice, gpus))
-    assert result.peak / GIB <= gib, result

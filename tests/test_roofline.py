@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from configs.build import build_model, build_trained_model
 from configs.schema import Config, family_defaults
+from data.latents import empty_text, text_shapes
 from errors import ConfigError
 from models.lora import apply_lora
 from runtime.step_stats import train_flops_per_sample
@@ -39,6 +40,9 @@ def tiny(*overrides: str):
 
 LORA = ["lora.enabled=true", "lora.rank=4", "lora.alpha=4"]
 FLUX = ["model.family=flux", "model.num_layers=1", "model.num_single_layers=1", "model.guidance_embeds=true"]
+QWEN = ["model.family=qwen_image"]  # a dual-stream block and the last, whose text stream is not computed
+# Qwen-Image's text: tokens with their padding mask, no pooled vector
+QWEN_DATA = SimpleNamespace(**{**vars(DATA), "text_dims": (32, 0), "text_shapes": text_shapes(8, (32, 0), masked=True)})
 
 OPS = {"layer_norm": lambda x, w: F.layer_norm(x, x.shape[-1:]), "rms_norm": lambda x, w: F.rms_norm(x, x.shape[-1:]),
        "sum": lambda x, w: x.sum(), "sum_dim": lambda x, w: x.sum(0), "pow": lambda x, w: x.pow(2),
@@ -98,23 +102,29 @@ def test_both_paths_count_the_block_flops(sd3):
         assert (heavy_flops(kernels, "matmul"), heavy_flops(kernels, "attention")) == (matmul, attention)
 
 
-@pytest.mark.parametrize("overrides", [[], LORA, FLUX], ids=["full", "lora", "flux"])
-def test_the_census_finds_every_model_flop_of_the_step(overrides):
+@pytest.mark.parametrize("overrides,data", [([], DATA), (LORA, DATA), (FLUX, DATA), (QWEN, QWEN_DATA),
+                                           (QWEN + LORA, QWEN_DATA)],
+                         ids=["full", "lora", "flux", "qwen-image", "qwen-image lora"])
+def test_the_census_finds_every_model_flop_of_the_step(overrides, data):
     """Blocks x their counts + what runs outside them = torch's flop counter on the whole model's forward and
     backward (benchmarks/train_step.py's MFU numerator): no block, embedder, final layer or weight gradient is
-    missed or counted twice; under LoRA the frozen weights get no weight gradient."""
+    missed or counted twice; under LoRA the frozen weights get no weight gradient; Qwen-Image's masked attention
+    and its last block, whose text stream is not computed, are counted as the model runs them."""
     cfg = tiny(*overrides)
-    census = roofline.count_step(cfg, DATA, ("eager",))
+    census = roofline.count_step(cfg, data, ("eager",))
     prediction = roofline.predict(census, "eager", "fa3", micro_steps=1)
-    joint, pooled = DATA.text_dims
 
     def inputs():
-        text = {"prompt_embeds": torch.zeros(1, DATA.text_tokens, joint),
-                "pooled_prompt_embeds": torch.zeros(1, pooled)}
-        return torch.zeros(1, DATA.latent_channels, *DATA.latent_sizes[-1]), torch.full((1,), 0.5), text
-    per_sample = train_flops_per_sample(lambda: apply_lora(build_model(cfg, DATA), cfg.lora), inputs)
+        return (torch.zeros(1, data.latent_channels, *data.latent_sizes[-1]), torch.full((1,), 0.5),
+                empty_text(roofline.text_fields(data)))
+    per_sample = train_flops_per_sample(lambda: apply_lora(build_model(cfg, data), cfg.lora), inputs)
     assert prediction.model_flops == BATCH * per_sample
     assert len(census.kinds) == 2 and census.outside
+    if cfg.model.family == "qwen_image":
+        last = "dual-stream, last (text not computed)"
+        assert census.kinds == ["dual-stream" + (", first (no input gradient)" if cfg.lora.enabled else ""), last]
+        attention = [k for k in census.blocks[1].kernels["eager"] if k.cls == "attention"]
+        assert len(attention) == 2 and "mask" not in str(census.blocks[1].kernels)  # forward and backward, fused
 
 
 def test_frozen_lora_weights_get_no_weight_gradient_matmul():

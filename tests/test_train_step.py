@@ -40,7 +40,10 @@ def test_every_row_of_the_tiny_table_runs(row, tmp_path):
     assert result["status"] == "passed", result
     assert result["step_s"] > 0 and len(result["step_s_all"]) == 1 and result["model_tflop_per_step"] > 0
     assert result["tokens_per_s"] == pytest.approx(result["images_per_s"] * (64 + 8))  # 8x8 patches + 8 text tokens
-    assert result["host_syncs_per_step"] == 0 and result["graph_breaks"] == 0 and result["notes"] == []
+    assert result["host_syncs_per_step"] == 0 and result["graph_breaks"] == 0
+    # no notes, but an anchor's of a config that checkpoints every k-th block: diffusers checkpoints every block
+    assert all(row.variant.anchor and note.startswith("activation checkpointing: ours full every")
+               for note in result["notes"]), result["notes"]
     assert result["eager_fallbacks"] == (0 if result["compile"] else None)  # compiled rows really compiled
     assert result["mfu"] is None and result["peak_memory_gib"] is None  # no known peak, no device allocator on a CPU
 
