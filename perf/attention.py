@@ -168,6 +168,11 @@ def probe_mask(length: int, device: torch.device) -> torch.Tensor:
     return mask
 
 
+def masked_by(mask: torch.Tensor | None) -> dict:
+    """A kernel's keyword arguments: the mask where there is one (a kernel's own `mask` defaults to none)."""
+    return {} if mask is None else {"mask": mask}
+
+
 def token_errors(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
                  mask: torch.Tensor | None = None) -> dict[str, float]:
     """How far `kernel`'s output and dq, dk, dv are from the fp32 math kernel's on the same inputs (and key mask):
@@ -175,7 +180,7 @@ def token_errors(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad
     results = []
     for fn, dtype in ((kernel, q.dtype), (math_attention, torch.float32)):
         inputs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-        out = fn(*inputs, mask=mask)
+        out = fn(*inputs, **masked_by(mask))
         results.append([t.detach().float() for t in (out, *torch.autograd.grad(out, inputs, grad.to(out.dtype)))])
     return {name: float((ours - ref).norm(dim=-1).max() / ref.norm(dim=-1).square().mean().sqrt())
             for name, ours, ref in zip(("output", "dq", "dk", "dv"), *results)}
@@ -186,7 +191,8 @@ def traces(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     why not. The aot_eager backend traces the backward as inductor would, without generating code."""
     inputs = [t.detach().requires_grad_() for t in (q, k, v)]
     try:
-        compiled = torch.compile(lambda q, k, v: kernel(q, k, v, mask=mask), fullgraph=True, backend="aot_eager")
+        compiled = torch.compile(lambda q, k, v: kernel(q, k, v, **masked_by(mask)), fullgraph=True,
+                                 backend="aot_eager")
         compiled(*inputs).float().sum().backward()
         return None
     except Exception as e:  # dynamo's Unsupported and whatever a kernel raises under fake tensors

@@ -219,3 +219,20 @@ def test_auto_skips_a_kernel_that_computes_wrong_gradients_or_breaks_the_compile
         apply_attention_backend(tiny_model(), "flash_attn_4", cpu, "fp32", 16, [300], fullgraph=True)
     with pytest.raises(ConfigError, match="attention_backend=sdpa_cudnn cannot run here: at sequence length 300"):
         apply_attention_backend(tiny_model(), "sdpa_cudnn", cpu, "fp32", 16, [4096, 300])
+
+
+def test_a_family_whose_text_is_padded_gets_a_kernel_that_takes_its_mask(monkeypatch):
+    """Qwen-Image masks its text's padding: a kernel is probed with a key mask too (one that takes none fails the
+    probe, with the reason), flash-attn's dense kernels are passed over, and the masked math kernel agrees."""
+    from perf import attention
+    cpu = torch.device("cpu")
+
+    def maskless(q, k, v):
+        return math_attention(q, k, v)
+    assert attention.probe(maskless, cpu, "fp32", 16, [64]) is None
+    assert "unexpected keyword argument 'mask'" in attention.probe(maskless, cpu, "fp32", 16, [64], masked=True)
+    assert attention.probe(math_attention, cpu, "fp32", 16, [64], masked=True) is None
+    assert attention.probe(sdpa_attention, cpu, "fp32", 16, [64], masked=True) is None
+    monkeypatch.setattr(attention, "requirement", lambda *args: None)  # as on a GPU where it runs
+    assert attention.why_not("flash_attn_2", cpu, "bf16", 64, masked=True) == (
+        "its dense kernels take no attention mask, and this family masks its text's padding")
