@@ -2,7 +2,7 @@
 
     python plan_memory.py --config configs/sd35_large_lora.yaml --gpus 1 --gpu-gib 24 [key=value ...]
     python plan_memory.py --table [--model qwen-image]   # what fits 24/48/80 GB, each released model (or one):
-                                                         # the tables of docs/sd3.md, docs/flux.md, docs/qwen-image-plan.md
+                                                         # the tables of docs/sd3.md, docs/flux.md, docs/qwen-image.md
 
 For the config as given and for the choices near it (activation checkpointing, a quantized base, FSDP over the
 GPUs, CPU offload, another micro-batch) it prints, per rank, the weights, gradients, optimizer state, EMA,
