@@ -302,8 +302,10 @@ class CheckpointWriteError(RuntimeError):
 
 class TrainedWeights:
     """A model's part of a checkpoint: its weights and buffers but for frozen parts that come from elsewhere
-    (SD3's text encoders from their pipeline), or with `adapters_only` (LoRA) only the trained adapters (the
-    frozen base comes from model.init_from). Sharded weights are DTensors: each rank holds and writes its part."""
+    (a pipeline's text encoders), or with `adapters_only` (LoRA) only the trained adapters (the frozen base comes
+    from model.init_from). The transformer is kept whole (a full fine-tune's export is the checkpoint's: Qwen-Image's
+    last text stream, frozen because nothing uses it, is still a key of its model). Sharded weights are DTensors: each
+    rank holds and writes its part."""
 
     def __init__(self, model: torch.nn.Module, adapters_only: bool = False):
         self.model, self.adapters_only = unwrap(model), adapters_only
@@ -311,7 +313,8 @@ class TrainedWeights:
     def state_dict(self) -> dict[str, torch.Tensor]:
         if self.adapters_only:
             return {name: p for name, p in self.model.named_parameters() if p.requires_grad}
-        frozen = {name for name, p in self.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        frozen = {name for name, p in self.model.named_parameters(remove_duplicate=False)
+                  if not p.requires_grad and not name.startswith("transformer.")}
         return {name: t for name, t in self.model.state_dict().items() if name not in frozen}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:

@@ -375,3 +375,37 @@ def text_encoder_share(overrides: list[str]) -> dict:
     total = sum(p.numel() for p in model.text_encoder.parameters())
     model = apply_parallelism(model, cfg, world, device, InitialValues(model, 0, cfg.model.init_from))
     return {"local": sum(p.to_local().numel() for p in model.text_encoder.parameters()), "total": total}
+
+
+@pytest.mark.parametrize("family", CASES)
+def test_dora_and_rslora_on_an_nf4_base_with_validation_images_and_held_out_loss(family, request, tmp_path):
+    """The fine-tuning features together on the family's pipeline: DoRA and rsLoRA adapters on its default targets,
+    the frozen base in 4-bit NormalFloat, the held-out loss and validation images (its sampler and its
+    pipeline's VAE decode them)."""
+    case = CASES[family].pipeline
+    folder, data = request.getfixturevalue(case.folder), request.getfixturevalue(case.data)
+    assert main(pipeline_lora(case, folder, data, tmp_path / "run", "training.max_steps=2", "checkpoint.every=0",
+                              "lora.use_dora=true", "lora.use_rslora=true", "lora.base_quantization=nf4",
+                              "data.holdout=2", "validation.every=2", "validation.at_end=true", "validation.loss_sigmas=2",
+                              "sampling.steps=2")) == 0
+    weights = final_weights(tmp_path / "run")
+    assert any(".lora_magnitude_vector." in name for name in weights) and all(".lora_" in name for name in weights)
+    assert (tmp_path / "run" / "samples" / "step_00000002.png").is_file()
+    assert [r["step"] for r in metric_rows(tmp_path / "run") if "val/loss" in r] == [2]
+
+
+@pytest.mark.parametrize("family", CASES)
+def test_a_full_fine_tune_exports_a_folder_its_pipeline_loads(family, request, tmp_path):
+    """A full fine-tune of the pipeline's transformer becomes a diffusers transformer folder of the family's class,
+    which computes this project's trained model's output (1e-5)."""
+    from sample_mmdit import load_trained
+    case = CASES[family]
+    folder, data = request.getfixturevalue(case.pipeline.folder), request.getfixturevalue(case.pipeline.data)
+    assert main(pipeline_lora(case.pipeline, folder, data, tmp_path / "run", "lora.enabled=false",
+                              "training.max_steps=1", "optimizer.lr=1e-3")) == 0
+    assert export_mmdit.main(["--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 0
+    loaded = getattr(diffusers, case.reference).from_pretrained(tmp_path / "out").eval()
+    model = load_trained(checkpoints(tmp_path / "run")[-1])[0].transformer
+    x = case.inputs(dict(loaded.config), 8, 8, 5, seed=4)
+    with torch.no_grad():
+        torch.testing.assert_close(case.theirs(loaded, x), ours(model, x), rtol=0, atol=1e-5)
