@@ -53,7 +53,7 @@ def test_mistakes_are_named_before_compute(flux_dir, flux_data, tmp_path, caplog
                                  tmp_path / "schnell")
     assert main(["--config", "configs/flux_schnell_lora.yaml", *run, f"model.init_from={schnell}",
                  "flux.train_guidance=3.5"]) == 2
-    assert ("flux.train_guidance sets the guidance a guidance-distilled model (FLUX.1-dev) embeds, and "
+    assert ("flux.train_guidance sets the guidance a guidance-distilled model (FLUX.1-dev, FLUX.2-dev) embeds, and "
             f"{schnell} has no guidance embedding" in caplog.text)
     assert main([*FLUX_RUN, *run, "model.patch_size=3"]) == 2
     assert "model.patch_size=3 does not divide the 8x8 latents (packed tokens of 3x3)" in caplog.text

@@ -71,6 +71,13 @@ class Flux2Config:  # diffusers' config.json keys and defaults (FLUX.2-dev)
 # ----------------------------------------------------------------------------------------------- positions
 
 
+def rotary_axes(head_dim: int) -> list[int]:
+    """FLUX.2's split of a head's channels over its (t, h, w, l) position axes, 32/32/32/32 of 128, for any head
+    dim: four even quarters (the last takes what is left)."""
+    quarter = 2 * (head_dim // 8)
+    return [quarter, quarter, quarter, head_dim - 3 * quarter]
+
+
 def position_ids(text_tokens: int, rows: int, columns: int, device: torch.device) -> torch.Tensor:
     """[text + rows * columns, 4] ids (t, h, w, l) of the joint sequence [text, image]: text token l at
     (0, 0, 0, l), image token (row, column) at (0, row, column, 0), as Flux2KleinPipeline and Flux2Pipeline make
