@@ -162,9 +162,9 @@ def flux2_random(seed: int) -> dict:
     r = random.Random(seed)
     head_dim = 2 * r.randint(4, 10)
     return {**FLUX2_BASE, "num_layers": r.randint(1, 2), "num_single_layers": r.randint(1, 3),
-            "attention_head_dim": head_dim, "num_attention_heads": r.randint(1, 3), "axes_dims_rope": axes4(r, head_dim),
-            "guidance_embeds": r.random() < 0.5, "joint_attention_dim": r.randint(3, 24),
-            "mlp_ratio": r.choice([3.0, 2.0, 1.5])}
+            "attention_head_dim": head_dim, "num_attention_heads": r.randint(1, 3),
+            "axes_dims_rope": axes4(r, head_dim), "guidance_embeds": r.random() < 0.5,
+            "joint_attention_dim": r.randint(3, 24), "mlp_ratio": r.choice([3.0, 2.0, 1.5])}
 
 
 def flux2_inputs(config: dict, height: int, width: int, tokens: int, seed: int) -> dict:

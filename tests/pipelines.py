@@ -160,10 +160,11 @@ def qwen3_text_encoder(tokenizer):
     the last of them would be after the final norm, which the released 36-layer models' is not), 16 wide."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
     ids = tokenizer.convert_tokens_to_ids
-    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=QWEN3_WIDTH, intermediate_size=32, num_hidden_layers=28,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=1024,
-                         rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-                         tie_word_embeddings=True, bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"),
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=QWEN3_WIDTH, intermediate_size=32,
+                         num_hidden_layers=28, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                         max_position_embeddings=1024, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=True,
+                         bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"),
                          pad_token_id=ids("<|endoftext|>"))
     return Qwen3ForCausalLM(config).eval()
 
