@@ -201,3 +201,42 @@ def build_flux2_klein_pipeline(root: Path) -> Path:
     diffusers.Flux2KleinPipeline(scheduler=scheduler, vae=flux2_vae(), text_encoder=qwen3_text_encoder(tokenizer),
                                  tokenizer=tokenizer, transformer=flux2_transformer()).save_pretrained(root)
     return root
+
+
+# ----------------------------------------------------------------------------------------------- FLUX.2 [dev]
+
+# A stand-in for Mistral-Small-3's chat template (the released one is in its processor's folder): the system message
+# and the user's, each message's text from its typed content, as Flux2Pipeline's format_input builds them
+MISTRAL_CHAT_TEMPLATE = ("<s>{%- for message in messages -%}"
+                         "{%- if message['role'] == 'system' -%}"
+                         "[SYSTEM_PROMPT]{{ message['content'][0]['text'] }}[/SYSTEM_PROMPT]"
+                         "{%- else -%}[INST]{{ message['content'][0]['text'] }}[/INST]{%- endif -%}{%- endfor -%}")
+
+
+def build_flux2_dev_pipeline(root: Path) -> Path:
+    """A tiny random Flux2Pipeline saved at `root`: Mistral3 with a 31-layer, 16-wide language model (the pipeline
+    reads the states after layers 10, 20 and 30) and a one-layer Pixtral vision tower it never runs. Its
+    `tokenizer` is the tiny byte-level tokenizer with MISTRAL_CHAT_TEMPLATE, not a PixtralProcessor (which needs
+    torchvision): for text the processor's chat template call is its tokenizer's."""
+    import diffusers
+    from tokenizers import AddedToken
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+    torch.manual_seed(0)
+    tokenizer = qwen_tokenizer()
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in
+                          ("<s>", "[IMG]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[INST]", "[/INST]")],
+                         special_tokens=True)
+    tokenizer.chat_template = MISTRAL_CHAT_TEMPLATE
+    ids = tokenizer.convert_tokens_to_ids
+    config = Mistral3Config(
+        text_config=dict(model_type="mistral", vocab_size=len(tokenizer), hidden_size=QWEN3_WIDTH, intermediate_size=32,
+                         num_hidden_layers=31, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                         max_position_embeddings=1024, pad_token_id=ids("<|endoftext|>")),
+        vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=64, patch_size=16, head_dim=8),
+        image_token_index=ids("[IMG]"), spatial_merge_size=1)
+    pipe = diffusers.Flux2Pipeline(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True),
+                                   vae=flux2_vae(), text_encoder=Mistral3ForConditionalGeneration(config).eval(),
+                                   tokenizer=tokenizer, transformer=flux2_transformer(guidance_embeds=True))
+    pipe.save_pretrained(root)
+    return root

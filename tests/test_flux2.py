@@ -228,6 +228,32 @@ def test_the_comfyui_layout_folds_the_scale_and_refuses_dora_and_other_component
         comfyui_lora({"transformer": (weights, settings), "text_encoder": ({}, settings)}, (16, 1, 1), "run")
 
 
+# ----------------------------------------------------------------------------------------------- dev's text
+
+
+def test_devs_text_path_is_flux2pipelines(tmp_path):
+    """Mistral3's language model over [system: SYSTEM_MESSAGE, user: caption], layers 10, 20 and 30 stacked per
+    token (a tiny Mistral3 and a stand-in chat template: tests/pipelines.py), as Flux2Pipeline.encode_prompt; the
+    weights found under the files' `language_model.model.` names."""
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+
+    from models.flux2.text import SYSTEM_MESSAGE as OURS, Flux2TextEncoders, Flux2Tokenizers
+    from tests.pipelines import build_flux2_dev_pipeline
+    assert OURS == SYSTEM_MESSAGE
+    root = build_flux2_dev_pipeline(tmp_path / "dev")
+    pipe = diffusers.Flux2Pipeline.from_pretrained(root)
+    captions = ["a red cat", "a dog on the grass in snow", ""]
+    with torch.no_grad():
+        expected, _ = pipe.encode_prompt(captions, max_sequence_length=FLUX2_TOKENS)
+    with torch.device("meta"):
+        encoders = Flux2TextEncoders(root, FLUX2_TOKENS)
+    encoders.check("--model")
+    encoders.load(torch.device("cpu"), torch.float32)
+    assert len(encoders.lm.layers) == 30 and encoders.joint_dim == 3 * QWEN3_WIDTH
+    got = encoders(**Flux2Tokenizers(root, FLUX2_TOKENS)(captions))["prompt_embeds"]
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------------------------- mistakes
 
 
