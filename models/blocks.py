@@ -2,7 +2,7 @@
 attention over one or two streams (with rotary positions and a text padding mask where the family uses them), the
 feed-forward, packing latents into tokens, rotary tables, and the joint (double-stream) block that SD3 / SD3.5 and
 FLUX.1 share. Submodule names follow diffusers, so released state dicts map key for key. The families assemble these
-in their folders (models/sd3/model.py, models/flux/model.py, models/qwen_image/model.py).
+in their folders (models/sd3/model.py, models/flux/model.py, models/qwen_image/model.py, models/flux2/model.py).
 """
 
 import math

@@ -19,6 +19,7 @@ template only (the released processor's template is read from the pipeline folde
 
 import copy
 import json
+import logging
 from functools import partial
 from pathlib import Path
 
@@ -28,6 +29,7 @@ import torch.nn as nn
 from models.diffusers_io import CheckpointFormatError
 from models.pipeline_text import PipelineTextEncoders, PipelineTokenizers
 
+log = logging.getLogger("mmdit")
 PARTS = {"lm": ("text_encoder", "tokenizer")}
 LAYERS = {"qwen3": (9, 18, 27), "mistral3": (10, 20, 30)}  # the hidden states stacked, by the language model's type
 # the file keys of the language model's parameters: Qwen3ForCausalLM's, Mistral3ForConditionalGeneration's (as
@@ -71,8 +73,13 @@ class Flux2Tokenizers(PipelineTokenizers):
         from transformers import AutoProcessor, AutoTokenizer
         self.folder, self.max_sequence_length = Path(folder), max_sequence_length
         self.kind = language_model_type(self.folder)
-        load = AutoTokenizer if self.kind == "qwen3" else AutoProcessor
-        self.parts = {"lm": load.from_pretrained(self.folder / PARTS["lm"][1])}
+        path = self.folder / PARTS["lm"][1]
+        try:
+            tokenizer = (AutoTokenizer if self.kind == "qwen3" else AutoProcessor).from_pretrained(path)
+        except ImportError as e:  # dev's PixtralProcessor needs torchvision, for images this pipeline never shows
+            log.warning("%s: %s; its tokenizer stands in for the processor (text only)", path, str(e).strip()[:200])
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        self.parts = {"lm": tokenizer}
         self.tokens = max_sequence_length
 
     def length(self, part: str) -> int:
