@@ -2,7 +2,8 @@
 single file (fused and swapped tensors, klein or dev from the shapes) loading with the outputs of diffusers'
 conversion of it, blocks of its rows read alone; a LoRA run from that file exported in ComfyUI's layout, checked
 against ComfyUI's rule (BFL's weights patched by up @ down) through diffusers' conversion, and loaded by diffusers'
-FLUX.2 loader as the PEFT file is; dev's text path against Flux2Pipeline's; mistakes named before compute."""
+FLUX.2 loader as the PEFT file is; dev's text path against Flux2Pipeline's; mistakes named before compute; the
+VAE's decoding of a dataset's latents as the pipeline decodes."""
 
 import json
 from pathlib import Path
@@ -280,9 +281,21 @@ def test_mistakes_are_named_before_compute(flux2_dir, flux2_data, tmp_path, capl
     assert not (tmp_path / "run").exists()
 
 
-def test_the_dataset_records_flux2_and_its_vae_normalisation(flux2_data):
-    """precompute's dataset.json: the family, 16-channel patchified latents at 1/4 of the tiny VAE's pixels, the
-    text tokens as padded, and the BatchNorm statistics it was normalised by (validation decodes with them)."""
+def test_the_vae_decodes_as_the_pipeline_does_with_the_statistics_the_dataset_recorded(flux2_dir, flux2_data):
+    """Validation's decode (models/vae.py, given dataset.json's statistics): the pipeline's inverse BatchNorm
+    normalisation, unpatchify and decode; the dataset records the family, 16 patchified channels and the text
+    tokens as padded."""
+    from models.vae import load_vae
     index = json.loads((flux2_data / "dataset.json").read_text())
     assert index["family"] == "flux2" and index["channels"] == 16 and index["text_tokens"] == FLUX2_TOKENS
-    assert len(index["vae"]["latents_mean"]) == len(index["vae"]["latents_std"]) == 16
+    recorded = {k: v for k, v in index["vae"].items() if k != "folder"}
+    assert len(recorded["latents_mean"]) == len(recorded["latents_std"]) == 16
+    vae = load_vae(flux2_dir / "vae", torch.device("cpu"), torch.float32, **recorded)
+    pipe = diffusers.Flux2KleinPipeline.from_pretrained(flux2_dir)
+    latents = torch.randn(2, 16, 3, 5, generator=torch.Generator().manual_seed(0))
+    bn = pipe.vae.bn
+    with torch.no_grad():
+        z = latents * torch.sqrt(bn.running_var.view(1, -1, 1, 1) + pipe.vae.config.batch_norm_eps) + \
+            bn.running_mean.view(1, -1, 1, 1)
+        expected = pipe.vae.decode(pipe._unpatchify_latents(z), return_dict=False)[0]
+        torch.testing.assert_close(vae.decode(latents), expected, rtol=1e-5, atol=1e-5)
