@@ -1,4 +1,5 @@
-"""What is FLUX.2's own (what every family has is tests/test_families.py's): its pipelines' sampling schedule; BFL's
+"""What is FLUX.2's own (what every family has is tests/test_families.py's): its pipelines' sampling schedule; a
+fresh model's zero velocity and every parameter's gradient; the configs on the released architectures; BFL's
 single file (fused and swapped tensors, klein or dev from the shapes) loading with the outputs of diffusers'
 conversion of it, blocks of its rows read alone; a LoRA run from that file exported in ComfyUI's layout, checked
 against ComfyUI's rule (BFL's weights patched by up @ down) through diffusers' conversion, and loaded by diffusers'
@@ -6,6 +7,7 @@ FLUX.2 loader as the PEFT file is; dev's text path against Flux2Pipeline's; mist
 VAE's decoding of a dataset's latents as the pipeline decodes."""
 
 import json
+import types
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +48,52 @@ def test_sampling_follows_the_pipelines_schedule():
             scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=compute_empirical_mu(side**2, steps))
             assert sampler.steps == steps
             torch.testing.assert_close(sampling_sigmas(steps, sampler.shift), scheduler.sigmas, rtol=0, atol=1e-6)
+
+
+def test_a_fresh_model_predicts_zero_and_every_parameter_takes_part():
+    """adaLN-Zero with the shared modulations: zero velocity from a fresh model, and a gradient for every parameter
+    (outside the blocks too: the modulations, the embedders, the final norm)."""
+    from models.flux2.model import Flux2, Flux2Config
+    model = Flux2(Flux2Config(**DEV))
+    x = flux2_inputs(DEV, 4, 6, 5, seed=0)
+    out = ours(model, x)
+    assert torch.equal(out, torch.zeros_like(out))
+    out.square().mean().backward()
+    assert [n for n, p in model.named_parameters() if p.grad is None] == []
+
+
+@pytest.mark.parametrize("name,released", [("flux2_klein_4b_lora", "flux2-klein-4b"),
+                                           ("flux2_klein_9b_lora", "flux2-klein-9b"), ("flux2_dev_lora", "flux2-dev"),
+                                           ("flux2_dev", "flux2-dev")])
+def test_the_configs_build_the_released_architecture(name, released, tmp_path):
+    """Pointed at (the config of) a released transformer, each config builds Flux2Transformer2DModel key for key on
+    the meta device, with the released text widths, and adapts what the family's record names."""
+    import dataclasses
+
+    from configs.build import transformer_config
+    from configs.schema import load_config
+    from models.families import FAMILIES
+    from models.flux2.model import Flux2
+    family = FAMILIES["flux2"]
+    settings = family.released[released]
+    config = {k: settings[k] for k in family.architecture}
+    config.update(attention_head_dim=128, joint_attention_dim=family.text_of(
+        types.SimpleNamespace(**settings)).joint)
+    with torch.device("meta"):
+        theirs = diffusers.Flux2Transformer2DModel(**config)
+    theirs.save_config(tmp_path / "transformer")
+    cfg = load_config(f"configs/{name}.yaml", ["data.path=unused", f"model.init_from={tmp_path / 'transformer'}"])
+    assert cfg.model.family == "flux2" and cfg.model.patch_size == 1
+    ours_config = transformer_config(cfg, 128, [(64, 64)], (config["joint_attention_dim"], 0))
+    expected = {k: list(v) if isinstance(v, tuple) else v for k, v in theirs.config.items() if not k.startswith("_")}
+    assert dataclasses.asdict(ours_config) == {**expected, "out_channels": 128}  # diffusers' None: in_channels
+    with torch.device("meta"):
+        model = Flux2(ours_config)
+    assert {k: v.shape for k, v in model.state_dict().items()} == {k: v.shape for k, v in theirs.state_dict().items()}
+    if cfg.lora.enabled:
+        assert cfg.lora.target_modules[:5] == ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                                               "attn.to_qkv_mlp_proj"]
+        assert len(cfg.lora.target_modules) == 5 + settings["num_single_layers"]
 
 
 # ----------------------------------------------------------------------------------------------- BFL's file
