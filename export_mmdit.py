@@ -1,4 +1,4 @@
-"""Export a trained MMDiT for diffusers (and a FLUX.1 or Qwen-Image LoRA for ComfyUI too).
+"""Export a trained MMDiT for diffusers (and a FLUX.1, Qwen-Image or FLUX.2 LoRA for ComfyUI too).
 
     python export_mmdit.py --checkpoint PATH --out DIR [--weights ema|trained] [--dtype fp32|bf16|fp16]
                            [--format peft|kohya]
@@ -6,17 +6,20 @@
 PATH is a run directory (its newest complete checkpoint is used) or one checkpoint directory. DIR must not exist:
 nothing is ever overwritten.
 
-A full fine-tune becomes a transformer directory of the run's family (`SD3Transformer2DModel` or
-`FluxTransformer2DModel`: `.from_pretrained(DIR)`, or a pipeline's `transformer=`). A LoRA run becomes, by --format:
+A full fine-tune becomes a transformer directory of the run's family (`SD3Transformer2DModel`,
+`FluxTransformer2DModel`, ...: `.from_pretrained(DIR)`, or a pipeline's `transformer=`). A LoRA run becomes, by --format:
   peft (default)  DIR/pytorch_lora_weights.safetensors, diffusers' own format (`StableDiffusion3Pipeline` or
                   `FluxPipeline.load_lora_weights(DIR)`), with the text encoders' adapters of lora.text_encoders
                   (`text_encoder.*` for CLIP-L, `text_encoder_2.*` for SD3's CLIP-G) beside the transformer's.
-  kohya           FLUX.1 and Qwen-Image: DIR/<DIR's name>.safetensors in the layout ComfyUI loads. Not for DoRA runs.
+  kohya           FLUX.1, Qwen-Image, FLUX.2: DIR/<DIR's name>.safetensors in the layout ComfyUI loads. Not for DoRA
+                  runs.
                   FLUX.1: kohya's names (`lora_unet_...`, `lora_te1_...` for CLIP-L; lora_down / lora_up / alpha),
                   for ComfyUI and Forge (models/flux/kohya.py); diffusers loads it too but drops the adapters outside
                   the blocks (the final proj_out, which the target name proj_out adapts too): in diffusers, load the
                   peft file. Qwen-Image: diffusers' module names under `diffusion_model.` (lora_A / lora_B / alpha),
-                  which QwenImagePipeline.load_lora_weights loads too (models/qwen_image/comfyui.py).
+                  which QwenImagePipeline.load_lora_weights loads too (models/qwen_image/comfyui.py). FLUX.2: BFL's
+                  module names under `diffusion_model.` (lora_A / lora_B, the q/k/v adapters fused, no alpha), which
+                  the FLUX.2 pipelines' load_lora_weights loads too (models/flux2/comfyui.py).
 """
 
 import argparse
@@ -85,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the EMA of the weights (smoother) or the last trained weights")
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="dtype of the written weights")
     parser.add_argument("--format", choices=FORMATS, default="peft",
-                        help="a LoRA's layout: diffusers' (peft) or, for FLUX.1 and Qwen-Image, ComfyUI's (kohya)")
+                        help="a LoRA's layout: diffusers' (peft) or, for FLUX.1, Qwen-Image and FLUX.2, "
+                             "ComfyUI's (kohya)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     try:

@@ -46,7 +46,7 @@ def released_text(cfg) -> dict:
 
 def family_text(family, settings) -> dict:
     """The same for a transformer of `settings` (model.* values, as attributes) of `family`."""
-    return {**dataclasses.asdict(family.released_text), "tokens": family.text_tokens(settings)}
+    return {**dataclasses.asdict(family.text_of(settings)), "tokens": family.text_tokens(settings)}
 
 
 def planning_config(path: str, overrides: list[str], model: str | None):

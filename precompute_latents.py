@@ -10,7 +10,9 @@ PIPELINE_DIR is a diffusers pipeline directory, whose model_index.json names its
 - Stable Diffusion 3 / 3.5: vae/, text_encoder/ + tokenizer/ (CLIP-L), text_encoder_2/ + tokenizer_2/ (CLIP-G)
   and, optionally, text_encoder_3/ + tokenizer_3/ (T5; without it the T5 part is zeros, as the pipeline does);
 - FLUX.1 (dev or schnell): vae/ (FLUX's scale and shift), text_encoder/ + tokenizer/ (CLIP-L, pooled),
-  text_encoder_2/ + tokenizer_2/ (T5: 512 tokens for dev, 256 for schnell by default).
+  text_encoder_2/ + tokenizer_2/ (T5: 512 tokens for dev, 256 for schnell by default);
+- FLUX.2 (klein or dev): vae/ (latents patchified 2 x 2 into 128 channels at 1/16 and normalised by its BatchNorm's
+  statistics), text_encoder/ + tokenizer/ (klein: Qwen3; dev: Mistral-Small-3 and its processor; 512 tokens).
 Nothing is downloaded. The dataset records the family; training checks it against model.family.
 
 Inputs:
@@ -28,7 +30,8 @@ each latent element's pixels into `loss_mask` weights stored with the latents (d
 mask is black over its whole crop is skipped as bad ("empty mask").
 
 The latents are the VAE posterior mean, shifted and scaled as the pipeline expects; the text embeddings are what
-the pipeline's `encode_prompt` gives (models/sd3/text.py, models/flux/text.py), or, with --text-embeddings none, not
+the pipeline's `encode_prompt` gives (models/sd3/text.py, models/flux/text.py, models/qwen_image/text.py,
+models/flux2/text.py), or, with --text-embeddings none, not
 stored: training encodes the captions itself (data.text_encoding=on_the_fly), and a sample costs its latents
 alone. Each image is resized to cover its target size and centre-cropped; the target is --resolution squared,
 or with --aspect-buckets the bucket of about that area nearest its aspect ratio.
@@ -69,7 +72,7 @@ from runtime.preemption import mark_exit
 from runtime.quiet_imports import torchao_only_if
 
 log = logging.getLogger("mmdit")
-PATCH = 2  # latent pixels per token side of the released models (SD3's patches, FLUX.1's packing)
+PATCH = 2  # latent pixels per token side of the released models (SD3's patches, FLUX.1's and Qwen-Image's packing)
 MAX_INPUT_NAMES = 100_000  # images of a folder or manifest named in precompute.json (to say what changed on a rerun)
 
 
@@ -173,11 +176,12 @@ def run(args: argparse.Namespace, ranks: Ranks, device: torch.device) -> int:
         if family.max_text_tokens and length > family.max_text_tokens:
             raise PrecomputeError(f"--max-sequence-length {length}: {family.title}'s pipeline takes at most "
                                   f"{family.max_text_tokens} text tokens")
-        multiple = vae_downsampling(args.model) * PATCH  # every latent side must divide into patches
+        patch = family.packing or PATCH  # FLUX.2's latents are patchified by its VAE step: one pixel a token
+        multiple = vae_downsampling(args.model) * patch  # every latent side must divide into patches
         name = "bucket_step" if args.aspect_buckets else "resolution"
         if getattr(args, name) % multiple:
             raise PrecomputeError(f"--{name.replace('_', '-')} {getattr(args, name)} must be a multiple of {multiple} "
-                                  f"(VAE downsampling {multiple // PATCH} x patch {PATCH})")
+                                  f"(VAE downsampling {multiple // patch} x patch {patch})")
         compute = DTYPES[args.dtype] if device.type == "cuda" else torch.float32
         settings = {"model": str(args.model.resolve()), **inputs, "resolution": args.resolution,
                     "aspect_buckets": args.aspect_buckets, "bucket_step": args.bucket_step,

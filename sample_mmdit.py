@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg_scale = cfg.sampling.cfg_scale if args.cfg is None else args.cfg
     shape = (ShapesDataset.latent_channels, *ShapesDataset.latent_sizes[0])
     noise = initial_noise(args.seed, list(range(len(prompts))), shape)
-    sampler = dataclasses.replace(build_sampler(cfg, shape[1:]), steps=steps, cfg_scale=cfg_scale)
+    sampler = dataclasses.replace(build_sampler(cfg, shape[1:], steps), cfg_scale=cfg_scale)
     x = generate(model, tokenizer(prompts), tokenizer([""]), noise, sampler)
     images = to_unit(x)
     write_new_directory(args.out, lambda tmp: save_pngs(images, tmp))  # whole or not at all

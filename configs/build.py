@@ -4,6 +4,7 @@ and of each other's specifics (this is where a dataset's prompts meet the valida
 
 import dataclasses
 import logging
+import math
 from functools import partial
 from pathlib import Path
 
@@ -328,15 +329,22 @@ def resolution_constants(cfg: DictConfig) -> dict:
     return {k: v for k, v in dataclasses.asdict(schedule).items() if k != "terminal"}
 
 
-def build_sampler(cfg: DictConfig, latent_size: tuple[int, int]) -> Sampler:
-    """The sampler of sampling.* for latents of `latent_size`: the schedule shifted by sampling.shift or by the
-    resolution (sampling.resolution_shift, the family's pipeline's schedule, its end stretched as that pipeline
-    does), a guidance-distilled model's embedded guidance, and the family's way of guiding."""
+def build_sampler(cfg: DictConfig, latent_size: tuple[int, int], steps: int | None = None) -> Sampler:
+    """The sampler of sampling.* for latents of `latent_size` (and `steps`, sampling.steps unless given): the
+    schedule shifted by sampling.shift or by the resolution (sampling.resolution_shift, the family's pipeline's
+    schedule: its mu of the token count, and of the steps where the family has its own, its end stretched as that
+    pipeline does), a guidance-distilled model's embedded guidance, and the family's way of guiding."""
     s, p, family = cfg.sampling, cfg.model.patch_size, FAMILIES[cfg.model.family]
-    shift = resolution_shift((latent_size[0] // p) * (latent_size[1] // p), **resolution_constants(cfg)) \
-        if s.resolution_shift else s.shift
+    steps = s.steps if steps is None else steps
+    tokens = (latent_size[0] // p) * (latent_size[1] // p)
+    if not s.resolution_shift:
+        shift = s.shift
+    elif family.sampling_mu is not None:
+        shift = math.exp(family.sampling_mu(tokens, steps))
+    else:
+        shift = resolution_shift(tokens, **resolution_constants(cfg))
     terminal = family.schedule.terminal if s.resolution_shift and family.schedule else None
-    return Sampler(s.steps, s.cfg_scale, shift, tuple(s.guidance_interval),
+    return Sampler(steps, s.cfg_scale, shift, tuple(s.guidance_interval),
                    cfg.flux.sample_guidance if cfg.model.guidance_embeds else None, terminal,
                    p if family.cfg_renorm else None)
 

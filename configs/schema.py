@@ -47,32 +47,36 @@ def fraction(section, *names: str) -> None:
 class ModelConfig:
     # sd3: SD3 / SD3.5's joint blocks over [image, text]; flux: FLUX.1's double-stream blocks (SD3's with rotary
     # positions) then single-stream blocks (attention and MLP in parallel, cheaper per token); qwen_image:
-    # Qwen-Image's dual-stream blocks (SD3's, with rotary positions and masked text padding). With init_from the
+    # Qwen-Image's dual-stream blocks (SD3's, with rotary positions and masked text padding); flux2: FLUX.2's double-
+    # and single-stream blocks (no biases, SwiGLU, one modulation shared by all blocks of a kind). With init_from the
     # folder's class decides, and a family set here must agree with it
     family: Literal[tuple(FAMILIES)] = "sd3"
-    # latent pixels per token side: sd3 patchifies with a conv, flux and qwen_image pack p x p latents (their
-    # pipelines: 2); a smaller value sees finer detail but costs ~4x tokens per halving
+    # latent pixels per token side: sd3 patchifies with a conv, flux, qwen_image and flux2 pack p x p latents (their
+    # pipelines: 2; flux2's: 1, its VAE step patchifies); a smaller value sees finer detail but costs ~4x tokens per
+    # halving
     patch_size: int = 4
-    # sd3, qwen_image: joint blocks; flux: double-stream blocks. None: the family's demo size (sd3 and qwen_image 6;
-    # flux 3, with 4 single)
+    # sd3, qwen_image: joint blocks; flux, flux2: double-stream blocks. None: the family's demo size (sd3 and
+    # qwen_image 6; flux and flux2 3, with 4 single)
     num_layers: Optional[int] = None
-    # flux: single-stream blocks after the double ones; None: 2 x num_layers (FLUX.1's ratio), or 4 in the demo
+    # flux, flux2: single-stream blocks after the double ones; None: 2 x num_layers (FLUX.1's ratio; flux2: 4 x,
+    # klein-4B's), or 4 in the demo
     num_single_layers: Optional[int] = None
     num_attention_heads: int = 4  # hidden size = heads * head_dim
     attention_head_dim: int = 32  # wider heads: more capacity, more FLOPs per token
     sample_size: int = 32  # sd3: nominal input size; sets the scale of the sin-cos position table
     pos_embed_max_size: int = 16  # sd3: largest patch grid side the position table covers
-    # per-head q,k RMSNorm (SD3.5, and always in FLUX): stabler at high lr
+    # per-head q,k RMSNorm (SD3.5, and always in FLUX.1, Qwen-Image and FLUX.2): stabler at high lr
     qk_norm: Optional[Literal["rms_norm"]] = "rms_norm"
     dual_attention_layers: List[int] = field(default_factory=list)  # sd3 (SD3.5): image-only attn2 in these blocks
-    # flux, qwen_image: rotary channels per position axis (FLUX.1: unused, row, column; Qwen-Image: frame, row,
-    # column), summing to attention_head_dim; None: their split (16/56/56 of 128), scaled to the head dim
+    # flux, qwen_image, flux2: rotary channels per position axis (FLUX.1: unused, row, column; Qwen-Image: frame, row,
+    # column; FLUX.2: four, time, row, column, text position), summing to attention_head_dim; None: their split
+    # (16/56/56 of 128; FLUX.2 32/32/32/32), scaled to the head dim
     axes_dims_rope: Optional[List[int]] = None
-    # flux: a guidance embedding, as FLUX.1-dev (guidance-distilled) has; schnell and models trained from scratch
-    # without distillation have none
+    # flux, flux2: a guidance embedding, as FLUX.1-dev and FLUX.2-dev (guidance-distilled) have; FLUX.1-schnell,
+    # FLUX.2-klein and models trained from scratch without distillation have none
     guidance_embeds: bool = False
-    # a diffusers transformer directory (SD3Transformer2DModel, FluxTransformer2DModel, QwenImageTransformer2DModel)
-    # or a family's original single file to start from; sets the family and the sizes above
+    # a diffusers transformer directory (SD3Transformer2DModel, FluxTransformer2DModel, QwenImageTransformer2DModel,
+    # Flux2Transformer2DModel) or a family's original single file to start from; sets the family and the sizes above
     init_from: Optional[str] = None
 
     def __post_init__(self):
@@ -162,7 +166,10 @@ class LoraConfig:
     rank: int = 16  # adapter rank: capacity against parameters and memory
     alpha: float = 16.0  # adapter output is scaled by alpha / rank; higher moves further from the base per step
     dropout: float = 0.0  # dropout on the adapter input: regularises small datasets, adds noise to the step
-    # module names in the blocks to adapt; None: those of diffusers' LoRA training script for the family
+    # module names in the blocks to adapt (or full names, e.g. double_stream_modulation_img.linear); None: those of
+    # diffusers' LoRA training script for the family. flux2's defaults leave its shared modulations
+    # (double_stream_modulation_img/_txt, single_stream_modulation): one matrix sets the shift, scale and gate of
+    # every block of a kind, outside the blocks; diffusers' scripts and musubi-tuner leave them (models/flux2/family.py)
     target_modules: Optional[List[str]] = None
     # frozen base weights stored in 4-bit NormalFloat or 8-bit integers, per row (models/quantized.py): ~1/8 or
     # ~1/4 of their fp32 memory, at a small output error (benchmarks/RESULTS.md); adapters train in full precision
@@ -200,8 +207,8 @@ class FlowConfig:
     mode_scale: float = 1.29  # mode sampling's s: > 0 favours mid noise, < 0 the ends (SD3: 1.29)
     shift: float = 3.0  # SD3 timestep shift of training sigmas; > 1 trains more at high noise, where shapes form
     # the family pipeline's shift by resolution instead of `shift`: e^mu, mu linear in the image tokens (FLUX.1: 0.5
-    # at 256, 1.15 at 4096; Qwen-Image: 0.5 at 256, 0.9 at 8192), so larger images, whose noise hides less per
-    # token, train at higher noise
+    # at 256, 1.15 at 4096; Qwen-Image: 0.5 at 256, 0.9 at 8192; FLUX.2: FLUX.1's over its tokens, musubi-tuner's
+    # flux2_shift), so larger images, whose noise hides less per token, train at higher noise
     resolution_shift: bool = False
 
     def __post_init__(self):
@@ -215,8 +222,9 @@ class SamplingConfig:
     steps: int = 30  # Euler steps: quality against sampling time
     cfg_scale: float = 5.0  # classifier-free guidance weight; 1 disables guidance (half the cost)
     shift: float = 3.0  # timestep shift of the sampling schedule; > 1 spends more steps at high noise
-    # the family pipeline's schedule: shift e^mu by the image's token count (flow.resolution_shift), and its end as
-    # its scheduler stretches it (Qwen-Image: the last sigma before 0 is 0.02)
+    # the family pipeline's schedule: shift e^mu by the image's token count (flow.resolution_shift; FLUX.2: its
+    # pipelines' mu of the token count and the step count), and its end as its scheduler stretches it (Qwen-Image:
+    # the last sigma before 0 is 0.02)
     resolution_shift: bool = False
     # sigma range [low, high] where guidance applies: layout and identity form at high noise, while guidance at
     # low noise over-sharpens; outside it only the conditional branch runs (cheaper)
@@ -231,13 +239,15 @@ class SamplingConfig:
 
 
 @dataclass
-class FluxGuidanceConfig:  # what only FLUX.1-dev's guidance embedding needs (model.guidance_embeds)
+class FluxGuidanceConfig:  # what only a guidance embedding needs (model.guidance_embeds: FLUX.1-dev, FLUX.2-dev)
     # the guidance value the embedding sees in training. dev was distilled to predict the guided velocity for the
     # scale it is given; the flow-matching target of real data is the unguided one, which dev produces at 1.0, so
     # 1.0 fine-tunes without teaching the embedding a new meaning (ai-toolkit, kohya's sd-scripts and SimpleTuner
-    # feed 1.0; diffusers' script defaults to 3.5 but its documented commands pass 1)
+    # feed 1.0; diffusers' script defaults to 3.5 but its documented commands pass 1; musubi-tuner's FLUX.2 trainer
+    # feeds 1.0 too)
     train_guidance: float = 1.0
-    sample_guidance: float = 3.5  # the embedded guidance of validation images (FluxPipeline's default)
+    # the embedded guidance of validation images (FluxPipeline's default; Flux2Pipeline's is 4.0)
+    sample_guidance: float = 3.5
 
     def __post_init__(self):
         non_negative(self, "train_guidance", "sample_guidance")
@@ -657,8 +667,9 @@ def check_guidance_keys(cfg: DictConfig, given: DictConfig, file: DictConfig, pa
         remedy = (f"{path} is a config for FLUX.1-dev; for FLUX.1-schnell use configs/flux_schnell_lora.yaml (or "
                   f"a copy of {path} without its flux section)" if OmegaConf.select(file, key) is not None
                   else f"leave {key} off the command line")
-        raise ConfigError(f"{key} sets the guidance a guidance-distilled model (FLUX.1-dev) embeds, and {model} no "
-                          f"guidance embedding (FLUX.1-schnell and SD3 have none): {remedy}")
+        raise ConfigError(f"{key} sets the guidance a guidance-distilled model (FLUX.1-dev, FLUX.2-dev) embeds, and "
+                          f"{model} no guidance embedding (FLUX.1-schnell, FLUX.2-klein, Qwen-Image and SD3 have none): "
+                          f"{remedy}")
 
 
 def as_override(value) -> str:
@@ -678,7 +689,7 @@ def family_defaults(cfg: DictConfig) -> None:
     if m.num_single_layers is None:
         m.num_single_layers = 0
     if cfg.lora.target_modules is None:
-        cfg.lora.target_modules = list(family.lora_targets)
+        cfg.lora.target_modules = family.default_lora_targets(m)
 
 
 def architecture_from_init(cfg: DictConfig, explicit: set[str]) -> None:

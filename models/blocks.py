@@ -2,7 +2,7 @@
 attention over one or two streams (with rotary positions and a text padding mask where the family uses them), the
 feed-forward, packing latents into tokens, rotary tables, and the joint (double-stream) block that SD3 / SD3.5 and
 FLUX.1 share. Submodule names follow diffusers, so released state dicts map key for key. The families assemble these
-in their folders (models/sd3/model.py, models/flux/model.py, models/qwen_image/model.py).
+in their folders (models/sd3/model.py, models/flux/model.py, models/qwen_image/model.py, models/flux2/model.py).
 """
 
 import math
@@ -77,10 +77,10 @@ def timestep_features(t: torch.Tensor, dim: int = 256) -> torch.Tensor:
 class MLPEmbedder(nn.Module):
     """linear_1 -> SiLU -> linear_2, the shape of diffusers' timestep, guidance and pooled-text embedders."""
 
-    def __init__(self, in_dim: int, dim: int):
+    def __init__(self, in_dim: int, dim: int, bias: bool = True):
         super().__init__()
-        self.linear_1 = nn.Linear(in_dim, dim)
-        self.linear_2 = nn.Linear(dim, dim)
+        self.linear_1 = nn.Linear(in_dim, dim, bias=bias)
+        self.linear_2 = nn.Linear(dim, dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_2(F.silu(self.linear_1(x)))
@@ -172,9 +172,9 @@ class AdaLNZero(nn.Module):
 class AdaLNContinuous(nn.Module):
     """Final-style norm: chunk order (scale, shift), as in diffusers' AdaLayerNormContinuous."""
 
-    def __init__(self, dim: int):
+    def __init__(self, dim: int, bias: bool = True):
         super().__init__()
-        self.linear = nn.Linear(dim, 2 * dim)
+        self.linear = nn.Linear(dim, 2 * dim, bias=bias)
 
     def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         scale, shift = modulation(self.linear, c).chunk(2, dim=-1)
@@ -255,14 +255,15 @@ def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) 
 
 class SelfAttention(nn.Module):
     """Attention over one sequence: SD3.5's image-only `attn2`, and a FLUX single block's attention over the joint
-    sequence (rotary positions, no output projection: the block's `proj_out` follows)."""
+    sequence (rotary positions, no output projection: the block's `proj_out` follows). `bias`: its linears have
+    biases (FLUX.2's have none)."""
 
-    def __init__(self, dim: int, heads: int, qk_norm: bool, out_projection: bool = True):
+    def __init__(self, dim: int, heads: int, qk_norm: bool, out_projection: bool = True, bias: bool = True):
         super().__init__()
         self.heads = heads
         self.attention_kernel = sdpa_attention  # q, k, v, mask -> out; chosen from outside (models/attention.py)
-        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, dim) for _ in range(3))
-        self.to_out = nn.ModuleList([nn.Linear(dim, dim)]) if out_projection else None
+        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, dim, bias=bias) for _ in range(3))
+        self.to_out = nn.ModuleList([nn.Linear(dim, dim, bias=bias)]) if out_projection else None
         head_dim = dim // heads
         self.norm_q = RMSNorm(head_dim, eps=1e-6) if qk_norm else nn.Identity()
         self.norm_k = RMSNorm(head_dim, eps=1e-6) if qk_norm else nn.Identity()
@@ -279,14 +280,15 @@ class JointAttention(SelfAttention):
     """One attention over both streams; each stream has its own projections. The joint sequence is [image, text]
     (SD3) or [text, image] (FLUX, `text_first`), where rotary positions (`rope`, over the joint sequence) apply."""
 
-    def __init__(self, dim: int, heads: int, qk_norm: bool, context_pre_only: bool, text_first: bool = False):
-        super().__init__(dim, heads, qk_norm)
+    def __init__(self, dim: int, heads: int, qk_norm: bool, context_pre_only: bool, text_first: bool = False,
+                 bias: bool = True):
+        super().__init__(dim, heads, qk_norm, bias=bias)
         self.text_first = text_first
-        self.add_q_proj, self.add_k_proj, self.add_v_proj = (nn.Linear(dim, dim) for _ in range(3))
+        self.add_q_proj, self.add_k_proj, self.add_v_proj = (nn.Linear(dim, dim, bias=bias) for _ in range(3))
         head_dim = dim // heads
         self.norm_added_q = RMSNorm(head_dim, eps=1e-6) if qk_norm else nn.Identity()
         self.norm_added_k = RMSNorm(head_dim, eps=1e-6) if qk_norm else nn.Identity()
-        self.to_add_out = None if context_pre_only else nn.Linear(dim, dim)
+        self.to_add_out = None if context_pre_only else nn.Linear(dim, dim, bias=bias)
         self.text_output = not context_pre_only  # off: the text's output is not computed (`to_add_out` unused)
 
     def joint(self, image: torch.Tensor, text: torch.Tensor) -> torch.Tensor:

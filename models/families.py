@@ -1,9 +1,10 @@
 """The model families the trainer knows, one record each (models/family.py; each family's folder holds its
-record): SD3 / SD3.5 (`sd3`), FLUX.1 (`flux`), Qwen-Image (`qwen_image`). This module finds a family and its config from what the user gives:
+record): SD3 / SD3.5 (`sd3`), FLUX.1 (`flux`), Qwen-Image (`qwen_image`), FLUX.2 (`flux2`). This module finds a
+family and its config from what the user gives:
 a diffusers transformer folder says which family it holds (config.json's `_class_name`), a pipeline folder too
 (model_index.json's `_class_name`), and a single .safetensors file is a family's original checkpoint, recognised
 by its keys (FLUX.1's BFL file: models/flux/bfl.py; Qwen-Image's, as ComfyUI loads it:
-models/qwen_image/single_file.py).
+models/qwen_image/single_file.py; FLUX.2's BFL file: models/flux2/bfl.py).
 """
 
 import dataclasses
@@ -17,13 +18,14 @@ from safetensors import safe_open
 from models.diffusers_io import CheckpointFormatError, WeightReader, load_diffusers_weights
 from models.family import Family
 from models.flux.family import FAMILY as FLUX
+from models.flux2.family import FAMILY as FLUX2
 from models.qwen_image.family import FAMILY as QWEN_IMAGE
 from models.sd3.family import FAMILY as SD3
 
 # config.json keys diffusers writes that do not change the architecture
 BOOKKEEPING_KEYS = {"_class_name", "_diffusers_version", "_name_or_path"}
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (SD3, FLUX, QWEN_IMAGE)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (SD3, FLUX, QWEN_IMAGE, FLUX2)}
 BY_CLASS = {f.diffusers_class: f for f in FAMILIES.values()}
 BY_PIPELINE = {pipeline: f for f in FAMILIES.values() for pipeline in f.pipelines}
 

@@ -5,9 +5,10 @@ family costs its folder and its record.
 A record names the family's modules and files (its transformer and config, diffusers' pipeline classes, its text
 encoders, its original single-file layout), what the config's `model` section means for it (which keys it uses, its
 demo's sizes, the config a transformer is built from), what its released pipelines give the transformer (text
-widths and tokens, latent channels, the scheduler's resolution shift) and the LoRA targets of diffusers' training
-script for it. Each transformer module has `cfg` (its config.json keys), `blocks` (the repeated blocks the plugins
-wrap), `initial_value(name, seed)`, `DIFFUSERS_CLASS` and `TEXT_INPUTS` (the text embeddings it takes).
+widths and tokens, latent channels, the scheduler's resolution shift, or its own mu of the sampling schedule) and the
+LoRA targets of diffusers' training script for it. Each transformer module has `cfg` (its config.json keys),
+`blocks` (the repeated blocks the plugins wrap), `initial_value(name, seed)`, `DIFFUSERS_CLASS` and `TEXT_INPUTS`
+(the text embeddings it takes).
 """
 
 from dataclasses import dataclass, field
@@ -44,7 +45,10 @@ class Family:
     transformer: type  # the module, built from its config
     config: type  # the config dataclass: diffusers' config.json keys
     pipelines: tuple[str, ...]  # model_index.json's _class_name of its pipelines (the first is the one named)
-    lora_targets: tuple[str, ...]  # the modules diffusers' LoRA training script adapts, by their names in a block
+    # the modules diffusers' LoRA training script adapts, by their names in a block; or a function of the model section
+    # (after its defaults) giving them, where a name means another module in another kind of block (FLUX.2's
+    # single blocks' `attn.to_out`, which is a ModuleList in its double blocks): such modules by their full names
+    lora_targets: tuple[str, ...] | Callable
     text_encoders: type  # its pipeline's frozen text encoders (models/pipeline_text.py)
     tokenizers: type  # and their tokenizers
     max_sequence_length: int  # text tokens its pipelines use by default (`--max-sequence-length` of precompute)
@@ -52,12 +56,19 @@ class Family:
     architecture: tuple[str, ...]  # the model.* keys a transformer folder fixes (model.init_from sets them)
     demo: dict  # model.* values of the tiny shapes demo, for the sizes left unset
     released: dict[str, dict]  # released transformers (plan_memory.py --model NAME): their model.* values
-    released_text: ReleasedText
+    # what its released pipeline gives the transformer; or a function of the model.* settings giving it, where its
+    # released transformers take different text (FLUX.2's klein-4B, klein-9B and dev: three language models)
+    released_text: ReleasedText | Callable
     settings: Callable  # its config -> the model.* values it means (model.init_from)
     build_config: Callable  # (model section, latent channels, (joint, pooled) text widths) -> its config
     check: Callable = lambda model: None  # the model section's values, with the family's rules (FieldError)
     fill_defaults: Callable = lambda model: None  # model.* values derived from others, where left unset
-    schedule: ResolutionShift | None = None  # the pipeline's resolution shift (None: a fixed shift)
+    # the pipeline's resolution shift (None: a fixed shift); of the training sigmas (flow.resolution_shift) and, unless
+    # `sampling_mu` says otherwise, of the sampling schedule (sampling.resolution_shift)
+    schedule: ResolutionShift | None = None
+    # (image tokens, sampling steps) -> mu, the shift e^mu of its pipeline's sampling schedule, where that is not
+    # `schedule`'s (FLUX.2's `compute_empirical_mu`, which depends on the step count)
+    sampling_mu: Callable[[int, int], float] | None = None
     single_file: type | None = None  # the reader of its original single-file checkpoint
     packing: int | None = None  # latent pixels its pipeline packs into a token (None: patches inside the transformer)
     cfg_renorm: bool = False  # its pipeline rescales guided velocities per token (Qwen-Image's true CFG)
@@ -82,6 +93,14 @@ class Family:
     def default_sequence_length(self, settings) -> int:
         """The text tokens its pipeline pads to for a transformer of `settings` (config.json's or model.*'s)."""
         return self.sequence_length(settings) if self.sequence_length else self.max_sequence_length
+
+    def default_lora_targets(self, model) -> list[str]:
+        """lora.target_modules when left unset, for the model section `model`."""
+        return list(self.lora_targets(model) if callable(self.lora_targets) else self.lora_targets)
+
+    def text_of(self, settings) -> ReleasedText:
+        """What its released pipeline gives a transformer of `settings` (model.* values, as attributes)."""
+        return self.released_text(settings) if callable(self.released_text) else self.released_text
 
     def text_tokens(self, settings) -> int:
         """The text tokens its transformer sees per sample by default."""

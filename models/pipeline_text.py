@@ -140,7 +140,14 @@ class PipelineTextEncoders(nn.Module):
 
     def read(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
         """The block of parameter or buffer `name` (e.g. "t5.shared.weight") at `offsets` of `sizes`, read from
-        the pipeline's files."""
+        the pipeline's files; a language model's rotary frequencies, which no file holds, computed from its config
+        (by the rotary module rebuilt on the CPU)."""
+        module_name, _, buffer = name.rpartition(".")
+        if buffer in ("inv_freq", "original_inv_freq"):
+            module = self.get_submodule(module_name)
+            with torch.device("cpu"):
+                values = getattr(type(module)(module.config), buffer)
+            return values[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
         part, _, key = name.replace(".base_layer.", ".").partition(".")  # a LoRA layer's frozen weight
         reader, key = self.reader(part), self.file_key(part, key)
         if key.endswith("embeddings.position_ids") and key not in reader.shapes:  # not saved by newer versions

@@ -61,8 +61,9 @@ from errors import ConfigError
 log = logging.getLogger("mmdit")
 
 FP8_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with float8 tensor cores
-# A joint block's linears that see the text tokens only (models/blocks.py's names; Qwen-Image's text feed-forward),
-# and the modulations' linears (one row per sample: nothing to gain), by their first name in a block
+# A joint block's linears that see the text tokens only (models/blocks.py's names, which FLUX.2's double blocks share;
+# Qwen-Image's text feed-forward), and the modulations' linears (one row per sample: nothing to gain), by their first
+# name in a block (FLUX.2's shared modulations are outside the blocks, which alone are converted)
 TEXT_STREAM = ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out", "ff_context", "txt_mlp")
 MODULATIONS = ("norm", "img_mod", "txt_mod")
 

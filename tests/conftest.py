@@ -503,6 +503,17 @@ def qwen_dir(tmp_path_factory):
     return build_qwen_image_pipeline(tmp_path_factory.mktemp("qwen-image"))
 
 
+@pytest.fixture(scope="session")
+def flux2_dir(tmp_path_factory):
+    """A tiny, random Flux2KleinPipeline saved by diffusers (tests/pipelines.py: Qwen3 28 layers 16 wide, a VAE of 4
+    latent channels with one downsampling, 16 once patchified, a transformer of 1 double and 2 single blocks)."""
+    from tests.pipelines import build_flux2_klein_pipeline
+    return build_flux2_klein_pipeline(tmp_path_factory.mktemp("flux2-klein"))
+
+
+FLUX2_TOKENS = 32  # the tiny FLUX.2 pipeline's text tokens (the released pipelines pad to 512)
+
+
 def precomputed(pipeline: Path, root: Path, *extra: str) -> Path:
     """Latents and fp32 embeddings of eight captioned images (three sizes, cropped to 16 px) by a tiny pipeline,
     with two validation prompts."""
@@ -528,6 +539,11 @@ def flux_data(flux_dir, tmp_path_factory):
 @pytest.fixture(scope="session")
 def qwen_data(qwen_dir, tmp_path_factory):
     return precomputed(qwen_dir, tmp_path_factory.mktemp("qwen-data"), "--max-sequence-length", "16")
+
+
+@pytest.fixture(scope="session")
+def flux2_data(flux2_dir, tmp_path_factory):
+    return precomputed(flux2_dir, tmp_path_factory.mktemp("flux2-data"), "--max-sequence-length", str(FLUX2_TOKENS))
 
 
 def image_folder(directory: Path, sizes) -> Path:

@@ -144,6 +144,48 @@ def qwen_theirs(model, x: dict) -> torch.Tensor:
     return unpack(out, h, w, 2)
 
 
+# ----------------------------------------------------------------------------------------------- FLUX.2
+
+
+FLUX2_BASE = dict(in_channels=16, joint_attention_dim=24)
+
+
+def axes4(r: random.Random, head_dim: int) -> list[int]:
+    """A random split of head_dim into four even rotary parts."""
+    parts = [2] * 4
+    for _ in range((head_dim - 8) // 2):
+        parts[r.randrange(4)] += 2
+    return parts
+
+
+def flux2_random(seed: int) -> dict:
+    r = random.Random(seed)
+    head_dim = 2 * r.randint(4, 10)
+    return {**FLUX2_BASE, "num_layers": r.randint(1, 2), "num_single_layers": r.randint(1, 3),
+            "attention_head_dim": head_dim, "num_attention_heads": r.randint(1, 3),
+            "axes_dims_rope": axes4(r, head_dim), "guidance_embeds": r.random() < 0.5,
+            "joint_attention_dim": r.randint(3, 24), "mlp_ratio": r.choice([3.0, 2.0, 1.5])}
+
+
+def flux2_inputs(config: dict, height: int, width: int, tokens: int, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    return {"latents": torch.randn(2, config["in_channels"], height, width, generator=gen),
+            "text": text_inputs(gen, config, tokens, "joint_attention_dim", None, False),
+            "sigma": torch.tensor([0.25, 0.9]),
+            "guidance": torch.tensor([4.0, 1.0]) if config.get("guidance_embeds", True) else None}
+
+
+def flux2_theirs(model, x: dict) -> torch.Tensor:
+    """What Flux2KleinPipeline (and Flux2Pipeline, with its guidance) does around its transformer: tokens of the
+    (patchified) latents, its ids of them and of the text, sigma as the timestep; then its scatter back by ids."""
+    from diffusers import Flux2KleinPipeline as P
+    latents, text = x["latents"], x["text"]["prompt_embeds"]
+    ids = P._prepare_latent_ids(latents)
+    out = model(hidden_states=P._pack_latents(latents), encoder_hidden_states=text, timestep=x["sigma"], img_ids=ids,
+                txt_ids=P._prepare_text_ids(text), guidance=x["guidance"], return_dict=False)[0]
+    return P._unpack_latents_with_ids(out, ids, *latents.shape[-2:])
+
+
 # ----------------------------------------------------------------------------------------------- the families
 
 
@@ -169,10 +211,21 @@ def qwen_encode(pipe, captions: list[str]) -> dict:
     return {"prompt_embeds": embeds, "prompt_embeds_mask": torch.ones(embeds.shape[:2]) if mask is None else mask}
 
 
+def flux2_encode(pipe, captions: list[str]) -> dict:
+    from tests.conftest import FLUX2_TOKENS
+    embeds, _ = pipe.encode_prompt(captions, max_sequence_length=FLUX2_TOKENS)
+    return {"prompt_embeds": embeds}
+
+
 def kl_latents(pipe, pixels: torch.Tensor) -> torch.Tensor:
     """AutoencoderKL's posterior mean, shifted and scaled by its config, as SD3's and FLUX.1's pipelines do."""
     config = pipe.vae.config
     return (pipe.vae.encode(pixels).latent_dist.mean - (config.shift_factor or 0.0)) * config.scaling_factor
+
+
+def flux2_latents(pipe, pixels: torch.Tensor) -> torch.Tensor:
+    """As Flux2KleinPipeline encodes a reference image: the posterior's mode, patchified, BatchNorm-normalised."""
+    return pipe._encode_vae_image(pixels, generator=None)
 
 
 def qwen_latents(pipe, pixels: torch.Tensor) -> torch.Tensor:
@@ -251,4 +304,19 @@ CASES = {
         (("attn.to_q", "img_mlp.net.2"), ("attn.add_v_proj", "txt_mlp.net.0.proj", "img_mod.1", "txt_mod.1")),
         Pipeline("qwen_dir", "qwen_data", "qwen_image_lora.yaml", qwen_encode, qwen_latents,
                  {"negative_prompt": " ", "true_cfg_scale": 4.0, "max_sequence_length": 16})),
+    "flux2": Case(
+        "flux2", "Flux2Transformer2DModel",
+        {"dev-like": {**FLUX2_BASE, "num_layers": 2, "num_single_layers": 2, "attention_head_dim": 16,
+                      "num_attention_heads": 2, "axes_dims_rope": [4, 4, 4, 4], "guidance_embeds": True},
+         "klein-like": {**FLUX2_BASE, "num_layers": 1, "num_single_layers": 3, "attention_head_dim": 16,
+                        "num_attention_heads": 2, "axes_dims_rope": [2, 6, 4, 4], "guidance_embeds": False},
+         "odd-sizes": {**FLUX2_BASE, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 12,
+                       "num_attention_heads": 3, "axes_dims_rope": [2, 2, 4, 4], "guidance_embeds": True,
+                       "joint_attention_dim": 20, "mlp_ratio": 2.5, "timestep_guidance_channels": 64}},
+        flux2_random, flux2_inputs, flux2_theirs, ("model.family=flux2", "model.num_single_layers=2"), 2,
+        ("model.num_layers=1", "model.num_single_layers=2"),
+        (("attn.to_q", "ff.linear_out", "attn.to_out.0", "attn.to_qkv_mlp_proj"),
+         ("attn.add_v_proj", "attn.to_add_out", "ff_context.linear_in")),
+        Pipeline("flux2_dir", "flux2_data", "flux2_klein_4b_lora.yaml", flux2_encode, flux2_latents,
+                 {"guidance_scale": 4.0, "max_sequence_length": 32})),
 }

@@ -128,3 +128,115 @@ def build_qwen_image_pipeline(root: Path) -> Path:
         text_encoder=qwen_text_encoder(tokenizer), tokenizer=tokenizer, transformer=qwen_transformer())
     pipe.save_pretrained(root)
     return root
+
+
+# ----------------------------------------------------------------------------------------------- FLUX.2 [klein]
+
+# Qwen3's chat template as Flux2KleinPipeline applies it (a user message, the generation prompt, thinking off):
+# "<|im_start|>user\n{caption}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n". Nothing of it is dropped
+# (the transformer sees all max_sequence_length tokens), so how the tiny tokenizer cuts it does not matter.
+QWEN3_CHAT_TEMPLATE = ("{%- for message in messages -%}"
+                       "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' -}}"
+                       "{%- endfor -%}"
+                       "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
+                       "{%- if enable_thinking is defined and enable_thinking is false -%}"
+                       "{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}{%- endif -%}")
+QWEN3_WIDTH = 16  # the tiny Qwen3's hidden size: the transformer's joint_attention_dim is 3 x this
+FLUX2_LATENT_CHANNELS = 4  # the tiny VAE's (the released one has 32): 16 channels once patchified
+
+
+def qwen3_tokenizer():
+    """qwen_tokenizer with Qwen3's thinking tags and chat template."""
+    from tokenizers import AddedToken
+    tokenizer = qwen_tokenizer()
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in ("<think>", "</think>")],
+                         special_tokens=True)
+    tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
+    return tokenizer
+
+
+def qwen3_text_encoder(tokenizer):
+    """A tiny Qwen3ForCausalLM: 28 layers (the pipeline reads the states after layers 9, 18 and 27; with 27 layers
+    the last of them would be after the final norm, which the released 36-layer models' is not), 16 wide."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    ids = tokenizer.convert_tokens_to_ids
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=QWEN3_WIDTH, intermediate_size=32,
+                         num_hidden_layers=28, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                         max_position_embeddings=1024, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=True,
+                         bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"),
+                         pad_token_id=ids("<|endoftext|>"))
+    return Qwen3ForCausalLM(config).eval()
+
+
+def flux2_vae():
+    """A tiny AutoencoderKLFlux2: one downsampling, 4 latent channels, random BatchNorm statistics (the released
+    VAE: three downsamplings, 32 channels)."""
+    import diffusers
+    vae = diffusers.AutoencoderKLFlux2(down_block_types=["DownEncoderBlock2D"] * 2,
+                                       up_block_types=["UpDecoderBlock2D"] * 2, block_out_channels=[8, 16],
+                                       layers_per_block=1, latent_channels=FLUX2_LATENT_CHANNELS, norm_num_groups=4,
+                                       sample_size=32).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        vae.bn.running_mean.copy_(torch.randn(vae.bn.running_mean.shape, generator=gen) * 0.1)
+        vae.bn.running_var.copy_(torch.rand(vae.bn.running_var.shape, generator=gen) + 0.5)
+    return vae
+
+
+def flux2_transformer(**config):
+    import diffusers
+    return diffusers.Flux2Transformer2DModel(**{
+        "in_channels": 4 * FLUX2_LATENT_CHANNELS, "num_layers": 1, "num_single_layers": 2, "attention_head_dim": 8,
+        "num_attention_heads": 2, "joint_attention_dim": 3 * QWEN3_WIDTH, "axes_dims_rope": [2, 2, 2, 2],
+        "guidance_embeds": False, **config}).eval()
+
+
+def build_flux2_klein_pipeline(root: Path) -> Path:
+    """A tiny random Flux2KleinPipeline (base: classifier-free guidance, `is_distilled` false) saved at `root`."""
+    import diffusers
+    torch.manual_seed(0)
+    tokenizer = qwen3_tokenizer()
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, shift=3.0)  # mu: the pipeline's
+    diffusers.Flux2KleinPipeline(scheduler=scheduler, vae=flux2_vae(), text_encoder=qwen3_text_encoder(tokenizer),
+                                 tokenizer=tokenizer, transformer=flux2_transformer()).save_pretrained(root)
+    return root
+
+
+# ----------------------------------------------------------------------------------------------- FLUX.2 [dev]
+
+# A stand-in for Mistral-Small-3's chat template (the released one is in its processor's folder): the system message
+# and the user's, each message's text from its typed content, as Flux2Pipeline's format_input builds them
+MISTRAL_CHAT_TEMPLATE = ("<s>{%- for message in messages -%}"
+                         "{%- if message['role'] == 'system' -%}"
+                         "[SYSTEM_PROMPT]{{ message['content'][0]['text'] }}[/SYSTEM_PROMPT]"
+                         "{%- else -%}[INST]{{ message['content'][0]['text'] }}[/INST]{%- endif -%}{%- endfor -%}")
+
+
+def build_flux2_dev_pipeline(root: Path) -> Path:
+    """A tiny random Flux2Pipeline saved at `root`: Mistral3 with a 31-layer, 16-wide language model (the pipeline
+    reads the states after layers 10, 20 and 30) and a one-layer Pixtral vision tower it never runs. Its
+    `tokenizer` is the tiny byte-level tokenizer with MISTRAL_CHAT_TEMPLATE, not a PixtralProcessor (which needs
+    torchvision): for text the processor's chat template call is its tokenizer's."""
+    import diffusers
+    from tokenizers import AddedToken
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+    torch.manual_seed(0)
+    tokenizer = qwen_tokenizer()
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in
+                          ("<s>", "[IMG]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[INST]", "[/INST]")],
+                         special_tokens=True)
+    tokenizer.chat_template = MISTRAL_CHAT_TEMPLATE
+    ids = tokenizer.convert_tokens_to_ids
+    config = Mistral3Config(
+        text_config=dict(model_type="mistral", vocab_size=len(tokenizer), hidden_size=QWEN3_WIDTH, intermediate_size=32,
+                         num_hidden_layers=31, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                         max_position_embeddings=1024, pad_token_id=ids("<|endoftext|>")),
+        vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=64, patch_size=16, head_dim=8),
+        image_token_index=ids("[IMG]"), spatial_merge_size=1)
+    pipe = diffusers.Flux2Pipeline(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True),
+                                   vae=flux2_vae(), text_encoder=Mistral3ForConditionalGeneration(config).eval(),
+                                   tokenizer=tokenizer, transformer=flux2_transformer(guidance_embeds=True))
+    pipe.save_pretrained(root)
+    return root

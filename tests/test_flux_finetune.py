@@ -53,11 +53,12 @@ def test_mistakes_are_named_before_compute(flux_dir, flux_data, tmp_path, caplog
                                  tmp_path / "schnell")
     assert main(["--config", "configs/flux_schnell_lora.yaml", *run, f"model.init_from={schnell}",
                  "flux.train_guidance=3.5"]) == 2
-    assert ("flux.train_guidance sets the guidance a guidance-distilled model (FLUX.1-dev) embeds, and "
-            f"{schnell} has no guidance embedding (FLUX.1-schnell and SD3 have none): leave flux.train_guidance off "
-            "the command line" in caplog.text)
+    assert ("flux.train_guidance sets the guidance a guidance-distilled model (FLUX.1-dev, FLUX.2-dev) embeds, and "
+            f"{schnell} has no guidance embedding (FLUX.1-schnell, FLUX.2-klein, Qwen-Image and SD3 have none): leave "
+            "flux.train_guidance off the command line" in caplog.text)
     assert main(["--config", "configs/flux_dev_lora.yaml", *run, f"model.init_from={schnell}"]) == 2  # flux: in it
-    assert ("has no guidance embedding (FLUX.1-schnell and SD3 have none): configs/flux_dev_lora.yaml is a config "
+    assert ("has no guidance embedding (FLUX.1-schnell, FLUX.2-klein, Qwen-Image and SD3 have none): "
+            "configs/flux_dev_lora.yaml is a config "
             "for FLUX.1-dev; for FLUX.1-schnell use configs/flux_schnell_lora.yaml (or a copy of "
             "configs/flux_dev_lora.yaml without its flux section)" in caplog.text)
     assert main([*FLUX_RUN, *run, "model.patch_size=3"]) == 2

@@ -3,7 +3,7 @@ are in precompute_latents.py. The parts, in the order a run uses them:
 
 - inputs.py: image folders, JSONL manifests and webdataset shards, as units of work, checked first;
 - images.py: aspect buckets, orientation, resize and centre-crop;
-- encoders.py: the SD3 pipeline's VAE and text encoders;
+- encoders.py: the pipeline's VAE and text encoders (the family's);
 - units.py: one unit encoded into output shards and its report, the marker that it is finished;
 - ranks.py: the processes of a launch, and the progress bar;
 - job.py: the output directory, the units left, and the dataset written last.

@@ -1,5 +1,5 @@
 """A pipeline's encoders as precompute runs them: the VAE for latents, the family's text encoders for captions
-(SD3: CLIP-L, CLIP-G and T5; FLUX.1: CLIP-L and T5)."""
+(SD3: CLIP-L, CLIP-G and T5; FLUX.1: CLIP-L and T5; Qwen-Image: Qwen2.5-VL; FLUX.2: Qwen3 or Mistral-Small-3)."""
 
 import json
 import logging

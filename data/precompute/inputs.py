@@ -188,8 +188,8 @@ def pipeline_family(model_dir: Path) -> Family:
     encoders need, before any weight is loaded."""
     if not model_dir.is_dir():
         raise PrecomputeError(f"--model {model_dir} " + ("is not a directory" if model_dir.exists() else
-                              "does not exist") + "; expected a diffusers pipeline directory (SD3 / SD3.5 or "
-                              "FLUX.1)")
+                              "does not exist") + "; expected a diffusers pipeline directory (SD3 / SD3.5, FLUX.1, "
+                              "Qwen-Image or FLUX.2)")
     if not (model_dir / "vae").is_dir():
         raise PrecomputeError(f"--model {model_dir}: no vae/ folder; expected a diffusers pipeline directory")
     try:
@@ -208,12 +208,14 @@ def default_sequence_length(model_dir: Path, family: Family) -> int:
 
 
 def vae_downsampling(model_dir: Path) -> int:
-    """From vae/config.json, before any weight is loaded: 8 for the released VAEs (`AutoencoderKL`: 2 per
-    block but the last; the video VAEs: 2 per entry of `temperal_downsample`)."""
+    """From vae/config.json, before any weight is loaded: image pixels per latent pixel, 8 for the released VAEs
+    (`AutoencoderKL`: 2 per block but the last; the video VAEs: 2 per entry of `temperal_downsample`), 16 for
+    FLUX.2's (`AutoencoderKLFlux2`: 8, then its 2 x 2 patchify)."""
     try:
         config = json.loads((model_dir / "vae" / "config.json").read_text())
         if "temperal_downsample" in config:
             return 2 ** len(config["temperal_downsample"])
-        return 2 ** (len(config["block_out_channels"]) - 1)
+        patchify = config["patch_size"][0] if config.get("_class_name") == "AutoencoderKLFlux2" else 1
+        return 2 ** (len(config["block_out_channels"]) - 1) * patchify
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise PrecomputeError(f"--model {model_dir}: vae/config.json is not a diffusers VAE config ({e})") from None

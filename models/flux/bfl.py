@@ -65,8 +65,9 @@ class BFLReader:
 
     @staticmethod
     def recognizes(keys: set[str]) -> bool:
+        """FLUX.1's names; FLUX.2's files have these too, and its shared modulation (models/flux2/bfl.py)."""
         return any(f"{prefix}img_in.weight" in keys and f"{prefix}double_blocks.0.img_attn.qkv.weight" in keys
-                   for prefix in ("", PREFIX))
+                   and f"{prefix}double_stream_modulation_img.lin.weight" not in keys for prefix in ("", PREFIX))
 
     def __init__(self, path: Path):
         self.path = Path(path)

@@ -71,17 +71,6 @@ class QwenTextEncoders(PipelineTextEncoders):
         module)."""
         return name.replace("language_model.", "model.", 1) if name.startswith("language_model.") else name
 
-    def read(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
-        """A block of a parameter from the files, or of the rotary frequencies, which are computed from the config
-        (buffers no file holds): by the rotary module rebuilt on the CPU."""
-        module_name, _, buffer = name.rpartition(".")
-        if buffer not in ("inv_freq", "original_inv_freq"):
-            return super().read(name, offsets, sizes)
-        module = self.get_submodule(module_name)
-        with torch.device("cpu"):
-            values = getattr(type(module)(module.config), buffer)
-        return values[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
-
     def blocks(self) -> list[nn.Module]:
         return list(self.qwen.language_model.layers)
 
