@@ -217,6 +217,14 @@ def rotary_axes(head_dim: int) -> list[int]:
     return [first, row, rest - row]
 
 
+def check_rotary_split(axes: list[int], head_dim: int, count: int) -> None:
+    """A module's rotary split: `count` even numbers of channels, one per position axis, that sum to the head dim."""
+    if len(axes) != count or sum(axes) != head_dim or any(d % 2 for d in axes):
+        words = {3: "three", 4: "four"}.get(count, str(count))
+        raise ValueError(f"axes_dims_rope={list(axes)} must be {words} even numbers that sum to "
+                         f"attention_head_dim={head_dim}")
+
+
 def rope_1d(dim: int, positions: torch.Tensor, theta: float = 10000) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [L, dim] of one position axis, frequencies theta^(-2i/dim) in float64, each repeated for its
     pair (the rotation `apply_rope` applies to adjacent channels)."""

@@ -199,6 +199,23 @@ def header_settings(weights: dict[str, torch.Tensor], settings: dict) -> dict:
     return {k: v for k, v in settings.items() if k != "exclude_modules"} | {"target_modules": adapted}
 
 
+def transformer_adapters(adapters: dict[str, tuple[dict[str, torch.Tensor], dict]], title: str,
+                         source: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """The transformer's adapters and settings of a LoRA for a layout that holds those alone (ComfyUI's of
+    Qwen-Image and FLUX.2), refusing what it cannot carry: other components' adapters, and DoRA, whose
+    `dora_scale` keys diffusers' loaders drop (so the one file would be another model there)."""
+    others = sorted(set(adapters) - {"transformer"})
+    if others:
+        raise InputError(f"{source}: ComfyUI's layout of a {title} LoRA holds the transformer's adapters, not "
+                         f"{others}")
+    weights, settings = adapters["transformer"]
+    if settings.get("use_dora"):
+        raise InputError(f"{source} was trained with DoRA (lora.use_dora=true), which --format kohya cannot carry: "
+                         f"diffusers' {title} loader drops its dora_scale keys (with a warning) and would load "
+                         f"another model; export the default --format peft, whose magnitudes diffusers loads")
+    return weights, settings
+
+
 def export_diffusers_lora(adapters: dict[str, tuple[dict[str, torch.Tensor], dict]], directory: Path,
                           dtype: torch.dtype = torch.float32) -> Path:
     """Write `pytorch_lora_weights.safetensors` as `StableDiffusion3Pipeline.save_lora_weights` does, for

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from safetensors import safe_open
 
-from models.diffusers_io import CheckpointFormatError, WeightReader, load_diffusers_weights
+from models.diffusers_io import CheckpointFormatError, WeightReader, load_diffusers_weights, open_safetensors
 from models.family import Family
 from models.flux.family import FAMILY as FLUX
 from models.flux2.family import FAMILY as FLUX2
@@ -59,11 +58,7 @@ def is_single_file(path: Path) -> bool:
 
 def single_file_family(path: Path) -> Family:
     """The family whose original single-file layout a .safetensors file has, from its keys alone."""
-    try:
-        with safe_open(Path(path), "pt") as f:
-            keys = set(f.keys())
-    except Exception as e:  # safetensors raises its own error types for a file that is not one
-        raise CheckpointFormatError(f"{path} is not a readable safetensors file ({e})") from None
+    keys = set(open_safetensors(Path(path)).keys())
     readers = [f for f in FAMILIES.values() if f.single_file is not None]
     for family in readers:
         if family.single_file.recognizes(keys):

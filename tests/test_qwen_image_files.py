@@ -128,7 +128,8 @@ def test_files_that_are_not_a_complete_transformer_are_named(tmp_path):
     save_file(weights, tmp_path / "cut.safetensors")
     with open(tmp_path / "cut.safetensors", "r+b") as f:  # a download that stopped early
         f.truncate(f.seek(0, 2) - 100)
-    with pytest.raises(CheckpointFormatError, match=r"cut\.safetensors is not a readable safetensors file"):
+    with pytest.raises(CheckpointFormatError, match=r"cut\.safetensors is not a whole safetensors file .*download it "
+                                                    r"again"):
         read_config(tmp_path / "cut.safetensors")
 
 

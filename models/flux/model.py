@@ -16,8 +16,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.blocks import (AdaLNContinuous, AdaLNZero, JointTransformerBlock, SelfAttention, TimeTextEmbed, gated,
-                           initial_value, initialize, layer_norm, modulate, pack, packing, rope_tables, unpack)
+from models.blocks import (AdaLNContinuous, AdaLNZero, JointTransformerBlock, SelfAttention, TimeTextEmbed,
+                           check_rotary_split, gated, initial_value, initialize, layer_norm, modulate, pack,
+                           packing, rope_tables, unpack)
 
 
 @dataclass
@@ -85,10 +86,7 @@ class Flux(nn.Module):
 
     def __init__(self, cfg: FluxConfig):
         super().__init__()
-        if len(cfg.axes_dims_rope) != 3 or sum(cfg.axes_dims_rope) != cfg.attention_head_dim \
-                or any(d % 2 for d in cfg.axes_dims_rope):
-            raise ValueError(f"axes_dims_rope={list(cfg.axes_dims_rope)} must be three even numbers that sum to "
-                             f"attention_head_dim={cfg.attention_head_dim}")
+        check_rotary_split(cfg.axes_dims_rope, cfg.attention_head_dim, 3)
         if cfg.patch_size != 1:
             raise ValueError(f"patch_size={cfg.patch_size}: FLUX packs latents into tokens before its transformer, "
                              f"whose patch_size is 1")

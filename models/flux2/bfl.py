@@ -21,9 +21,7 @@ for dev, a klein file is read as klein.
 
 from pathlib import Path
 
-from safetensors import safe_open
-
-from models.diffusers_io import CheckpointFormatError
+from models.diffusers_io import CheckpointFormatError, open_safetensors
 from models.flux.bfl import PREFIX, BFLReader, Rows
 from models.flux2.model import Flux2Config, rotary_axes
 
@@ -63,10 +61,7 @@ class Flux2BFLReader(BFLReader):
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        try:
-            self.handle = safe_open(self.path, "pt")
-        except Exception as e:  # safetensors raises its own error types for a file that is not one
-            raise CheckpointFormatError(f"{self.path} is not a readable safetensors file ({e})") from None
+        self.handle = open_safetensors(self.path)
         self.prefix = PREFIX if any(k.startswith(PREFIX) for k in self.handle.keys()) else ""
         self.bfl_shapes = {k.removeprefix(self.prefix): tuple(self.handle.get_slice(k).get_shape())
                            for k in self.handle.keys() if k.startswith(self.prefix)}

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from errors import InputError
-from models.diffusers_io import adapter_pairs, lora_scale, save_named_lora_file
+from models.diffusers_io import adapter_pairs, lora_scale, save_named_lora_file, transformer_adapters
 from models.flux.kohya import fused
 from models.flux2.bfl import DOUBLE, FINAL, QKV, SINGLE, TOP
 
@@ -53,15 +53,7 @@ def comfyui_lora(adapters: dict[str, tuple[dict[str, torch.Tensor], dict]], dims
                  source: str) -> dict[str, torch.Tensor]:
     """The tensors of a FLUX.2 LoRA in ComfyUI's layout. `adapters`: "transformer" -> (its adapter weights under
     peft's names, their LoraConfig fields); `dims`: (hidden size, double blocks, single blocks)."""
-    others = sorted(set(adapters) - {"transformer"})
-    if others:
-        raise InputError(f"{source}: ComfyUI's layout of a FLUX.2 LoRA holds the transformer's adapters, not "
-                         f"{others}'")
-    weights, settings = adapters["transformer"]
-    if settings.get("use_dora"):
-        raise InputError(f"{source} was trained with DoRA (lora.use_dora=true), which --format kohya cannot carry: "
-                         f"diffusers' FLUX.2 loader drops its dora_scale keys (with a warning) and would load "
-                         f"another model; export the default --format peft, whose magnitudes diffusers loads")
+    weights, settings = transformer_adapters(adapters, "FLUX.2", source)
     pairs = adapter_pairs(weights, lora_scale(settings), source)
     tensors = {}
     for bfl, parts in bfl_modules(*dims).items():

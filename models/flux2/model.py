@@ -29,9 +29,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.attention import sdpa_attention
-from models.blocks import (AdaLNContinuous, JointAttention, MLPEmbedder, RMSNorm, apply_rope, gated, initial_value,
-                           initialize, layer_norm, merge_heads, modulate, modulation, pack, packing, rope_tables,
-                           split_heads, timestep_features, unpack)
+from models.blocks import (AdaLNContinuous, JointAttention, MLPEmbedder, RMSNorm, apply_rope,
+                           check_rotary_split, gated, initial_value, initialize, layer_norm, merge_heads,
+                           modulate, modulation, pack, packing, rope_tables, split_heads, timestep_features,
+                           unpack)
 
 EPS = 1e-6  # every norm's (diffusers' config key `eps`)
 # the shared modulations: module -> the (shift, scale, gate) sets it gives each block of its kind
@@ -210,10 +211,7 @@ class Flux2(nn.Module):
 
     def __init__(self, cfg: Flux2Config):
         super().__init__()
-        if len(cfg.axes_dims_rope) != 4 or sum(cfg.axes_dims_rope) != cfg.attention_head_dim \
-                or any(d % 2 for d in cfg.axes_dims_rope):
-            raise ValueError(f"axes_dims_rope={list(cfg.axes_dims_rope)} must be four even numbers that sum to "
-                             f"attention_head_dim={cfg.attention_head_dim}")
+        check_rotary_split(cfg.axes_dims_rope, cfg.attention_head_dim, 4)
         if cfg.patch_size != 1:
             raise ValueError(f"patch_size={cfg.patch_size}: FLUX.2 packs latents into tokens before its transformer, "
                              f"whose patch_size is 1")

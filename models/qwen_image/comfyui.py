@@ -19,8 +19,7 @@ from pathlib import Path
 
 import torch
 
-from errors import InputError
-from models.diffusers_io import adapter_pairs, lora_scale, save_named_lora_file
+from models.diffusers_io import adapter_pairs, lora_scale, save_named_lora_file, transformer_adapters
 
 PREFIX = "diffusion_model."  # the transformer's place in ComfyUI's model
 
@@ -28,15 +27,7 @@ PREFIX = "diffusion_model."  # the transformer's place in ComfyUI's model
 def comfyui_lora(adapters: dict[str, tuple[dict[str, torch.Tensor], dict]], source: str) -> dict[str, torch.Tensor]:
     """The tensors of a Qwen-Image LoRA in ComfyUI's layout. `adapters`: "transformer" -> (its adapter weights
     under peft's names, their LoraConfig fields)."""
-    others = sorted(set(adapters) - {"transformer"})
-    if others:
-        raise InputError(f"{source}: ComfyUI's layout of a Qwen-Image LoRA holds the transformer's adapters, not "
-                         f"{others}'")
-    weights, settings = adapters["transformer"]
-    if settings.get("use_dora"):
-        raise InputError(f"{source} was trained with DoRA (lora.use_dora=true), which --format kohya cannot carry: "
-                         f"diffusers' Qwen-Image loader drops its dora_scale keys (with a warning) and would load "
-                         f"another model; export the default --format peft, whose magnitudes diffusers loads")
+    weights, settings = transformer_adapters(adapters, "Qwen-Image", source)
     tensors = {}
     for module, (down, up) in adapter_pairs(weights, lora_scale(settings), source).items():
         name = PREFIX + module

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from models.blocks import (AdaLNContinuous, FeedForward, JointAttention, RMSNorm, TimeTextEmbed, gated, initial_value,
-                           initialize, layer_norm, modulate, modulation, pack, packing, rope_tables, unpack)
+from models.blocks import (AdaLNContinuous, FeedForward, JointAttention, RMSNorm, TimeTextEmbed,
+                           check_rotary_split, gated, initial_value, initialize, layer_norm, modulate,
+                           modulation, pack, packing, rope_tables, unpack)
 
 ROPE_THETA = 10000
 
@@ -133,10 +134,7 @@ class QwenImage(nn.Module):
 
     def __init__(self, cfg: QwenImageConfig):
         super().__init__()
-        if len(cfg.axes_dims_rope) != 3 or sum(cfg.axes_dims_rope) != cfg.attention_head_dim \
-                or any(d % 2 for d in cfg.axes_dims_rope):
-            raise ValueError(f"axes_dims_rope={list(cfg.axes_dims_rope)} must be three even numbers that sum to "
-                             f"attention_head_dim={cfg.attention_head_dim}")
+        check_rotary_split(cfg.axes_dims_rope, cfg.attention_head_dim, 3)
         if cfg.in_channels != cfg.patch_size**2 * cfg.out_channels:
             raise ValueError(f"in_channels={cfg.in_channels} must be patch_size^2 x out_channels "
                              f"({cfg.patch_size}^2 x {cfg.out_channels}): the tokens pack patch_size x patch_size "

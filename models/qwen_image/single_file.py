@@ -21,10 +21,9 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from models.blocks import rotary_axes
-from models.diffusers_io import CheckpointFormatError, check_shapes
+from models.diffusers_io import CheckpointFormatError, check_shapes, open_safetensors
 from models.qwen_image.model import QwenImage, QwenImageConfig
 
 log = logging.getLogger("mmdit")
@@ -59,10 +58,7 @@ class QwenSingleFileReader:
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        try:
-            self.handle = safe_open(self.path, "pt")
-        except Exception as e:  # safetensors raises its own error types for a file that is not one
-            raise CheckpointFormatError(f"{self.path} is not a readable safetensors file ({e})") from None
+        self.handle = open_safetensors(self.path)
         keys = list(self.handle.keys())
         self.prefix = PREFIX if any(k.startswith(PREFIX) for k in keys) else ""
         # a ComfyUI checkpoint may hold the VAE and text encoders beside the transformer: only its keys are read
