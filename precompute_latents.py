@@ -3,7 +3,7 @@
     python precompute_latents.py --model PIPELINE_DIR (--images DIR | --manifest FILE | --shards PATTERN ...) --out DIR
         [--resolution 1024] [--aspect-buckets] [--random-flip] [--validation-prompts FILE] [--batch-size 8]
         [--shard-size 1000] [--text-embeddings precomputed|none] [--caption-field NAME] [--max-bad-fraction 0.01]
-        [--workers 4] [--device auto] [--dtype fp16]
+        [--workers 4] [--device auto] [--dtype fp16] [--text-encoder-quantization auto|none|int8|nf4]
     NPROC_PER_NODE=N ./launch.sh precompute_latents.py ...   (the same command on N processes; NNODES=... too)
 
 PIPELINE_DIR is a diffusers pipeline directory, whose model_index.json names its family:
@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 import torch.distributed.nn  # noqa: F401  imported before the group exists: see Ranks.close
 
-from data.precompute.encoders import PipelineEncoders
+from data.precompute.encoders import QUANTIZATIONS, PipelineEncoders, text_storage
 from data.precompute.inputs import (PrecomputeError, Unit, check_items, default_sequence_length, fingerprint,
                                     item_units, pipeline_family, read_image_folder, read_manifest,
                                     read_validation_prompts, shard_units, vae_downsampling)
@@ -78,7 +78,8 @@ MAX_INPUT_NAMES = 100_000  # images of a folder or manifest named in precompute.
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, type=Path, help="SD3 / SD3.5 or FLUX.1 pipeline directory (local)")
+    parser.add_argument("--model", required=True, type=Path, help="SD3 / SD3.5, FLUX.1, Qwen-Image or FLUX.2 "
+                        "pipeline directory (local)")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--images", type=Path, help="folder of images with same-named .txt captions")
     source.add_argument("--manifest", type=Path, help='JSONL of {"image": ..., "caption": ...}')
@@ -106,7 +107,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "FLUX.1-dev 512, FLUX.1-schnell 256)")
     parser.add_argument("--device", default="auto", help="auto (under torchrun: this process's GPU), cpu, cuda:1")
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp16",
-                        help="storage dtype; also the encoders' dtype on a GPU (they run in fp32 on the CPU)")
+                        help="storage dtype; also the encoders' dtype on a GPU (they run in fp32 on the CPU), but "
+                        "Qwen-Image's and FLUX.2's language models, which run in bf16 there as their pipelines do")
+    parser.add_argument("--text-encoder-quantization", choices=QUANTIZATIONS, default="auto",
+                        help="store the text encoders' linear layers in int8 or nf4 (less memory, embeddings a "
+                        "little off the pipeline's); auto: on a GPU only where they do not fit it unquantized")
     args = parser.parse_args(argv)
     for name in ("resolution", "bucket_step", "batch_size", "shard_size", "max_sequence_length", "workers"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -189,10 +194,15 @@ def run(args: argparse.Namespace, ranks: Ranks, device: torch.device) -> int:
                     "max_sequence_length": length, "text_embeddings": args.text_embeddings,
                     "caption_field": args.caption_field,
                     "compute_dtype": str(compute)}  # a resume must not mix latents encoded at two precisions
+        text = None
+        if args.text_embeddings == "precomputed":
+            text = text_storage(args.model, family, length, device, compute, args.text_encoder_quantization, ranks.share)
+            if text != (compute, "none"):  # nor text embeddings; recorded where they differ (earlier versions' default)
+                settings["text_encoders"] = f"{str(text[0]).removeprefix('torch.')}, linears {text[1]}"
         if ranks.rank == 0:
             check_output_directory(args.out, settings)
             start_output_directory(args.out, settings)
-        encoders = PipelineEncoders(args.model, family, device, compute, length, args.text_embeddings == "precomputed")
+        encoders = PipelineEncoders(args.model, family, device, compute, length, text)
     work = {**settings, "batch_size": args.batch_size, "workers": args.workers}
     return precompute(units, encoders, args.out, work, ranks, prompts, args.max_bad_fraction)
 

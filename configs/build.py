@@ -24,7 +24,7 @@ from models.diffusers_io import CheckpointFormatError
 from models.families import FAMILIES, family_of_pipeline, open_weights, read_config
 from models.family import ResolutionShift
 from models.lora import apply_lora
-from models.quantized import QuantizedLinear, dequantize, quantize, quantize_linears
+from models.quantized import QuantizedLinear, QuantizingReader, dequantize, quantize_linears
 from models.pipeline import Sampler
 from models.rectified_flow import batch_sigmas, resolution_shift
 from models.pipeline_text import PipelineTextEncoders, PipelineTokenizers
@@ -235,7 +235,7 @@ class InitialValues:
     def __init__(self, model: TextToImage, seed: int, init_from: str | None):
         self.model, self.seed = model, seed
         self.reader = open_weights(Path(init_from)) if init_from else None
-        self.last_quantized = (None, None)  # the rows a quantized layer's codes came from, for its scales
+        self.quantized = QuantizingReader(self.reader.read) if init_from else None
 
     def __call__(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
         if ".lora_magnitude_vector." in name:
@@ -252,12 +252,7 @@ class InitialValues:
         module = self.model.get_submodule(module_name)
         if not isinstance(module, QuantizedLinear) or kind == "bias":
             return self.reader.read(key, offsets, sizes)
-        rows = (module_name, offsets[0], sizes[0])
-        if self.last_quantized[0] != rows:
-            weight = self.reader.read(key.rpartition(".")[0] + ".weight", (offsets[0], 0),
-                                      (sizes[0], module.in_features))
-            self.last_quantized = (rows, quantize(weight, module.scheme))
-        return self.last_quantized[1][kind][(slice(None), *block[1:])]
+        return self.quantized(key.rpartition(".")[0] + ".weight", module, kind, offsets, sizes)
 
     def dora_magnitude(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
         """DoRA's magnitude for rows offsets[0]...: the norms of those rows of the frozen weight as the model holds

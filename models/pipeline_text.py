@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from models.diffusers_io import CheckpointFormatError, WeightReader, check_shapes
+from models.quantized import QuantizedLinear, QuantizingReader, quantize_linears
 
 
 class PipelineTokenizers:
@@ -56,6 +57,7 @@ class PipelineTextEncoders(nn.Module):
     NAME = ""  # the family, in error messages
     MASKED = False  # its text is padded, with a `prompt_embeds_mask` (Qwen-Image)
     pooled_dim = 0  # the width of `pooled_prompt_embeds`, for the families that have them
+    GPU_DTYPE: torch.dtype | None = None  # the dtype they run in on a GPU, where not the caller's (language models: bf16)
 
     def __init__(self, folder: Path, max_sequence_length: int):
         super().__init__()
@@ -68,6 +70,7 @@ class PipelineTextEncoders(nn.Module):
         self.requires_grad_(False)
         self.train()
         self.readers: dict[str, WeightReader] = {}
+        self.quantized = QuantizingReader(self.read)
 
     @classmethod
     def check_pipeline(cls, folder: Path, source: str) -> None:
@@ -140,9 +143,12 @@ class PipelineTextEncoders(nn.Module):
 
     def read(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
         """The block of parameter or buffer `name` (e.g. "t5.shared.weight") at `offsets` of `sizes`, read from
-        the pipeline's files; a language model's rotary frequencies, which no file holds, computed from its config
-        (by the rotary module rebuilt on the CPU)."""
+        the pipeline's files (a quantized layer's codes and scales: from its weight's rows); a language model's rotary
+        frequencies, which no file holds, computed from its config (by the rotary module rebuilt on the CPU)."""
         module_name, _, buffer = name.rpartition(".")
+        layer = self.get_submodule(module_name)
+        if isinstance(layer, QuantizedLinear) and buffer in ("codes", "scales"):
+            return self.quantized(f"{module_name}.weight", layer, buffer, offsets, sizes)
         if buffer in ("inv_freq", "original_inv_freq"):
             module = self.get_submodule(module_name)
             with torch.device("cpu"):
@@ -153,14 +159,31 @@ class PipelineTextEncoders(nn.Module):
         if key.endswith("embeddings.position_ids") and key not in reader.shapes:  # not saved by newer versions
             return torch.arange(offsets[1], offsets[1] + sizes[1]).expand(sizes)
         tied = {"shared.weight": "encoder.embed_tokens.weight", "encoder.embed_tokens.weight": "shared.weight"}
-        if key in tied and key not in reader.shapes:  # T5's input embedding, tied (a copy once materialized)
+        if key in tied and key not in reader.shapes:  # T5's input embedding, tied: saved once
             key = tied[key]
         return reader.read(key, offsets, sizes)
 
-    def load(self, device: torch.device, dtype: torch.dtype) -> "PipelineTextEncoders":
-        """Allocate on `device` in `dtype` and fill from the files (for a process that holds them whole)."""
+    def load(self, device: torch.device, dtype: torch.dtype, quantization: str = "none") -> "PipelineTextEncoders":
+        """Allocate on `device` in `dtype` and fill from the files (for a process that holds them whole); with
+        `quantization` (nf4, int8) their linears are stored so (models/quantized.py), each filled from its
+        weight's rows: the encoders are never whole in a float dtype."""
+        if quantization != "none":
+            quantize_linears(self, quantization)
+        holders: dict[int, list[tuple[nn.Module, str]]] = {}  # tied parameters (T5's input embedding)
+        for module in self.modules():
+            for attr, parameter in module._parameters.items():
+                if parameter is not None:
+                    holders.setdefault(id(parameter), []).append((module, attr))
         self.to_empty(device=device)
+        for (first, attr), *others in holders.values():  # to_empty gives each holder its own copy: tie them again
+            for module, other in others:
+                module._parameters[other] = first._parameters[attr]
         with torch.no_grad():
             for name, tensor in [*self.named_parameters(), *self.named_buffers()]:
                 tensor.copy_(self.read(name, (0,) * tensor.dim(), tuple(tensor.shape)))
-        return self.to(dtype)
+        for module in self.modules():  # the floating tensors in `dtype`, but quantized layers' codes and scales
+            if not isinstance(module, QuantizedLinear):
+                for tensor in [*module._parameters.values(), *module._buffers.values()]:
+                    if tensor is not None and tensor.is_floating_point():
+                        tensor.data = tensor.data.to(dtype)
+        return self

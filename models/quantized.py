@@ -124,3 +124,37 @@ def quantize_linears(module: nn.Module, scheme: str) -> list[str]:
                                                   scheme, device=child.weight.device))
             names.append(name)
     return names
+
+
+def stored_bytes(module: nn.Module, scheme: str, dtype: torch.dtype) -> int:
+    """The bytes `module`'s parameters and buffers take in `dtype` with its frozen linears' weights stored as
+    `scheme` (nf4, int8, or none): what `quantize_linears` and a cast to `dtype` would leave (meta modules too)."""
+    quantized = {id(child.weight): child for child in module.modules()
+                 if scheme in SCHEMES and isinstance(child, nn.Linear) and not child.weight.requires_grad}
+    size = dtype.itemsize
+    total = 0
+    for tensor in [*module.parameters(), *module.buffers()]:
+        layer = quantized.get(id(tensor))
+        if layer is None:
+            total += tensor.numel() * (size if tensor.is_floating_point() else tensor.element_size())
+        else:
+            blocks = layer.out_features * (layer.in_features // block_size(scheme, layer.in_features))
+            total += tensor.numel() // (2 if scheme == "nf4" else 1) + 2 * blocks  # codes, bf16 scales
+    return total
+
+
+class QuantizingReader:
+    """The codes and scales of a quantized layer's block of rows, from its weight's rows as `read_weight(key,
+    offsets, sizes)` reads them from a checkpoint's files (`key`: the weight's key there): each block of rows is
+    read and quantized once, for its codes and its scales alike."""
+
+    def __init__(self, read_weight):
+        self.read_weight, self.last = read_weight, (None, None)
+
+    def __call__(self, weight_key: str, layer: "QuantizedLinear", kind: str, offsets: tuple[int, ...],
+                 sizes: tuple[int, ...]) -> torch.Tensor:
+        rows = (weight_key, offsets[0], sizes[0])
+        if self.last[0] != rows:
+            weight = self.read_weight(weight_key, (offsets[0], 0), (sizes[0], layer.in_features))
+            self.last = (rows, quantize(weight, layer.scheme))
+        return self.last[1][kind][(slice(None), *(slice(o, o + n) for o, n in zip(offsets[1:], sizes[1:])))]

@@ -20,7 +20,7 @@ import precompute_latents
 import train_mmdit_stable
 from data.latents import LatentDataset
 from data.precompute.images import open_image, resize_crop, to_unit_range
-from data.precompute.inputs import EXIF_ORIENTATION, image_size
+from data.precompute.inputs import EXIF_ORIENTATION, PrecomputeError, image_size
 from data.precompute.ranks import Progress, Ranks
 from data.precompute.units import PROGRESS, encode_unit
 from errors import InputError
@@ -126,6 +126,8 @@ def test_bad_inputs_are_named_before_compute(sd3_dir, tmp_path, caplog):
             f"model.pos_embed_max_size=4 or more") in caplog.text
     assert run_precompute(sd3_dir, images, tmp_path / "out", "--aspect-buckets") == 2  # not the settings it began with
     assert "was started with other settings: aspect_buckets: False -> True" in caplog.text
+    assert run_precompute(sd3_dir, images, tmp_path / "out", "--text-encoder-quantization", "int8") == 2  # nor text
+    assert "other settings: text_encoders: unset -> float32, linears int8" in caplog.text  # another precision
     for suffix in (".png", ".txt"):  # one image replaced by another: named, not a fingerprint's hashes
         (images / f"img00{suffix}").rename(images / f"img05{suffix}")
     assert run_precompute(sd3_dir, images, tmp_path / "out") == 2
@@ -140,6 +142,20 @@ def test_bad_inputs_are_named_before_compute(sd3_dir, tmp_path, caplog):
     assert f"--model {tmp_path / 'nowhere'} does not exist" in caplog.text
     assert run_precompute(sd3_dir, images, tmp_path / "odd", "--aspect-buckets", "--bucket-step", "6") == 2
     assert "--bucket-step 6 must be a multiple of 4 (VAE downsampling 2 x patch 2)" in caplog.text
+
+
+def test_auto_quantizes_the_text_encoders_only_where_they_do_not_fit_the_gpu():
+    """--text-encoder-quantization auto: unquantized on the CPU and where they fit with room for a batch, else
+    int8, else nf4; refused, with the ways out, where even nf4 does not fit; a scheme asked for is kept."""
+    from data.precompute.encoders import GIB, HEADROOM, text_quantization
+    sizes = {"none": 16 * GIB, "int8": 8 * GIB, "nf4": 4 * GIB}
+    assert text_quantization("auto", sizes, None) == "none"
+    assert [text_quantization("auto", sizes, free) for free in (18 * GIB + HEADROOM, 16 * GIB, 6 * GIB)] == \
+        ["none", "int8", "nf4"]
+    assert text_quantization("nf4", sizes, 80 * GIB) == "nf4" and text_quantization("none", sizes, GIB) == "none"
+    with pytest.raises(PrecomputeError, match=r"need 4.0 GiB even in nf4 and 5.0 GiB is free on the fullest GPU: "
+                       r"precompute on a larger GPU, on the CPU \(--device cpu\), or without them"):
+        text_quantization("auto", sizes, 5 * GIB)
 
 
 def test_every_bad_input_is_named_at_once_before_anything_is_written_and_fixing_them_lets_the_same_command_run(

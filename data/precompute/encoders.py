@@ -8,28 +8,68 @@ from pathlib import Path
 import torch
 
 from data.precompute.images import to_unit_range
+from data.precompute.inputs import PrecomputeError
 from models.diffusers_io import save_safetensors
 from models.families import Family
+from models.quantized import stored_bytes
 from models.vae import load_vae
 
 log = logging.getLogger("mmdit")
+QUANTIZATIONS = ("auto", "none", "int8", "nf4")
+GIB = 2**30
+HEADROOM = 2 * GIB  # what encoding a batch needs beside the weights (activations, the allocator's slack)
+
+
+def text_quantization(requested: str, sizes: dict[str, int], free: int | None) -> str:
+    """The storage of the text encoders' linears: `requested`, or for auto the first of none, int8, nf4 whose
+    `sizes` (bytes) fit `free` device memory with room for a batch; none on the CPU (`free` None)."""
+    if requested != "auto":
+        return requested
+    if free is None:
+        return "none"
+    fits = [scheme for scheme in ("none", "int8", "nf4") if sizes[scheme] + HEADROOM <= free]
+    if not fits:
+        raise PrecomputeError(f"the text encoders need {sizes['nf4'] / GIB:.1f} GiB even in nf4 and "
+                              f"{free / GIB:.1f} GiB is free on the fullest GPU: precompute on a larger GPU, on the "
+                              f"CPU (--device cpu), or without them (--text-embeddings none: training encodes "
+                              f"the captions)")
+    return fits[0]
+
+
+def text_storage(model_dir: Path, family: Family, max_sequence_length: int, device: torch.device,
+                 dtype: torch.dtype, requested: str, share) -> tuple[torch.dtype, str]:
+    """The text encoders' dtype (their own on a GPU where they have one) and the storage of their linears
+    (--text-encoder-quantization; auto: quantized only where they do not fit the free memory of every rank's GPU,
+    `share` giving every rank's), said in the log."""
+    with torch.device("meta"):
+        text = family.text_encoders(model_dir, max_sequence_length)
+    if device.type == "cuda" and text.GPU_DTYPE is not None:
+        dtype = text.GPU_DTYPE
+    sizes = {scheme: stored_bytes(text, scheme, dtype) for scheme in QUANTIZATIONS[1:]}
+    free = min(share(torch.cuda.mem_get_info(device)[0])) if device.type == "cuda" else None
+    chosen = text_quantization(requested, sizes, free)
+    room = "" if free is None else f"; {free / GIB:.1f} GiB free on the fullest GPU"
+    log.info("text encoders in %s, their linears %s: %.1f GiB (unquantized %.1f GiB%s)",
+             str(dtype).removeprefix("torch."), "unquantized" if chosen == "none" else f"in {chosen}",
+             sizes[chosen] / GIB, sizes["none"] / GIB, room)
+    return dtype, chosen
 
 
 class PipelineEncoders:
-    """The VAE of a pipeline directory of `family`, and its text encoders unless text embeddings are not
-    stored."""
+    """The VAE of a pipeline directory of `family` in `dtype`, and its text encoders in `text` (their dtype and
+    their linears' quantization: `text_storage`) unless text embeddings are not stored (`text` None)."""
 
     def __init__(self, model_dir: Path, family: Family, device: torch.device, dtype: torch.dtype,
-                 max_sequence_length: int, text_embeddings: bool):
+                 max_sequence_length: int, text: tuple[torch.dtype, str] | None):
         self.device, self.family = device, family
         self.vae = load_vae(model_dir / "vae", device, dtype)
         self.tokenizers = family.tokenizers(model_dir, max_sequence_length)
         with torch.device("meta"):
             self.text = family.text_encoders(model_dir, max_sequence_length)
         self.text_dims, self.text_mask = (self.text.joint_dim, self.text.pooled_dim), self.text.MASKED
-        if text_embeddings:
+        if text is not None:
             self.text.check("--model")
-            self.text.load(device, dtype)
+            self.text.load(device, *text)
         else:
             self.text = None
         self.truncated = 0

@@ -34,7 +34,7 @@ def check_output_directory(out: Path, settings: dict) -> None:
             raise PrecomputeError(f"--out {out} exists and was not written by this tool; choose a new directory")
         return
     old = json.loads((out / SETTINGS).read_text())
-    changed = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v and k != INPUT_NAMES}
+    changed = [k for k in {**old, **settings} if old.get(k) != settings.get(k) and k != INPUT_NAMES]
     if changed and any((out / REPORTS).glob("*.json")):
         raise PrecomputeError(f"--out {out} was started with other settings: "
                               f"{'; '.join(describe_change(key, old, settings) for key in changed)}. Use a new "
@@ -48,7 +48,7 @@ def check_output_directory(out: Path, settings: dict) -> None:
 def describe_change(key: str, old: dict, new: dict) -> str:
     """A changed setting as `key: before -> now`; changed inputs as the inputs added and removed, by name."""
     if key != "inputs":
-        return f"{key}: {old.get(key)} -> {new[key]}"
+        return f"{key}: {old.get(key, 'unset')} -> {new.get(key, 'unset')}"
     if old.get(INPUT_NAMES) is None or new[INPUT_NAMES] is None:  # too many to keep, or an earlier version's
         return "the inputs differ"
     before, now = old[INPUT_NAMES], new[INPUT_NAMES]

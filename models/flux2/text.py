@@ -105,6 +105,7 @@ class Flux2Tokenizers(PipelineTokenizers):
 
 class Flux2TextEncoders(PipelineTextEncoders):
     PARTS, NAME = PARTS, "FLUX.2"
+    GPU_DTYPE = torch.bfloat16  # as the pipeline runs it (fp16 overflows in Qwen2 models: transformers issue 33294)
 
     def __init__(self, folder: Path, max_sequence_length: int):
         self.kind = language_model_type(folder)

@@ -55,6 +55,7 @@ class QwenTokenizers(PipelineTokenizers):
 
 class QwenTextEncoders(PipelineTextEncoders):
     PARTS, NAME, MASKED = PARTS, "Qwen-Image", True
+    GPU_DTYPE = torch.bfloat16  # as the pipeline runs it (fp16 overflows in Qwen2 models: transformers issue 33294)
 
     def __init__(self, folder: Path, max_sequence_length: int):
         super().__init__(folder, max_sequence_length)
