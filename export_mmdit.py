@@ -54,7 +54,8 @@ def export(checkpoint: Path, out: Path, use_ema: bool = True, dtype: torch.dtype
     family = FAMILIES[meta.get("family", "sd3")]  # recorded since FLUX.1
     if lora_format == "kohya" and (family.kohya is None or not meta["lora"]):
         what = "a full fine-tune (no adapters)" if family.kohya else f"of model.family={family.name}"
-        kinds = " or ".join(f.title for f in FAMILIES.values() if f.kohya)
+        titles = [f.title for f in FAMILIES.values() if f.kohya]
+        kinds = " or ".join(titles) if len(titles) < 3 else f"{', '.join(titles[:-1])} or {titles[-1]}"
         raise InputError(f"--format kohya writes a {kinds} LoRA, and {checkpoint} is {what}: export it in the "
                          f"default format (--format peft)")
     weights = {**tensors["model"], **(tensors["ema"] if use_ema else {})}  # the EMA covers trained parameters

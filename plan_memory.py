@@ -91,11 +91,21 @@ def data_like(cfg, resolution: int):
     and text at `resolution` (its largest latent size sets the activations)."""
     if cfg.data.name == "shapes" or (cfg.data.path and Path(cfg.data.path, "dataset.json").is_file()):
         return build_data(cfg)
+    return released_data(cfg, resolution), None
+
+
+def released_data(cfg, resolution: int) -> SimpleNamespace:
+    """The released pipeline's data as the model sees it: square latents at `resolution` and its text."""
     text = released_text(cfg)
-    side = resolution // text["vae_factor"]
-    return SimpleNamespace(latent_channels=text["latent_channels"], latent_sizes=[(side, side)],
-                           text_dims=(text["joint"], text["pooled"]), text_tokens=text["tokens"],
-                           text_shapes=text_shapes(text["tokens"], (text["joint"], text["pooled"]), text["masked"])), None
+    return data_of(text, resolution // text["vae_factor"])
+
+
+def data_of(text: dict, side: int) -> SimpleNamespace:
+    """A dataset's description (what building a model reads of it) for `text` (`family_text`'s) and latents of
+    `side` a side."""
+    dims = (text["joint"], text["pooled"])
+    return SimpleNamespace(latent_channels=text["latent_channels"], latent_sizes=[(side, side)], text_dims=dims,
+                           text_tokens=text["tokens"], text_shapes=text_shapes(text["tokens"], dims, text["masked"]))
 
 
 def count(cfg, dataset, tokenizer, quantization: str):

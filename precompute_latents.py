@@ -11,6 +11,8 @@ PIPELINE_DIR is a diffusers pipeline directory, whose model_index.json names its
   and, optionally, text_encoder_3/ + tokenizer_3/ (T5; without it the T5 part is zeros, as the pipeline does);
 - FLUX.1 (dev or schnell): vae/ (FLUX's scale and shift), text_encoder/ + tokenizer/ (CLIP-L, pooled),
   text_encoder_2/ + tokenizer_2/ (T5: 512 tokens for dev, 256 for schnell by default);
+- Qwen-Image: vae/ (AutoencoderKLQwenImage: one frame, per-channel mean and std), text_encoder/ + tokenizer/
+  (Qwen2.5-VL's last hidden states in the pipeline's prompt template, padded to 512 tokens with a mask);
 - FLUX.2 (klein or dev): vae/ (latents patchified 2 x 2 into 128 channels at 1/16 and normalised by its BatchNorm's
   statistics), text_encoder/ + tokenizer/ (klein: Qwen3; dev: Mistral-Small-3 and its processor; 512 tokens).
 Nothing is downloaded. The dataset records the family; training checks it against model.family.
@@ -60,7 +62,8 @@ from data.precompute.encoders import QUANTIZATIONS, PipelineEncoders, text_stora
 from data.precompute.inputs import (PrecomputeError, Unit, check_items, default_sequence_length, fingerprint,
                                     item_units, pipeline_family, read_image_folder, read_manifest,
                                     read_validation_prompts, shard_units, vae_downsampling)
-from data.precompute.job import INPUT_NAMES, check_output_directory, precompute, start_output_directory
+from data.precompute.job import (INPUT_NAMES, check_output_directory, precompute, recorded_settings,
+                                 start_output_directory)
 from data.precompute.ranks import Ranks
 from data.precompute.units import REPORTS
 from data.webdataset import ShardError, expand_shards
@@ -103,8 +106,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--shard-size", type=int, default=1000, help="items per output shard (and per unit of "
                         "folder and JSONL inputs)")
     parser.add_argument("--workers", type=int, default=4, help="threads decoding images")
-    parser.add_argument("--max-sequence-length", type=int, help="T5 tokens (default: the pipeline's: SD3 256, "
-                        "FLUX.1-dev 512, FLUX.1-schnell 256)")
+    parser.add_argument("--max-sequence-length", type=int, help="text tokens (default: the pipeline's: SD3 "
+                        "256, FLUX.1-dev 512, FLUX.1-schnell 256, Qwen-Image 512 (at most 1024), FLUX.2 512)")
     parser.add_argument("--device", default="auto", help="auto (under torchrun: this process's GPU), cpu, cuda:1")
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp16",
                         help="storage dtype; also the encoders' dtype on a GPU (they run in fp32 on the CPU), but "
@@ -172,6 +175,15 @@ def main(argv: list[str] | None = None) -> int:
     return mark_exit(ranks.rank, "failed", status=1) if status else 0  # rank 0 has said why
 
 
+def text_quantization_asked(args: argparse.Namespace) -> str:
+    """--text-encoder-quantization; auto, resuming a directory, is what that directory was started with (auto's
+    choice depends on the memory free at the time, and a resume must not mix precisions)."""
+    started = recorded_settings(args.out)
+    if args.text_encoder_quantization != "auto" or started.get("text_embeddings") != "precomputed":
+        return args.text_encoder_quantization
+    return started.get("text_encoders", {}).get("linears", "none")
+
+
 def run(args: argparse.Namespace, ranks: Ranks, device: torch.device) -> int:
     with stop_together():  # every rank checks the inputs alike and loads the encoders; rank 0 the output directory
         units, inputs = read_inputs(args)
@@ -196,9 +208,10 @@ def run(args: argparse.Namespace, ranks: Ranks, device: torch.device) -> int:
                     "compute_dtype": str(compute)}  # a resume must not mix latents encoded at two precisions
         text = None
         if args.text_embeddings == "precomputed":
-            text = text_storage(args.model, family, length, device, compute, args.text_encoder_quantization, ranks.share)
+            text = text_storage(args.model, family, length, device, compute, text_quantization_asked(args),
+                                ranks.share, args.batch_size * args.resolution**2)
             if text != (compute, "none"):  # nor text embeddings; recorded where they differ (earlier versions' default)
-                settings["text_encoders"] = f"{str(text[0]).removeprefix('torch.')}, linears {text[1]}"
+                settings["text_encoders"] = {"dtype": str(text[0]).removeprefix("torch."), "linears": text[1]}
         if ranks.rank == 0:
             check_output_directory(args.out, settings)
             start_output_directory(args.out, settings)

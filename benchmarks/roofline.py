@@ -67,7 +67,7 @@ from errors import ConfigError, InputError  # noqa: E402
 from models.flux.model import SingleTransformerBlock  # noqa: E402
 from models.qwen_image.model import QwenImageBlock  # noqa: E402
 from models.rectified_flow import interpolate, per_sample_loss  # noqa: E402
-from plan_memory import RELEASED, released_text  # noqa: E402
+from plan_memory import RELEASED, released_data  # noqa: E402
 from runtime.memory_plan import CUDA_CONTEXT, FRAGMENTATION, GIB  # noqa: E402
 
 aten = torch.ops.aten
@@ -450,17 +450,6 @@ def autocast(dtype: str):
 # ----------------------------------------------------------------------------------------------- blocks
 
 
-def data_like(cfg, resolution: int = 1024) -> SimpleNamespace:
-    """What the model needs to know of the data (as plan_memory.py and benchmarks/train_step.py describe it): the
-    family's latents and text embeddings at `resolution` (SD3: CLIP-L + CLIP-G and T5, 333 tokens; FLUX.1: T5,
-    512 tokens for dev, 256 for schnell; Qwen-Image: Qwen2.5-VL, 512 tokens with their padding mask)."""
-    text = released_text(cfg)
-    side = resolution // text["vae_factor"]
-    dims = (text["joint"], text["pooled"])
-    return SimpleNamespace(latent_channels=text["latent_channels"], latent_sizes=[(side, side)], text_dims=dims,
-                           text_tokens=text["tokens"], text_shapes=text_shapes(text["tokens"], dims, text["masked"]))
-
-
 def text_fields(data: SimpleNamespace) -> dict[str, tuple[int, ...]]:
     """The text embeddings of one sample by name and shape (data/latents.py's `text_shapes`): the data's, or the
     tokens and the pooled vector of `text_dims` (no mask) where it names none."""
@@ -815,7 +804,7 @@ class StepCensus:
 
 
 def count_step(cfg, data: SimpleNamespace, paths=("eager", "compiled")) -> StepCensus:
-    """Census of the model `cfg` builds (on the meta device, as training builds it) for `data` (`data_like`): each
+    """Census of the model `cfg` builds (on the meta device, as training builds it) for `data` (plan_memory.py's `released_data`): each
     kind of block on `paths` (eager always: it also gives the saved bytes), and the work outside the blocks."""
     model = build_trained_model(cfg, data, None)
     transformer, m, batch = model.transformer, cfg.model, cfg.training.train_batch_size
@@ -943,7 +932,7 @@ def predict_step(cfg, data: SimpleNamespace | None = None, attention: str | None
                  micro_steps: int | None = None) -> StepPrediction:
     """The optimizer step `cfg` configures (model, micro-batch, precision, activation checkpointing, compile,
     attention backend, LoRA, optimizer), predicted on one H100 SXM for `data` (latent_channels, latent_sizes,
-    text_dims, text_tokens, as build_model takes it; default `data_like(cfg)`: 1024 px, the family's text).
+    text_dims, text_tokens, as build_model takes it; default the released pipeline's at 1024 px).
     `attention` (fa2, cudnn, fa3, or a training.attention_backend value) and `micro_steps` override the config's.
     A census per model, micro-batch and path is made once per process (seconds to a minute on a CPU). Refused
     (ConfigError, a ValueError) before any census: what is not modelled (float8 matmuls, attention backends without
@@ -958,7 +947,7 @@ def predict_step(cfg, data: SimpleNamespace | None = None, attention: str | None
     rates_of(attention or t.attention_backend)
     check_modelled(t.activation_checkpointing)
     path = "compiled" if cfg.compile.enabled else "eager"
-    data = data or data_like(cfg)
+    data = data or released_data(cfg, 1024)
     key = (OmegaConf.to_yaml(cfg.model), OmegaConf.to_yaml(cfg.lora), t.train_batch_size, t.dtype, str(vars(data)),
            path)
     if key not in _CENSUSES:
@@ -1086,7 +1075,7 @@ def run_preset(name: str, cfg, source: str, checkpointing: str | None, attention
                resolution: int) -> dict:
     t = cfg.training
     path = "compiled" if cfg.compile.enabled else "eager"
-    census = count_step(cfg, data_like(cfg, resolution))
+    census = count_step(cfg, released_data(cfg, resolution))
     common = dict(micro_steps=t.gradient_accumulation_steps, fused_optimizer=cfg.optimizer.fused,
                   weight_decay=cfg.optimizer.weight_decay > 0, fp16_scaler=t.dtype == "fp16")
     checkpointing = checkpointing or t.activation_checkpointing

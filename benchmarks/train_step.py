@@ -108,7 +108,7 @@ sys.path.insert(0, str(ROOT))  # the project folders import by their names
 import perf.compile  # noqa: E402
 from configs.build import build_model, build_trained_model  # noqa: E402
 from configs.schema import check_sections  # noqa: E402
-from data.latents import empty_text, text_shapes  # noqa: E402
+from data.latents import empty_text  # noqa: E402
 from errors import ConfigError  # noqa: E402
 from formats import DTYPES  # noqa: E402
 from models.families import FAMILIES  # noqa: E402
@@ -119,7 +119,7 @@ from optim.ema import EMA  # noqa: E402
 from perf.attention import BACKENDS, SDPA_KERNELS, apply_attention_backend, choose, joint_lengths  # noqa: E402
 from perf.parallel import apply_parallelism, unwrap  # noqa: E402
 from perf.precision import autocast, configure_cuda_math, grad_scaler  # noqa: E402
-from plan_memory import RELEASED, family_text, planning_config  # noqa: E402
+from plan_memory import RELEASED, data_of, family_text, planning_config  # noqa: E402
 from runtime.distributed import World  # noqa: E402
 from runtime.host_syncs import HostSyncCounter, cuda_sync_counter  # noqa: E402
 from runtime.nonfinite import NonFiniteGuard  # noqa: E402
@@ -328,13 +328,10 @@ def data_shapes(model: str, size: str, resolution: int = RESOLUTION) -> SimpleNa
     """What the model needs to know of the data: latents and text embeddings at the benchmark's size (the text's
     fields as a latent dataset holds them: data/latents.py's `text_shapes`, Qwen-Image's padding mask included)."""
     text = MODELS[model].text
-    tokens, joint, pooled = (TINY["text"][k] for k in ("tokens", "joint", "pooled")) if size == "tiny" else \
-        (text["tokens"], text["joint"], text["pooled"])
-    pooled = pooled if text["pooled"] else 0  # a family without a pooled vector has none at any size
-    side = (TINY["resolution"] if size == "tiny" else resolution) // text["vae_factor"]
-    return SimpleNamespace(latent_channels=text["latent_channels"], latent_sizes=[(side, side)],
-                           text_dims=(joint, pooled), text_tokens=tokens,
-                           text_shapes=text_shapes(tokens, (joint, pooled), text["masked"]))
+    if size == "tiny":
+        tiny = TINY["text"]  # a family without a pooled vector has none at any size
+        text = {**text, "tokens": tiny["tokens"], "joint": tiny["joint"], "pooled": tiny["pooled"] if text["pooled"] else 0}
+    return data_of(text, (TINY["resolution"] if size == "tiny" else resolution) // text["vae_factor"])
 
 
 def device_batch(cfg, data: SimpleNamespace, device: torch.device) -> dict:

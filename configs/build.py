@@ -56,7 +56,7 @@ def check_position_table(cfg: DictConfig, dataset) -> None:
     come from a latent dataset's precompute resolution, which is what the user chose: the error names it, and
     what to change (FLUX.1's rotary positions have no such limit)."""
     m = cfg.model
-    if m.family != "sd3":
+    if "pos_embed_max_size" not in FAMILIES[m.family].options:  # rotary positions (the others) have no table
         return
     parts = getattr(dataset, "datasets", [dataset])
     for number, part in enumerate(parts):
@@ -297,8 +297,8 @@ def build_validation(cfg: DictConfig, dataset, tokenizer: WordTokenizer | Pipeli
                                dataset.score_images, shown)
     elif on and dataset.validation_captions is not None:
         captions = dataset.validation_captions
-        if tokenizer is not None:  # encoded by the model
-            text, uncond = tokenizer(captions), tokenizer([""])
+        if tokenizer is not None:  # encoded by the model; the unconditional input as precompute stores it
+            text, uncond = tokenizer(captions), tokenizer([FAMILIES[cfg.model.family].negative_prompt])
         else:
             text = dataset.validation_prompts
             uncond = dataset.negative_prompt or {k: torch.zeros_like(t[:1]) for k, t in text.items()}

@@ -664,8 +664,9 @@ def check_guidance_keys(cfg: DictConfig, given: DictConfig, file: DictConfig, pa
     if given_keys and not cfg.model.guidance_embeds:
         key = given_keys[0]
         model = f"{cfg.model.init_from} has" if cfg.model.init_from else "model.guidance_embeds=false:"
-        remedy = (f"{path} is a config for FLUX.1-dev; for FLUX.1-schnell use configs/flux_schnell_lora.yaml (or "
-                  f"a copy of {path} without its flux section)" if OmegaConf.select(file, key) is not None
+        remedy = (f"{path} is a config for a model with one; use one for a model without (FLUX.1-schnell: "
+                  f"configs/flux_schnell_lora.yaml, FLUX.2-klein: configs/flux2_klein_*_lora.yaml), or a copy of "
+                  f"{path} without its flux section" if OmegaConf.select(file, key) is not None
                   else f"leave {key} off the command line")
         raise ConfigError(f"{key} sets the guidance a guidance-distilled model (FLUX.1-dev, FLUX.2-dev) embeds, and "
                           f"{model} no guidance embedding (FLUX.1-schnell, FLUX.2-klein, Qwen-Image and SD3 have none): "

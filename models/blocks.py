@@ -45,6 +45,10 @@ def initialize(module: nn.Module, seed: int) -> None:
 # would ever get a gradient).
 ZERO_IN_BLOCKS = ("norm1.linear", "norm1_context.linear", "norm.linear")
 ZERO_AT_TOP = ("norm_out.linear", "proj_out")
+# a joint block's linears over the text tokens alone and its modulations, by their first names in the block: what
+# float8 leaves in bf16 (perf/float8.py); each transformer names its own as TEXT_ONLY_LINEARS and MODULATION_LINEARS
+JOINT_TEXT_ONLY = ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out", "ff_context")
+JOINT_MODULATIONS = ("norm",)
 
 
 def initial_value(model: nn.Module, name: str, seed: int) -> torch.Tensor:

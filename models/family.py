@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from errors import FieldError
+from models.blocks import check_rotary_split
 
 
 @dataclass(frozen=True)
@@ -108,11 +109,14 @@ class Family:
 
 
 def check_rotary_axes(model, count: int) -> None:
-    """model.axes_dims_rope splits a head's channels over `count` position axes, each an even number."""
+    """model.axes_dims_rope splits a head's channels over `count` position axes, each an even number (the
+    module's check, as the config's error)."""
     axes = list(model.axes_dims_rope or [])
-    if len(axes) != count or sum(axes) != model.attention_head_dim or any(d % 2 for d in axes):
+    try:
+        check_rotary_split(axes, model.attention_head_dim, count)
+    except ValueError:
         raise FieldError("axes_dims_rope", axes, f"{count} even numbers that sum to attention_head_dim "
-                         f"({model.attention_head_dim})")
+                         f"({model.attention_head_dim})") from None
 
 
 def check_qk_norm(model, title: str) -> None:

@@ -181,9 +181,9 @@ class PipelineTextEncoders(nn.Module):
         with torch.no_grad():
             for name, tensor in [*self.named_parameters(), *self.named_buffers()]:
                 tensor.copy_(self.read(name, (0,) * tensor.dim(), tuple(tensor.shape)))
-        for module in self.modules():  # the floating tensors in `dtype`, but quantized layers' codes and scales
-            if not isinstance(module, QuantizedLinear):
-                for tensor in [*module._parameters.values(), *module._buffers.values()]:
-                    if tensor is not None and tensor.is_floating_point():
-                        tensor.data = tensor.data.to(dtype)
+        for module in self.modules():  # the floating tensors in `dtype`, but quantized layers' scales (bf16)
+            for name, tensor in [*module._parameters.items(), *module._buffers.items()]:
+                if tensor is not None and tensor.is_floating_point() and not (isinstance(module, QuantizedLinear)
+                                                                               and name == "scales"):
+                    tensor.data = tensor.data.to(dtype)
         return self

@@ -10,6 +10,9 @@
   sm90/sm100);
 - math: the fp32 formula (models/attention.py), the reference the others are tested against.
 
+A family whose text is padded (Qwen-Image: its transformer takes `prompt_embeds_mask`) passes a key mask; flash-attn's
+dense kernels take none, and `auto` checks the others with one.
+
 `auto` takes, on each GPU generation, the first usable kernel of those listed fastest first in `FASTEST_FIRST`
 (from published kernel benchmarks, docs/attention.md; `benchmarks/train_step.py` measures each backend the machine
 has), and logs the choice with its reason. A kernel is usable when it passes, on the training device, in the compute

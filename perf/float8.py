@@ -7,7 +7,8 @@ parameter names and state-dict keys are unchanged.
 Which linears: those of a block that act on every image token, like torchtitan's converter only those whose in and
 out features are multiples of 16. Left alone: the adaLN modulations (one row per sample: a matmul float8 only slows,
 whose outputs scale every activation of the block), the embedders and the output projection (outside the blocks), the
-LoRA adapters (small; they are what trains), and the text stream's linears (`TEXT_STREAM`), for speed (below).
+LoRA adapters (small; they are what trains), and the text stream's linears (the transformer's `TEXT_ONLY_LINEARS`),
+for speed (below).
 
 Shapes torch's `_scaled_mm` accepts (its CUDA kernel, mirrored by its meta function in torch/_meta_registrations.py):
 the inner dimension of each matmul and both dimensions of its second operand must be multiples of 16. The weight
@@ -17,7 +18,7 @@ frozen weight (LoRA's base), so the token count matters with and without LoRA. E
 matmul's inner dimension with zeros to the next multiple of 16 (torchao's `pad_inner_dim`, set for the weight gradient
 only: in the other two the inner dimension is a feature count, a multiple of 16 already, and padding copies its
 operands): any micro-batch and latent size runs. tests/test_float8.py runs the float8 step of SD3-medium, SD3.5-large
-LoRA and FLUX.1-dev at 1024 px through torch's own shape checks, on the meta device.
+LoRA, FLUX.1-dev and Qwen-Image at 1024 px through torch's own shape checks, on the meta device.
 
 Where float8 wins, by a roofline of one linear's training step on an H100 SXM (`step_seconds`, torchao's model of
 tensorwise float8 casts in testing/training/roofline_utils.py with benchmarks/roofline.py's rates: 800 TFLOP/s bf16
@@ -52,6 +53,7 @@ rounds to float8 but multiplies in high precision, on any device: the same numer
 
 import importlib.util
 import logging
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -61,11 +63,6 @@ from errors import ConfigError
 log = logging.getLogger("mmdit")
 
 FP8_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with float8 tensor cores
-# A joint block's linears that see the text tokens only (models/blocks.py's names, which FLUX.2's double blocks share;
-# Qwen-Image's text feed-forward), and the modulations' linears (one row per sample: nothing to gain), by their first
-# name in a block (FLUX.2's shared modulations are outside the blocks, which alone are converted)
-TEXT_STREAM = ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out", "ff_context", "txt_mlp")
-MODULATIONS = ("norm", "img_mod", "txt_mod")
 
 # H100 SXM rates of the roofline (benchmarks/roofline.py): bf16 matmuls as measured on an 8192^3 one, float8 at
 # twice that (its dense peak is twice bf16's), memory as a measured device-to-device copy, inductor's launch floor
@@ -91,11 +88,12 @@ def check_float8(cfg, device: torch.device) -> None:
                           f"float8.enabled=false (or float8.emulate=true, which brings no speed-up)")
 
 
-def converts(module: nn.Module, name: str) -> bool:
-    """A block's image-token linear with float8-sized dimensions (`name` relative to the block)."""
+def converts(module: nn.Module, name: str, text_only: tuple[str, ...], modulations: tuple[str, ...]) -> bool:
+    """A block's image-token linear with float8-sized dimensions (`name` relative to the block): not one over the
+    text tokens alone (`text_only`, by first names) nor a modulation (one row per sample: nothing to gain)."""
     return (isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
-            and not name.split(".")[0].startswith(MODULATIONS) and ".lora_" not in f".{name}"
-            and not any(name == part or name.startswith(part + ".") for part in TEXT_STREAM))
+            and not name.split(".")[0].startswith(modulations) and ".lora_" not in f".{name}"
+            and not any(name == part or name.startswith(part + ".") for part in text_only))
 
 
 def pad_weight_gradient(linear: nn.Module) -> None:
@@ -112,9 +110,10 @@ def apply_float8(model: nn.Module, cfg, device: torch.device, sharded: bool) -> 
     check_float8(cfg, device)
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     config = Float8LinearConfig(emulate=cfg.emulate, enable_fsdp_float8_all_gather=sharded)
-    blocks = model.transformer.blocks
+    blocks, transformer = model.transformer.blocks, model.transformer
+    chosen = partial(converts, text_only=transformer.TEXT_ONLY_LINEARS, modulations=transformer.MODULATION_LINEARS)
     for block in blocks:
-        convert_to_float8_training(block, module_filter_fn=converts, config=config)
+        convert_to_float8_training(block, module_filter_fn=chosen, config=config)
     converted = [m for block in blocks for m in block.modules() if type(m).__name__ == "Float8Linear"]
     for linear in converted:
         pad_weight_gradient(linear)

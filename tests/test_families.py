@@ -226,9 +226,8 @@ def test_float8_converts_the_image_streams_linears(family):
     for block in model.transformer.blocks:
         for name, module in block.named_modules():
             kinds.setdefault(name, set()).add(type(module).__name__)
-    assert all(kinds[name] <= {"Float8Linear"} for name in converted if name in kinds) and \
-        any(name in kinds for name in converted)
-    assert all(kinds[name] == {"Linear"} for name in kept if name in kinds), {n: kinds.get(n) for n in kept}
+    assert all(kinds.get(name) == {"Float8Linear"} for name in converted), {n: kinds.get(n) for n in converted}
+    assert all(kinds.get(name) == {"Linear"} for name in kept), {n: kinds.get(n) for n in kept}
 
 
 # ----------------------------------------------------------------------------------------------- a pipeline's files
@@ -278,23 +277,25 @@ def test_precompute_stores_what_the_pipeline_computes(family, request):
 def test_quantized_text_encoders_take_the_bytes_planned_and_encode_close_to_the_pipeline(family, request):
     """precompute's --text-encoder-quantization: each linear of the family's text encoders filled as int8 or nf4
     codes from its weight's rows; they hold the bytes `stored_bytes` plans for them on the meta device (which
-    auto's choice rests on), and their embeddings stay within 2% (int8) and 50% (nf4) of the unquantized ones,
+    auto's choice rests on; in fp32 and, the rest cast, bf16), and their embeddings stay within 2% (int8) and 35% (nf4) of the unquantized ones,
     relative RMS (these tiny random encoders, 8 to 24 wide: 0.3-0.8% and 3-26%); masks are the same."""
     from models.quantized import QuantizedLinear, stored_bytes
     folder = request.getfixturevalue(CASES[family].pipeline.folder)
     record = FAMILIES[family]
     tokens = record.tokenizers(folder, 16)(["a red cat", "a dog on the grass in snow", ""])
     embeddings, errors = {}, {}
-    for scheme in ("none", "int8", "nf4"):
+    for scheme, dtype in [("none", torch.float32), ("int8", torch.float32), ("nf4", torch.float32),
+                          ("int8", torch.bfloat16)]:
         with torch.device("meta"):
             encoders = record.text_encoders(folder, 16)
-        planned = stored_bytes(encoders, scheme, torch.float32)
-        encoders.load(torch.device("cpu"), torch.float32, scheme)
+        planned = stored_bytes(encoders, scheme, dtype)
+        encoders.load(torch.device("cpu"), dtype, scheme)
         held = [*encoders.parameters(), *encoders.buffers()]
         assert sum(t.numel() * t.element_size() for t in held) == planned
         assert any(isinstance(m, QuantizedLinear) for m in encoders.modules()) == (scheme != "none")
-        with torch.no_grad():
-            embeddings[scheme] = encoders(**tokens)
+        if dtype == torch.float32:
+            with torch.no_grad():
+                embeddings[scheme] = encoders(**tokens)
     for scheme in ("int8", "nf4"):
         for name, values in embeddings["none"].items():
             if name == "prompt_embeds_mask":

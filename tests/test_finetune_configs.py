@@ -1,4 +1,4 @@
-"""The shipped fine-tuning configs of every family (SD3 / SD3.5, FLUX.1, Qwen-Image; full and LoRA) describe the
+"""The shipped fine-tuning configs of every family (SD3 / SD3.5, FLUX.1, Qwen-Image, FLUX.2; full and LoRA) describe the
 released architectures (checked against diffusers' transformer classes on the meta device: no weights, no memory),
 fit the GPUs their headers name (plan_memory.py's plan at 1024 px), and run as written."""
 
@@ -29,6 +29,14 @@ def sd3(blocks: int, pos_embed_max_size: int, qk_norm: str | None, dual_attentio
                 dual_attention_layers=dual_attention_layers, qk_norm=qk_norm)
 
 
+def flux2(double: int, single: int, heads: int, text: int, guidance: bool) -> dict:
+    """A FLUX.2 config.json (docs/flux2-architecture.md): heads x 128, the language model's 3 layers of text."""
+    return dict(patch_size=1, in_channels=128, out_channels=None, num_layers=double, num_single_layers=single,
+                attention_head_dim=128, num_attention_heads=heads, joint_attention_dim=text,
+                timestep_guidance_channels=256, mlp_ratio=3.0, axes_dims_rope=[32, 32, 32, 32], rope_theta=2000,
+                eps=1e-6, guidance_embeds=guidance)
+
+
 FLUX = dict(patch_size=1, in_channels=64, out_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
             num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, axes_dims_rope=[16, 56, 56])
 # released config.json values, by plan_memory.py's model names (docs/*-architecture.md)
@@ -39,7 +47,10 @@ RELEASED = {"sd3-medium": ("SD3Transformer2DModel", sd3(24, 192, None, [])),
             "flux-schnell": ("FluxTransformer2DModel", {**FLUX, "guidance_embeds": False}),
             "qwen-image": ("QwenImageTransformer2DModel", dict(
                 patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
-                num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False, axes_dims_rope=[16, 56, 56]))}
+                num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False, axes_dims_rope=[16, 56, 56])),
+            "flux2-klein-4b": ("Flux2Transformer2DModel", flux2(5, 20, 24, 3 * 2560, False)),
+            "flux2-klein-9b": ("Flux2Transformer2DModel", flux2(8, 24, 32, 3 * 4096, False)),
+            "flux2-dev": ("Flux2Transformer2DModel", flux2(8, 48, 48, 3 * 5120, True))}
 # each shipped config: the released model it fine-tunes and the GPUs its header names (count, GB each)
 SHIPPED = {"sd3_medium": ("sd3-medium", 1, 80), "sd3_medium_lora": ("sd3-medium", 1, 24),
            "sd35_medium": ("sd35-medium", 1, 80), "sd35_medium_lora": ("sd35-medium", 1, 24),
@@ -48,7 +59,9 @@ SHIPPED = {"sd3_medium": ("sd3-medium", 1, 80), "sd3_medium_lora": ("sd3-medium"
            "flux_dev_lora": ("flux-dev", 1, 80), "flux_dev_lora_24gb": ("flux-dev", 1, 24),
            "flux_dev": ("flux-dev", 8, 80), "flux_schnell_lora": ("flux-schnell", 1, 80),
            "qwen_image_lora": ("qwen-image", 1, 80), "qwen_image_lora_24gb": ("qwen-image", 1, 24),
-           "qwen_image": ("qwen-image", 8, 80)}
+           "qwen_image": ("qwen-image", 8, 80), "flux2_klein_4b_lora": ("flux2-klein-4b", 1, 16),
+           "flux2_klein_9b_lora": ("flux2-klein-9b", 1, 24), "flux2_dev_lora": ("flux2-dev", 1, 80),
+           "flux2_dev": ("flux2-dev", 8, 80)}
 NOT_PLANNED = {"flux_schnell_lora"}  # dev's LoRA plan but for the guidance embedding and T5's length: not counted again
 
 
@@ -60,6 +73,9 @@ def adapters(family: str, config: dict) -> int:
         return (8 * blocks - 1) * 2
     if family == "flux":  # double blocks: 8 projections and both feed-forwards; single blocks: to_q, to_k, to_v
         return blocks * (8 * 2 + 4 * 5) + config["num_single_layers"] * 3 * 2
+    if family == "flux2":  # double blocks: the image stream's 4 projections; single blocks: the fused projection
+        # (D in, 3 D of q, k, v and 2 x 3 D of the gated feed-forward out) and the output (D + 3 D in, D out)
+        return blocks * 4 * 2 + config["num_single_layers"] * ((1 + 9) + (4 + 1))
     # qwen_image: both streams' 8 projections and feed-forwards; the last block's text stream (to_add_out and the
     # text feed-forward) reaches nothing and is left out
     return blocks * (8 * 2 + 4 * 5) - (2 + 2 * 5)
@@ -89,9 +105,9 @@ def test_config_with_the_released_transformer_is_the_released_architecture_and_f
     cfg = load_config(path, ["data.path=unused", f"model.init_from={tmp_path / 'transformer'}"])
     family = FAMILIES[cfg.model.family]
     assert family.diffusers_class == diffusers_class and model_name in family.released
-    text = family.released_text
+    text = family.text_of(cfg.model)
     ours = transformer_config(cfg, text.latent_channels, [(128, 128)], (text.joint, text.pooled))
-    assert dataclasses.asdict(ours) == released
+    assert dataclasses.asdict(ours) == {**released, "out_channels": released["out_channels"] or released["in_channels"]}
     with torch.device("meta"):
         model = TextToImage(family.transformer(ours))
     assert {k: v.shape for k, v in model.transformer.state_dict().items()} == \

@@ -135,7 +135,7 @@ def float8_step(transformer: nn.Module, inputs, monkeypatch, lora: bool = False)
     if lora:
         apply_lora(model, SimpleNamespace(enabled=True, rank=16, alpha=16, dropout=0.0, use_dora=False,
                                           use_rslora=False, text_encoders=[],
-                                          target_modules=list(family_of_model(transformer).lora_targets)))
+                                          target_modules=family_of_model(transformer).default_lora_targets(transformer.cfg)))
     model.to(torch.bfloat16)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     apply_float8(model, SimpleNamespace(enabled=True, emulate=False), torch.device("cuda"), sharded=False)
@@ -200,7 +200,7 @@ def test_every_float8_matmul_of_a_step_is_one_the_cuda_kernel_takes(model, input
 def test_the_shapes_check_rejects_what_the_cuda_kernel_rejects(monkeypatch):
     """The failure the check exists for: SD3's text stream in float8 without the padding (the plugin before this
     one) has a weight gradient over 4 x 333 tokens; with the padding even the text stream runs."""
-    monkeypatch.setattr(float8, "TEXT_STREAM", ())
+    monkeypatch.setattr(MMDiT, "TEXT_ONLY_LINEARS", ())
     with monkeypatch.context() as unpadded:
         unpadded.setattr(float8, "pad_weight_gradient", lambda linear: None)
         with pytest.raises(RuntimeError, match="divisible by 16, but got self.size.1.=1332"):

@@ -1,13 +1,12 @@
-"""What is FLUX.2's own (what every family has is tests/test_families.py's): its pipelines' sampling schedule; a
-fresh model's zero velocity and every parameter's gradient; the configs on the released architectures; BFL's
-single file (fused and swapped tensors, klein or dev from the shapes) loading with the outputs of diffusers'
-conversion of it, blocks of its rows read alone; a LoRA run from that file exported in ComfyUI's layout, checked
-against ComfyUI's rule (BFL's weights patched by up @ down) through diffusers' conversion, and loaded by diffusers'
-FLUX.2 loader as the PEFT file is; dev's text path against Flux2Pipeline's; mistakes named before compute; the
-VAE's decoding of a dataset's latents as the pipeline decodes."""
+"""What is FLUX.2's own (what every family has is tests/test_families.py's, its configs
+tests/test_finetune_configs.py's): its pipelines' sampling schedule; a fresh model's zero velocity and every
+parameter's gradient; BFL's single file (fused and swapped tensors, klein or dev from the shapes) loading with the
+outputs of diffusers' conversion of it, blocks of its rows read alone; a LoRA run from that file exported in
+ComfyUI's layout, checked against ComfyUI's rule (BFL's weights patched by up @ down) through diffusers'
+conversion, and loaded by diffusers' FLUX.2 loader as the PEFT file is; dev's text path against Flux2Pipeline's;
+mistakes named before compute; the VAE's decoding of a dataset's latents as the pipeline decodes."""
 
 import json
-import types
 from pathlib import Path
 
 import numpy as np
@@ -60,40 +59,6 @@ def test_a_fresh_model_predicts_zero_and_every_parameter_takes_part():
     assert torch.equal(out, torch.zeros_like(out))
     out.square().mean().backward()
     assert [n for n, p in model.named_parameters() if p.grad is None] == []
-
-
-@pytest.mark.parametrize("name,released", [("flux2_klein_4b_lora", "flux2-klein-4b"),
-                                           ("flux2_klein_9b_lora", "flux2-klein-9b"), ("flux2_dev_lora", "flux2-dev"),
-                                           ("flux2_dev", "flux2-dev")])
-def test_the_configs_build_the_released_architecture(name, released, tmp_path):
-    """Pointed at (the config of) a released transformer, each config builds Flux2Transformer2DModel key for key on
-    the meta device, with the released text widths, and adapts what the family's record names."""
-    import dataclasses
-
-    from configs.build import transformer_config
-    from configs.schema import load_config
-    from models.families import FAMILIES
-    from models.flux2.model import Flux2
-    family = FAMILIES["flux2"]
-    settings = family.released[released]
-    config = {k: settings[k] for k in family.architecture}
-    config.update(attention_head_dim=128, joint_attention_dim=family.text_of(
-        types.SimpleNamespace(**settings)).joint)
-    with torch.device("meta"):
-        theirs = diffusers.Flux2Transformer2DModel(**config)
-    theirs.save_config(tmp_path / "transformer")
-    cfg = load_config(f"configs/{name}.yaml", ["data.path=unused", f"model.init_from={tmp_path / 'transformer'}"])
-    assert cfg.model.family == "flux2" and cfg.model.patch_size == 1
-    ours_config = transformer_config(cfg, 128, [(64, 64)], (config["joint_attention_dim"], 0))
-    expected = {k: list(v) if isinstance(v, tuple) else v for k, v in theirs.config.items() if not k.startswith("_")}
-    assert dataclasses.asdict(ours_config) == {**expected, "out_channels": 128}  # diffusers' None: in_channels
-    with torch.device("meta"):
-        model = Flux2(ours_config)
-    assert {k: v.shape for k, v in model.state_dict().items()} == {k: v.shape for k, v in theirs.state_dict().items()}
-    if cfg.lora.enabled:
-        assert cfg.lora.target_modules[:5] == ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-                                               "attn.to_qkv_mlp_proj"]
-        assert len(cfg.lora.target_modules) == 5 + settings["num_single_layers"]
 
 
 # ----------------------------------------------------------------------------------------------- BFL's file
@@ -303,6 +268,33 @@ def test_devs_text_path_is_flux2pipelines(tmp_path):
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
 
 
+def test_without_torchvision_devs_tokenizer_takes_the_processors_chat_template(tmp_path, monkeypatch, caplog):
+    """dev's PixtralProcessor needs torchvision; without it the tokenizer stands in, with the processor's chat
+    template from chat_template.jinja or an older processor's chat_template.json (the same ids), or, with
+    neither, the folder is refused naming the package to install."""
+    import transformers
+
+    from models.flux2.text import Flux2Tokenizers
+    from tests.pipelines import build_flux2_dev_pipeline
+    root = build_flux2_dev_pipeline(tmp_path / "dev")
+    captions = ["a red cat", ""]
+    expected = Flux2Tokenizers(root, FLUX2_TOKENS)(captions)
+
+    def no_torchvision(*args, **kwargs):
+        raise ImportError("PixtralImageProcessorFast requires the Torchvision library")
+    monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", no_torchvision)
+    template = root / "tokenizer" / "chat_template.jinja"
+    assert torch.equal(Flux2Tokenizers(root, FLUX2_TOKENS)(captions)["lm_ids"], expected["lm_ids"])
+    assert "requires the Torchvision library; its tokenizer stands in for the processor" in caplog.text
+    (root / "tokenizer" / "chat_template.json").write_text(json.dumps({"chat_template": template.read_text()}))
+    template.unlink()
+    assert torch.equal(Flux2Tokenizers(root, FLUX2_TOKENS)(captions)["lm_ids"], expected["lm_ids"])
+    (root / "tokenizer" / "chat_template.json").unlink()
+    with pytest.raises(CheckpointFormatError, match="has no chat template its tokenizer can read, and its processor "
+                       r"could not be loaded: install torchvision \(pip install torchvision\)"):
+        Flux2Tokenizers(root, FLUX2_TOKENS)
+
+
 # ----------------------------------------------------------------------------------------------- mistakes
 
 
@@ -321,7 +313,8 @@ def test_mistakes_are_named_before_compute(flux2_dir, flux2_data, tmp_path, capl
     assert "model.family=flux2, and model.init_from=" in caplog.text and "holds a flux transformer" in caplog.text
     assert main(["--config", "configs/flux2_dev_lora.yaml", *run, f"model.init_from={flux2_dir / 'transformer'}"]) == 2
     assert (f"flux.train_guidance sets the guidance a guidance-distilled model (FLUX.1-dev, FLUX.2-dev) embeds, and "
-            f"{flux2_dir / 'transformer'} has no guidance embedding" in caplog.text)
+            f"{flux2_dir / 'transformer'} has no guidance embedding" in caplog.text and
+            "FLUX.2-klein: configs/flux2_klein_*_lora.yaml), or a copy of configs/flux2_dev_lora.yaml" in caplog.text)
     dev = {**DEV, "joint_attention_dim": 96, "mlp_ratio": 3.0}  # (model.* holds no MLP ratio: the released 3)
     diffusers.Flux2Transformer2DModel(**dev).save_config(tmp_path / "dev")
     assert main(["--config", "configs/flux2_dev_lora.yaml", *run, f"model.init_from={tmp_path / 'dev'}"]) == 2

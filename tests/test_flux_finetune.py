@@ -58,9 +58,9 @@ def test_mistakes_are_named_before_compute(flux_dir, flux_data, tmp_path, caplog
             "flux.train_guidance off the command line" in caplog.text)
     assert main(["--config", "configs/flux_dev_lora.yaml", *run, f"model.init_from={schnell}"]) == 2  # flux: in it
     assert ("has no guidance embedding (FLUX.1-schnell, FLUX.2-klein, Qwen-Image and SD3 have none): "
-            "configs/flux_dev_lora.yaml is a config "
-            "for FLUX.1-dev; for FLUX.1-schnell use configs/flux_schnell_lora.yaml (or a copy of "
-            "configs/flux_dev_lora.yaml without its flux section)" in caplog.text)
+            "configs/flux_dev_lora.yaml is a config for a model with one; use one for a model without "
+            "(FLUX.1-schnell: configs/flux_schnell_lora.yaml, FLUX.2-klein: configs/flux2_klein_*_lora.yaml), or a "
+            "copy of configs/flux_dev_lora.yaml without its flux section" in caplog.text)
     assert main([*FLUX_RUN, *run, "model.patch_size=3"]) == 2
     assert "model.patch_size=3 does not divide the 8x8 latents (packed tokens of 3x3)" in caplog.text
     assert main([*FLUX_RUN, *run[:2], "model.family=sd3", "model.num_single_layers=0", "model.guidance_embeds=false",
@@ -304,8 +304,8 @@ def test_full_fine_tune_exports_a_flux_transformer(packing, flux_data, tmp_path,
                  f"logging.output_dir={tmp_path / 'run'}"]) == 0
     out = tmp_path / "transformer"
     assert export_mmdit.main(["--checkpoint", str(tmp_path / "run"), "--out", str(out)]) == 0
-    warned = f"packs 4x4 latents into a token (model.patch_size=4): FluxTransformer2DModel loads it, FluxPipeline " \
-             f"(which packs 2x2) cannot drive it"
+    warned = "packs 4x4 latents into a token (model.patch_size=4): FluxTransformer2DModel loads it, FluxPipeline " \
+             "(which packs 2x2) cannot drive it"
     assert (warned in caplog.text) == (packing == 4)
     loaded = diffusers.FluxTransformer2DModel.from_pretrained(out).eval()
     model = load_trained(checkpoints(tmp_path / "run")[-1])[0].transformer
@@ -315,7 +315,7 @@ def test_full_fine_tune_exports_a_flux_transformer(packing, flux_data, tmp_path,
     if packing == 2:
         assert export_mmdit.main(["--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "k"),
                                   "--format", "kohya"]) == 2
-        assert "--format kohya writes a FLUX.1 or Qwen-Image LoRA, and" in caplog.text
+        assert "--format kohya writes a FLUX.1, Qwen-Image or FLUX.2 LoRA, and" in caplog.text
         assert "is a full fine-tune" in caplog.text
         assert not (tmp_path / "k").exists()
 

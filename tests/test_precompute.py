@@ -127,7 +127,7 @@ def test_bad_inputs_are_named_before_compute(sd3_dir, tmp_path, caplog):
     assert run_precompute(sd3_dir, images, tmp_path / "out", "--aspect-buckets") == 2  # not the settings it began with
     assert "was started with other settings: aspect_buckets: False -> True" in caplog.text
     assert run_precompute(sd3_dir, images, tmp_path / "out", "--text-encoder-quantization", "int8") == 2  # nor text
-    assert "other settings: text_encoders: unset -> float32, linears int8" in caplog.text  # another precision
+    assert "other settings: text_encoders: unset -> {'dtype': 'float32', 'linears': 'int8'}" in caplog.text
     for suffix in (".png", ".txt"):  # one image replaced by another: named, not a fingerprint's hashes
         (images / f"img00{suffix}").rename(images / f"img05{suffix}")
     assert run_precompute(sd3_dir, images, tmp_path / "out") == 2
@@ -144,18 +144,27 @@ def test_bad_inputs_are_named_before_compute(sd3_dir, tmp_path, caplog):
     assert "--bucket-step 6 must be a multiple of 4 (VAE downsampling 2 x patch 2)" in caplog.text
 
 
-def test_auto_quantizes_the_text_encoders_only_where_they_do_not_fit_the_gpu():
-    """--text-encoder-quantization auto: unquantized on the CPU and where they fit with room for a batch, else
-    int8, else nf4; refused, with the ways out, where even nf4 does not fit; a scheme asked for is kept."""
-    from data.precompute.encoders import GIB, HEADROOM, text_quantization
-    sizes = {"none": 16 * GIB, "int8": 8 * GIB, "nf4": 4 * GIB}
-    assert text_quantization("auto", sizes, None) == "none"
-    assert [text_quantization("auto", sizes, free) for free in (18 * GIB + HEADROOM, 16 * GIB, 6 * GIB)] == \
+def test_auto_quantizes_the_text_encoders_only_where_they_do_not_fit_the_gpu(tmp_path):
+    """--text-encoder-quantization auto: unquantized on the CPU and where they fit beside a batch's encoding, else
+    int8, else nf4; refused, with the ways out, where even nf4 does not fit; a scheme asked for is kept; resuming,
+    auto is what the directory was started with (not what the memory free today would give)."""
+    from data.precompute.encoders import GIB, text_quantization
+    sizes, room = {"none": 16 * GIB, "int8": 8 * GIB, "nf4": 4 * GIB}, 2 * GIB
+    assert text_quantization("auto", sizes, None, room) == "none"
+    assert [text_quantization("auto", sizes, free, room) for free in (18 * GIB, 16 * GIB, 6 * GIB)] == \
         ["none", "int8", "nf4"]
-    assert text_quantization("nf4", sizes, 80 * GIB) == "nf4" and text_quantization("none", sizes, GIB) == "none"
-    with pytest.raises(PrecomputeError, match=r"need 4.0 GiB even in nf4 and 5.0 GiB is free on the fullest GPU: "
-                       r"precompute on a larger GPU, on the CPU \(--device cpu\), or without them"):
-        text_quantization("auto", sizes, 5 * GIB)
+    assert text_quantization("nf4", sizes, 80 * GIB, room) == "nf4"
+    assert text_quantization("none", sizes, GIB, room) == "none"
+    with pytest.raises(PrecomputeError, match=r"need 4.0 GiB even in nf4, beside 2.0 GiB to encode a batch, and "
+                       r"5.0 GiB is free on the fullest GPU: precompute on a larger GPU, with a smaller --batch-size"):
+        text_quantization("auto", sizes, 5 * GIB, room)
+    args = precompute_latents.parse_args(["--model", "m", "--images", "i", "--out", str(tmp_path)])
+    assert precompute_latents.text_quantization_asked(args) == "auto"  # a new directory
+    (tmp_path / "precompute.json").write_text('{"text_embeddings": "precomputed", '
+                                              '"text_encoders": {"dtype": "bfloat16", "linears": "int8"}}')
+    assert precompute_latents.text_quantization_asked(args) == "int8"
+    (tmp_path / "precompute.json").write_text('{"text_embeddings": "precomputed"}')
+    assert precompute_latents.text_quantization_asked(args) == "none"
 
 
 def test_every_bad_input_is_named_at_once_before_anything_is_written_and_fixing_them_lets_the_same_command_run(
@@ -216,6 +225,15 @@ def test_the_progress_bar_has_a_rate_from_its_first_line_and_draws_its_last_line
     assert [line.endswith("40.0 s/img]") for line in lines if "0/2" in line] == [False, True], lines
     assert len([line for line in lines if "2/2" in line]) == 1 and not any("0.0 img/s" in line for line in lines)
     assert Progress(tmp_path, Ranks(), 2, 2).finish([]) == [] and capsys.readouterr().out == ""
+
+
+def test_values_fp16_cannot_hold_stop_precompute_instead_of_being_stored_as_inf():
+    from data.precompute.encoders import stored
+    rows = {"prompt_embeds": torch.tensor([[1.0, -70000.0]]), "latents": torch.ones(1, 2)}
+    assert stored(rows, torch.bfloat16)["prompt_embeds"].dtype == torch.bfloat16
+    with pytest.raises(FloatingPointError, match=r"prompt_embeds: values beyond the range of torch.float16 .*"
+                       r"precompute again with --dtype bf16"):
+        stored(rows, torch.float16)
 
 
 def test_flipped_copies_and_validation_prompts_are_stored(sd3_dir, tmp_path):

@@ -17,37 +17,39 @@ from models.vae import load_vae
 log = logging.getLogger("mmdit")
 QUANTIZATIONS = ("auto", "none", "int8", "nf4")
 GIB = 2**30
-HEADROOM = 2 * GIB  # what encoding a batch needs beside the weights (activations, the allocator's slack)
+HEADROOM = 2 * GIB  # beside the weights: the VAE's, the text encoders' activations, the allocator's slack
+VAE_ACTIVATIONS = 3 * 128  # values per pixel: the VAE encoder's full-resolution activations (128 wide), ~3 alive
 
 
-def text_quantization(requested: str, sizes: dict[str, int], free: int | None) -> str:
+def text_quantization(requested: str, sizes: dict[str, int], free: int | None, room: int) -> str:
     """The storage of the text encoders' linears: `requested`, or for auto the first of none, int8, nf4 whose
-    `sizes` (bytes) fit `free` device memory with room for a batch; none on the CPU (`free` None)."""
+    `sizes` (bytes) leave `room` bytes of the `free` device memory (a batch's encoding); none on the CPU (`free`
+    None)."""
     if requested != "auto":
         return requested
     if free is None:
         return "none"
-    fits = [scheme for scheme in ("none", "int8", "nf4") if sizes[scheme] + HEADROOM <= free]
+    fits = [scheme for scheme in ("none", "int8", "nf4") if sizes[scheme] + room <= free]
     if not fits:
-        raise PrecomputeError(f"the text encoders need {sizes['nf4'] / GIB:.1f} GiB even in nf4 and "
-                              f"{free / GIB:.1f} GiB is free on the fullest GPU: precompute on a larger GPU, on the "
-                              f"CPU (--device cpu), or without them (--text-embeddings none: training encodes "
-                              f"the captions)")
+        raise PrecomputeError(f"the text encoders need {sizes['nf4'] / GIB:.1f} GiB even in nf4, beside "
+                              f"{room / GIB:.1f} GiB to encode a batch, and {free / GIB:.1f} GiB is free on the "
+                              f"fullest GPU: precompute on a larger GPU, with a smaller --batch-size, on the CPU "
+                              f"(--device cpu), or without them (--text-embeddings none: training encodes the captions)")
     return fits[0]
 
 
 def text_storage(model_dir: Path, family: Family, max_sequence_length: int, device: torch.device,
-                 dtype: torch.dtype, requested: str, share) -> tuple[torch.dtype, str]:
+                 dtype: torch.dtype, requested: str, share, batch_pixels: int) -> tuple[torch.dtype, str]:
     """The text encoders' dtype (their own on a GPU where they have one) and the storage of their linears
     (--text-encoder-quantization; auto: quantized only where they do not fit the free memory of every rank's GPU,
-    `share` giving every rank's), said in the log."""
+    `share` giving every rank's, beside the VAE's encoding of `batch_pixels` pixels), said in the log."""
     with torch.device("meta"):
         text = family.text_encoders(model_dir, max_sequence_length)
     if device.type == "cuda" and text.GPU_DTYPE is not None:
         dtype = text.GPU_DTYPE
     sizes = {scheme: stored_bytes(text, scheme, dtype) for scheme in QUANTIZATIONS[1:]}
     free = min(share(torch.cuda.mem_get_info(device)[0])) if device.type == "cuda" else None
-    chosen = text_quantization(requested, sizes, free)
+    chosen = text_quantization(requested, sizes, free, HEADROOM + VAE_ACTIVATIONS * batch_pixels * dtype.itemsize)
     room = "" if free is None else f"; {free / GIB:.1f} GiB free on the fullest GPU"
     log.info("text encoders in %s, their linears %s: %.1f GiB (unquantized %.1f GiB%s)",
              str(dtype).removeprefix("torch."), "unquantized" if chosen == "none" else f"in {chosen}",
@@ -86,9 +88,19 @@ class PipelineEncoders:
             rows["latents_flipped"] = self.vae.encode(to_unit_range(pixels.flip(-1)))
         if self.text is not None:
             rows.update(self.encode_text(captions))
-        return {name: values.to(store).cpu() for name, values in rows.items()}
+        return {name: values.cpu() for name, values in stored(rows, store).items()}
+
+
+def stored(rows: dict[str, torch.Tensor], store: torch.dtype) -> dict[str, torch.Tensor]:
+    """`rows` in the storage dtype, each value finite: a language model's hidden states before its final norm (FLUX.2's)
+    can outgrow fp16, and an overflow would be stored as inf and trained on."""
+    rows = {name: values.to(store) for name, values in rows.items()}
+    for name, values in rows.items():
+        if values.is_floating_point() and not torch.isfinite(values).all():
+            raise FloatingPointError(f"{name}: values beyond the range of {store} (or not finite as computed); "
+                                     f"precompute again with --dtype bf16 (into a new --out)")
+    return rows
 
 
 def encode_prompts(encoders: PipelineEncoders, prompts: list[str], store: torch.dtype, path: Path) -> None:
-    save_safetensors({name: values.to(store) for name, values in encoders.encode_text(prompts).items()}, path,
-                     {"captions": json.dumps(prompts)})
+    save_safetensors(stored(encoders.encode_text(prompts), store), path, {"captions": json.dumps(prompts)})

@@ -22,6 +22,11 @@ INPUT_NAMES = "input_names"  # in the settings: the shards or images given, to n
 INPUTS_NAMED = 10  # of the inputs added or removed, named in the error
 
 
+def recorded_settings(out: Path) -> dict:
+    """The settings a directory was started with ({} for a new one)."""
+    return json.loads((out / SETTINGS).read_text()) if (out / SETTINGS).is_file() else {}
+
+
 def check_output_directory(out: Path, settings: dict) -> None:
     """`out` must be new (or hold no finished unit of this tool's), or have been started with the same settings
     (it is then resumed). Anything else is refused: a directory of other files, or finished work of other
@@ -33,7 +38,7 @@ def check_output_directory(out: Path, settings: dict) -> None:
         if out.exists() and any(path.name != LOCK_FILE for path in out.iterdir()):  # the lock: this job's
             raise PrecomputeError(f"--out {out} exists and was not written by this tool; choose a new directory")
         return
-    old = json.loads((out / SETTINGS).read_text())
+    old = recorded_settings(out)
     changed = [k for k in {**old, **settings} if old.get(k) != settings.get(k) and k != INPUT_NAMES]
     if changed and any((out / REPORTS).glob("*.json")):
         raise PrecomputeError(f"--out {out} was started with other settings: "

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.blocks import (AdaLNContinuous, AdaLNZero, JointTransformerBlock, SelfAttention, TimeTextEmbed,
+from models.blocks import (JOINT_MODULATIONS, JOINT_TEXT_ONLY, AdaLNContinuous, AdaLNZero, JointTransformerBlock, SelfAttention, TimeTextEmbed,
                            check_rotary_split, gated, initial_value, initialize, layer_norm, modulate, pack,
                            packing, rope_tables, unpack)
 
@@ -83,6 +83,8 @@ class Flux(nn.Module):
     DIFFUSERS_CLASS = "FluxTransformer2DModel"
     # the text embeddings it takes (by a latent dataset's names) and the forward argument each is
     TEXT_INPUTS = {"prompt_embeds": "encoder_hidden_states", "pooled_prompt_embeds": "pooled_projections"}
+    # its blocks' linears over the text tokens alone, and their modulations (by first name; float8 leaves them)
+    TEXT_ONLY_LINEARS, MODULATION_LINEARS = JOINT_TEXT_ONLY, JOINT_MODULATIONS
 
     def __init__(self, cfg: FluxConfig):
         super().__init__()

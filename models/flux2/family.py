@@ -5,15 +5,12 @@ Mistral-Small-3 for dev (models/flux2/text.py). Its original single file (BFL's 
 models/flux2/bfl.py, its LoRA written for ComfyUI by models/flux2/comfyui.py. docs/flux2-architecture.md has the
 facts and their sources."""
 
-import logging
-
 from models.family import Family, ReleasedText, ResolutionShift, check_qk_norm, check_rotary_axes
 from models.flux2.bfl import Flux2BFLReader
 from models.flux2.comfyui import export_comfyui_lora
 from models.flux2.model import Flux2, Flux2Config, rotary_axes
 from models.flux2.text import Flux2TextEncoders, Flux2Tokenizers
 
-log = logging.getLogger("mmdit")
 ARCHITECTURE = ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim", "axes_dims_rope",
                 "guidance_embeds")
 PACKING = 1  # the pipelines' VAE step patchifies 2 x 2; the transformer's token is one latent pixel of that
@@ -90,7 +87,7 @@ RELEASED = {"patch_size": PACKING, "qk_norm": "rms_norm", "attention_head_dim": 
 FAMILY = Family(
     name="flux2", title="FLUX.2", transformer=Flux2, config=Flux2Config,
     pipelines=("Flux2KleinPipeline", "Flux2Pipeline"), lora_targets=lora_targets, text_encoders=Flux2TextEncoders,
-    tokenizers=Flux2Tokenizers, max_sequence_length=512,  # both pipelines' default (and their most)
+    tokenizers=Flux2Tokenizers, max_sequence_length=512,  # both pipelines' default
     options=("num_single_layers", "axes_dims_rope", "guidance_embeds"), architecture=ARCHITECTURE,
     # FLUX.1's demo: 3 double- and 4 single-stream blocks at width 128 learn the shapes in about sd3's time
     demo={"num_layers": 3, "num_single_layers": 4},

@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.attention import sdpa_attention
-from models.blocks import (AdaLNContinuous, JointAttention, MLPEmbedder, RMSNorm, apply_rope,
+from models.blocks import (JOINT_TEXT_ONLY, AdaLNContinuous, JointAttention, MLPEmbedder, RMSNorm, apply_rope,
                            check_rotary_split, gated, initial_value, initialize, layer_norm, merge_heads,
                            modulate, modulation, pack, packing, rope_tables, split_heads, timestep_features,
                            unpack)
@@ -208,6 +208,9 @@ class Flux2(nn.Module):
     DIFFUSERS_CLASS = "Flux2Transformer2DModel"
     # the text embeddings it takes (by a latent dataset's names) and the forward argument each is
     TEXT_INPUTS = {"prompt_embeds": "encoder_hidden_states"}
+    # its double blocks' linears over the text tokens alone (by first name; float8 leaves them); its modulations are
+    # shared, outside the blocks
+    TEXT_ONLY_LINEARS, MODULATION_LINEARS = JOINT_TEXT_ONLY, ()
 
     def __init__(self, cfg: Flux2Config):
         super().__init__()

@@ -63,6 +63,18 @@ def messages(caption: str, kind: str) -> list[dict]:
             {"role": "user", "content": [{"type": "text", "text": caption.replace("[IMG]", "")}]}]
 
 
+def with_processors_template(tokenizer, path: Path):
+    """The tokenizer with the processor's chat template, which a tokenizer reads only from chat_template.jinja:
+    an older processor keeps it in chat_template.json."""
+    legacy = path / "chat_template.json"
+    if tokenizer.chat_template is None and legacy.is_file():
+        tokenizer.chat_template = json.loads(legacy.read_text()).get("chat_template")
+    if tokenizer.chat_template is None:
+        raise CheckpointFormatError(f"{path} has no chat template its tokenizer can read, and its processor could "
+                                    f"not be loaded: install torchvision (pip install torchvision), which it needs")
+    return tokenizer
+
+
 class Flux2Tokenizers(PipelineTokenizers):
     """Captions in the pipeline's chat template, padded and truncated to max_sequence_length: klein's Qwen3
     tokenizer (the template applied as text, then tokenized), dev's processor (it tokenizes the chat itself)."""
@@ -78,7 +90,7 @@ class Flux2Tokenizers(PipelineTokenizers):
             tokenizer = (AutoTokenizer if self.kind == "qwen3" else AutoProcessor).from_pretrained(path)
         except ImportError as e:  # dev's PixtralProcessor needs torchvision, for images this pipeline never shows
             log.warning("%s: %s; its tokenizer stands in for the processor (text only)", path, str(e).strip()[:200])
-            tokenizer = AutoTokenizer.from_pretrained(path)
+            tokenizer = with_processors_template(AutoTokenizer.from_pretrained(path), path)
         self.parts = {"lm": tokenizer}
         self.tokens = max_sequence_length
 

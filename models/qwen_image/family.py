@@ -57,7 +57,8 @@ FAMILY = Family(
     settings=settings, build_config=build_config, check=check, fill_defaults=fill_defaults,
     # Qwen/Qwen-Image's scheduler/scheduler_config.json
     schedule=ResolutionShift(base_tokens=256, max_tokens=8192, base_shift=0.5, max_shift=0.9, terminal=0.02),
-    single_file=QwenSingleFileReader, kohya=export_comfyui_lora, packing=2, cfg_renorm=True, negative_prompt=" ",
+    single_file=QwenSingleFileReader, kohya=export_comfyui_lora, packing=2,
+    cfg_renorm=True, negative_prompt=" ",  # true CFG, as the model card's true_cfg_scale=4.0, negative_prompt=" "
     # the edit model Edit-2511's reference modulation, Qwen-Image-Layered's extra conditioning and layered rotary
     # positions: not implemented, accepted off
-    neutral_values={"zero_cond_t": False, "use_additional_t_cond": False, "use_layer3d_rope": False})  # the model card's true_cfg_scale=4.0, negative_prompt=" "
+    neutral_values={"zero_cond_t": False, "use_additional_t_cond": False, "use_layer3d_rope": False})

@@ -131,6 +131,9 @@ class QwenImage(nn.Module):
     DIFFUSERS_CLASS = "QwenImageTransformer2DModel"
     # the text embeddings it takes (by a latent dataset's names) and the forward argument each is
     TEXT_INPUTS = {"prompt_embeds": "encoder_hidden_states", "prompt_embeds_mask": "encoder_hidden_states_mask"}
+    # its blocks' linears over the text tokens alone, and their modulations (by first name; float8 leaves them)
+    TEXT_ONLY_LINEARS = ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out", "txt_mlp")
+    MODULATION_LINEARS = ("img_mod", "txt_mod")
 
     def __init__(self, cfg: QwenImageConfig):
         super().__init__()

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from models.blocks import AdaLNContinuous, JointTransformerBlock, TimeTextEmbed, initial_value, initialize
+from models.blocks import (JOINT_MODULATIONS, JOINT_TEXT_ONLY, AdaLNContinuous, JointTransformerBlock, TimeTextEmbed,
+                           initial_value, initialize)
 
 
 @dataclass
@@ -83,6 +84,8 @@ class MMDiT(nn.Module):
     DIFFUSERS_CLASS = "SD3Transformer2DModel"
     # the text embeddings it takes (by a latent dataset's names) and the forward argument each is
     TEXT_INPUTS = {"prompt_embeds": "encoder_hidden_states", "pooled_prompt_embeds": "pooled_projections"}
+    # its blocks' linears over the text tokens alone, and their modulations (by first name; float8 leaves them)
+    TEXT_ONLY_LINEARS, MODULATION_LINEARS = JOINT_TEXT_ONLY, JOINT_MODULATIONS
 
     def __init__(self, cfg: MMDiTConfig):
         super().__init__()
