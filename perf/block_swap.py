@@ -59,6 +59,8 @@ from errors import ConfigError
 
 log = logging.getLogger("mmdit")
 
+# The block swap of the model this process trains (apply_block_swap's last; None when off): tests read its copies
+active: "BlockSwap | None" = None
 ALIGN = 256  # bytes: where each weight starts in its block's host buffer (any dtype's element, and CUDA's copies)
 
 
@@ -251,13 +253,14 @@ class BlockSwap:
             self.in_backward = False
             self.load(self.order[0], "forward")
         k = self.rank.get(index)
-        if k is None:
-            return None
-        if index not in self.events:  # only when a pass does not start at block 0
-            self.load(index, "forward")
-        self.wait(index)
-        if k + 1 < len(self.order):
-            self.load(self.order[k + 1], "forward")
+        if k is not None:
+            if index not in self.events:  # only when a pass does not start at block 0
+                self.load(index, "forward")
+            self.wait(index)
+            if k + 1 < len(self.order):
+                self.load(self.order[k + 1], "forward")
+        # every block's inputs alike (a swapped block's only need it): a compiled block's graph is guarded on its
+        # inputs, which come out of BackwardDone as views, and one kind of block keeps one graph
         return self.done_after_backward(index, args, kwargs) if torch.is_grad_enabled() else None
 
     def done_after_backward(self, index: int, args, kwargs):
@@ -310,9 +313,11 @@ def check_block_swap(cfg, model: nn.Module) -> None:
 def apply_block_swap(model: nn.Module, swapped: int, device: torch.device) -> BlockSwap | None:
     """`swapped` blocks swapped (0: a no-op). Before `materialize`, which fills their host buffers instead of the
     device."""
+    global active
+    active = None
     if not swapped:
         return None
-    swap = BlockSwap(model, swapped, device)
+    swap = active = BlockSwap(model, swapped, device)
     frozen = sum(sum(p.numel() * p.element_size() for p in swap.weights(b)) for b in swap.order)
     if device.type != "cuda":
         log.warning("offload.blocks_to_swap=%d on a %s: the weights are already in host memory, so swapping saves "
