@@ -133,7 +133,7 @@ class BlockSwap:
 
     def __init__(self, model: nn.Module, swapped: int, device: torch.device, streams=None, register=None):
         blocks = list(model.transformer.blocks)
-        self.device, self.order = device, swapped_blocks(len(blocks), swapped)
+        self.device, self.blocks, self.order = device, len(blocks), swapped_blocks(len(blocks), swapped)
         self.rank = {b: k for k, b in enumerate(self.order)}
         self.streams = streams or (torch.cuda if device.type == "cuda" else SYNCHRONOUS)
         self.register = register or (register_host if device.type == "cuda" else None)
