@@ -84,9 +84,10 @@ def apply_parallelism(model: nn.Module, cfg: DictConfig, world: World, device: t
     apply_activation_checkpointing(model, t.activation_checkpointing, t.activation_checkpointing_every)
     apply_compile(model, cfg.compile)
     if not sharded(cfg, world):  # block swap is refused with sharding (configs/schema.py)
-        materialize(model, device, initial_values, swap=apply_block_swap(model, cfg.offload.blocks_to_swap, device))
+        swap = apply_block_swap(model, cfg.offload.blocks_to_swap, device)
+        materialize(model, device, initial_values, swap=swap)
         if world.distributed:
-            return wrap_ddp(model, device, p.ddp_bucket_cap_mb)
+            return wrap_ddp(model, device, p.ddp_bucket_cap_mb, ignored=list(swap.names) if swap else [])
         if p.strategy != "ddp":
             log.info("parallel.strategy=%s with one process: nothing to shard, training unsharded", p.strategy)
         return model
@@ -151,9 +152,13 @@ def materialize(model: nn.Module, device: torch.device, initial_values, buffers:
         swap.pin()
 
 
-def wrap_ddp(model: nn.Module, device: torch.device, bucket_cap_mb: float) -> nn.Module:
+def wrap_ddp(model: nn.Module, device: torch.device, bucket_cap_mb: float, ignored: list[str] = ()) -> nn.Module:
     """DDP after compile (dynamo's DDP optimiser then splits compiled graphs at bucket boundaries).
-    find_unused_parameters stays off: the MMDiT has none, and `check_all_parameters_used` says so loudly."""
+    find_unused_parameters stays off: the MMDiT has none, and `check_all_parameters_used` says so loudly. `ignored`:
+    parameters DDP must not touch (block swapping's, which have no device memory between uses: DDP would broadcast
+    them from rank 0 as it starts; each rank read the same frozen values)."""
+    if ignored:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     # No buffer broadcast: the only buffer is the constant position table, and a broadcast in every forward
     # would be a collective that a rank failing mid-step (out of memory) never reaches.
     no_buffer_sync = ({"forward_sync_buffers": False}  # torch >= 2.13 name; the old one warns there

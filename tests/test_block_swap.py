@@ -122,8 +122,7 @@ def test_a_step_copies_each_swapped_block_as_planned_and_frees_it(swap_run, chec
         linear(torch.randn(1, linear.in_features))
 
 
-@pytest.mark.parametrize("checkpointing,quantization", [("none", "none"), ("full", "nf4"), ("selective", "int8"),
-                                                        ("none", "nf4")])
+@pytest.mark.parametrize("checkpointing,quantization", [("none", "none"), ("full", "nf4"), ("selective", "int8")])
 def test_the_gradients_are_bitwise_those_without_swapping(swap_run, checkpointing, quantization):
     """Every block swapped, and 2 of 4: the adapters' gradients of a step are those of the same model unswapped, bit
     for bit, on a bf16-sized base and on quantized ones (whose codes and scales are what is swapped)."""
@@ -359,3 +358,13 @@ def test_filling_a_swapped_model_holds_at_most_one_shard_beyond_what_it_keeps(la
     largest, total = max(s.stat().st_size for s in shards), sum(s.stat().st_size for s in shards)
     assert measured["kept"] > 0.9 * total and measured["host_buffers"] > 0.5 * total  # the base is in memory
     assert measured["peak"] - measured["kept"] <= largest + 6 * 2**20, (measured, largest, total)
+
+
+def test_under_ddp_each_rank_swaps_its_own_blocks_and_trains_as_one_process(swap_run, tmp_path):
+    """2 gloo ranks with 3 of 4 blocks swapped: DDP leaves the swapped weights alone (it broadcasts every parameter
+    from rank 0 as it starts, and these have no memory between uses: both ranks died of it), and the adapters train
+    as one process unswapped on the same global batch does (fp32 summation order apart)."""
+    from tests.conftest import final_weights, trains
+    trains(1, swap_run("training.max_steps=2", "training.train_batch_size=8", run="one"), tmp_path)
+    trains(2, swap_run("training.max_steps=2", "offload.blocks_to_swap=3", run="ddp_swapped"), tmp_path)
+    assert_close(final_weights(tmp_path / "ddp_swapped"), final_weights(tmp_path / "one"), atol=1e-5)
