@@ -408,9 +408,9 @@ class ParallelConfig:
 class OffloadConfig:
     # LoRA on a base larger than the GPU: the frozen weights of this many transformer blocks (spread evenly, the last
     # among them) stay in pinned host memory and are copied to the GPU one swapped block ahead of use, forward and
-    # backward (2N - 1 block copies per micro-step), while it computes; the GPU holds two of them. Device memory
-    # against host memory and PCIe traffic: plan_memory.py prints the smallest N that fits, benchmarks/roofline.py
-    # the N beyond which the copies outlast the compute they hide behind. 0: off
+    # backward (2N - 1 block copies per micro-step), while it computes; the GPU holds two of them, so N - 2 blocks'
+    # weights are saved. Device memory against host memory and PCIe traffic: plan_memory.py prints the smallest N
+    # that fits, benchmarks/roofline.py the N beyond which the copies outlast the compute they hide behind. 0: off
     blocks_to_swap: int = 0
 
     def __post_init__(self):

@@ -1,8 +1,8 @@
 """Block swapping (`offload.blocks_to_swap=N`): the frozen weights of N transformer blocks live in host memory and
 are copied to the GPU one swapped block ahead of use, in the forward and again in the backward, on a side stream
-while the GPU computes; the GPU holds two of those blocks at a time. For LoRA runs on a base larger than the GPU
-(FLUX.2-dev's 32 B parameters on a 24 GB card). docs/performance.md ("Block swapping") has the design and how it
-differs from musubi-tuner's.
+while the GPU computes; the GPU holds two of those blocks at a time (so N - 2 blocks' weights are saved). For LoRA
+runs on a base larger than the GPU (FLUX.2-dev's 32 B parameters on a 24 GB card). docs/performance.md ("Block
+swapping") has the design and how it differs from musubi-tuner's.
 
 What: the parameters of the swapped blocks that do not train (a LoRA base: bf16 weights, or nf4 / int8 codes and
 scales, and biases); the adapters and every other trained parameter stay on the GPU, where the optimizer steps them.
@@ -27,7 +27,8 @@ around each use, as FSDP2 frees and re-gathers parameters (torch/distributed/fsd
 in the backward. The copy writes through `param.data`, whose version counter is its own, so autograd's check of
 saved tensors sees no in-place change (the values are the same frozen ones). With activation checkpointing the
 backward re-runs the block's forward, which reads its weights then: loaded by the same backward hook. On a CPU a
-weight used outside its window fails loudly ("its data is not allocated yet"): the tests' proof of the schedule.
+weight used outside its window fails loudly ("storage of size 0", "not allocated"): the tests' proof of the
+schedule.
 
 Streams (CUDA): each load allocates the storages on the compute stream, records an event there, and the side
 stream waits for that event before copying from pinned host memory (non_blocking), then records its own event,
@@ -41,7 +42,8 @@ the streams are no-ops and the copies real (`SYNCHRONOUS`).
 
 Applied from outside: forward pre- and post-hooks on every block, wrapped in `torch.compiler.disable` as FSDP2's
 hooks are: a compiled block (`compile.scope=blocks`) runs its hooks eagerly, outside its graph, and stays one
-graph, whose weights are always on the device when it runs.
+graph, whose weights are always on the device when it runs (every block's inputs pass `BackwardDone`, so blocks of
+one kind keep one graph). DDP is told to leave the swapped weights alone (perf/parallel.py's `wrap_ddp`).
 """
 
 import functools
