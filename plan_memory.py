@@ -5,10 +5,11 @@
                                                          # the tables of docs/sd3.md, docs/flux.md, docs/qwen-image.md
 
 For the config as given and for the choices near it (activation checkpointing, a quantized base, FSDP over the
-GPUs, CPU offload, another micro-batch) it prints, per rank, the weights, gradients, optimizer state, EMA,
-weights in flight, activations and overhead, the total, whether it fits, and the step time activation checkpointing
-adds (estimated for an H100); then the activation checkpointing setting that fits with the least recompute
-(runtime/memory_plan.py says how each is counted). The architecture comes from model.init_from when that folder
+GPUs, CPU offload, another micro-batch, and for a LoRA run that does not fit, the fewest blocks to swap) it prints,
+per rank, the weights, gradients, optimizer state, EMA, weights in flight, activations and overhead, the total,
+whether it fits, and the step time activation checkpointing adds (estimated for an H100); then the activation
+checkpointing setting that fits with the least recompute, and for a LoRA run the smallest offload.blocks_to_swap
+that fits (runtime/memory_plan.py says how each is counted). The architecture comes from model.init_from when that folder
 exists, else from the released model the config is named after (or --model); the data's sizes from the family's
 released pipeline at --resolution (its text encoders' tokens and widths, a text mask where it pads the text).
 """
@@ -31,7 +32,7 @@ from errors import ConfigError, InputError
 from models.families import FAMILIES, read_config
 from models.lora import apply_lora
 from models.quantized import quantize_linears
-from runtime.memory_plan import GIB, cheapest_checkpointing, count_model, plan
+from runtime.memory_plan import GIB, cheapest_checkpointing, count_model, plan, smallest_swap
 from runtime.quiet_imports import torchao_only_if
 
 # The released transformers' sizes (each family's record: models/<family>/family.py)
@@ -128,16 +129,17 @@ def choices(cfg, gpus: int) -> list[tuple[str, dict]]:
     t, p = cfg.training, cfg.parallel
     given = {"strategy": p.strategy if gpus > 1 or p.cpu_offload else "ddp", "micro_batch": t.train_batch_size,
              "checkpointing": t.activation_checkpointing, "every": t.activation_checkpointing_every,
-             "quantization": cfg.lora.base_quantization, "cpu_offload": p.cpu_offload}
+             "quantization": cfg.lora.base_quantization, "cpu_offload": p.cpu_offload,
+             "swapped": cfg.offload.blocks_to_swap}
     rows = [("as configured", given)]
     rows += [(f"activation checkpointing {mode}", {**given, "checkpointing": mode, "every": 1})
              for mode in ("none", "selective", "full") if (mode, 1) != (given["checkpointing"], given["every"])]
     if cfg.lora.enabled:
         rows += [(f"base {q}", {**given, "quantization": q}) for q in ("none", "int8", "nf4") if q != given["quantization"]]
     if gpus > 1 and given["strategy"] == "ddp":
-        rows.append((f"FSDP over {gpus}", {**given, "strategy": "fsdp"}))
+        rows.append((f"FSDP over {gpus}", {**given, "strategy": "fsdp", "swapped": 0}))
     if not given["cpu_offload"]:
-        rows.append(("FSDP + CPU offload", {**given, "strategy": "fsdp", "cpu_offload": True}))
+        rows.append(("FSDP + CPU offload", {**given, "strategy": "fsdp", "cpu_offload": True, "swapped": 0}))
     if given["micro_batch"] > 1:
         rows.append((f"micro-batch {given['micro_batch'] // 2}", {**given, "micro_batch": given["micro_batch"] // 2}))
     rows.append((f"micro-batch {given['micro_batch'] * 2}", {**given, "micro_batch": given["micro_batch"] * 2}))
@@ -149,7 +151,16 @@ def settings(cfg, choice: dict, gpus: int) -> dict:
     shard_group = (cfg.parallel.shard_size or gpus) if choice["strategy"] == "hsdp" else gpus
     return {"strategy": choice["strategy"], "ranks": shard_group, "micro_batch": choice["micro_batch"],
             "dtype": cfg.training.dtype, "reshard_after_forward": cfg.parallel.reshard_after_forward,
-            "cpu_offload": choice["cpu_offload"]}
+            "cpu_offload": choice["cpu_offload"], "swapped": choice["swapped"]}
+
+
+def unswapped(settings: dict) -> dict:
+    return {k: v for k, v in settings.items() if k != "swapped"}
+
+
+def swappable(cfg, choice: dict) -> bool:
+    """Block swapping can run with this choice: a LoRA run, unsharded, without CPU offload."""
+    return cfg.lora.enabled and choice["strategy"] == "ddp" and not choice["cpu_offload"]
 
 
 def counter(cfg, dataset, tokenizer):
@@ -158,8 +169,14 @@ def counter(cfg, dataset, tokenizer):
 
 
 def plan_rows(cfg, counts, gpus: int, gpu_gib: float) -> list[dict]:
-    rows = []
-    for name, choice in choices(cfg, gpus):
+    rows, options = [], choices(cfg, gpus)
+    given = options[0][1]
+    if swappable(cfg, given):  # a LoRA run that does not fit as configured: the fewest blocks to swap that fit
+        found = smallest_swap(counts(given["quantization"]), gpu_gib * GIB, checkpointing=given["checkpointing"],
+                              every=given["every"], **unswapped(settings(cfg, given, gpus)))
+        if found and found[0] > given["swapped"]:
+            options.append((f"offload.blocks_to_swap={found[0]} (fewest)", {**given, "swapped": found[0]}))
+    for name, choice in options:
         result = plan(counts(choice["quantization"]), checkpointing=choice["checkpointing"], every=choice["every"],
                       **settings(cfg, choice, gpus))
         rows.append({"choice": name, **{k: getattr(result, k) / GIB for k in
@@ -182,6 +199,27 @@ def cheapest_line(cfg, counts, gpus: int, gpu_gib: float) -> str:
             + f" ({result.peak / GIB:.2f} GiB, +{100 * result.recompute:.0f} % step time)")
 
 
+def swap_line(cfg, counts, gpus: int, gpu_gib: float) -> str | None:
+    """For a LoRA run: the smallest offload.blocks_to_swap that fits, the rest as configured (None otherwise)."""
+    given = choices(cfg, gpus)[0][1]
+    if not swappable(cfg, given):
+        return None
+    count = counts(given["quantization"])
+    found = smallest_swap(count, gpu_gib * GIB, checkpointing=given["checkpointing"], every=given["every"],
+                          **unswapped(settings(cfg, given, gpus)))
+    if found is None:
+        every = plan(count, checkpointing=given["checkpointing"], every=given["every"],
+                     **{**settings(cfg, given, gpus), "swapped": len(count.block_frozen)})
+        return (f"no offload.blocks_to_swap fits {gpu_gib:g} GiB as configured otherwise (all "
+                f"{len(count.block_frozen)} blocks swapped: {every.peak / GIB:.2f} GiB)")
+    swapped, result = found
+    if not swapped:
+        return f"fits {gpu_gib:g} GiB without block swapping"
+    return (f"smallest offload.blocks_to_swap that fits {gpu_gib:g} GiB: {swapped} of {len(count.block_frozen)} "
+            f"blocks ({result.peak / GIB:.2f} GiB; {result.host / GIB:.2f} GiB of weights in host memory; "
+            f"{result.swap_bytes / 2**30:.2f} GiB copied to the GPU per micro-step: benchmarks/roofline.py prices it)")
+
+
 def print_rows(rows: list[dict], gpu_gib: float) -> None:
     columns = ("weights", "gradients", "optimizer", "ema", "in_flight", "activations", "workspace", "overhead", "total",
                "host")
@@ -200,6 +238,9 @@ def readme_table(resolution: int, models: list[str] | None = None) -> str:
         ("bf16 + AC", {"checkpointing": "full"}),
         ("bf16 + AC, int8 base", {"checkpointing": "full", "quantization": "int8"}),
         ("bf16 + AC, nf4 base", {"checkpointing": "full", "quantization": "nf4"}),
+        # LoRA only: the fewest blocks to swap (offload.blocks_to_swap) that fit
+        ("bf16 + AC, int8 base, {} blocks swapped", {"checkpointing": "full", "quantization": "int8", "swap": True}),
+        ("bf16 + AC, nf4 base, {} blocks swapped", {"checkpointing": "full", "quantization": "nf4", "swap": True}),
         ("bf16 + AC + CPU offload", {"checkpointing": "full", "cpu_offload": True, "strategy": "fsdp"})]
     lines = [f"| model ({resolution} px) | training | 1 x 24 GiB | 1 x 48 GiB | 1 x 80 GiB | 8 x 80 GiB, FSDP |",
              "|---|---|---|---|---|---|"]
@@ -213,11 +254,15 @@ def readme_table(resolution: int, models: list[str] | None = None) -> str:
             dataset, tokenizer = data_like(cfg, resolution)
             counts = {}
 
-            def peak(quantization="none", ranks=1, **change):
+            def peak(quantization="none", ranks=1, swap=False, gib=0, **change):
                 if quantization not in counts:
                     counts[quantization] = count(cfg, dataset, tokenizer, quantization)
-                return plan(counts[quantization], ranks=ranks, micro_batch=1, dtype="bf16",
-                            **{"strategy": "ddp", **change})
+                settings = {"ranks": ranks, "micro_batch": 1, "dtype": "bf16", "strategy": "ddp", **change}
+                if swap:  # the fewest blocks that fit `gib`, or all of them
+                    found = smallest_swap(counts[quantization], gib * GIB, **settings)
+                    return found or (None, plan(counts[quantization], swapped=len(counts[quantization].block_frozen),
+                                                **settings))
+                return None, plan(counts[quantization], **settings)
 
             cells = []
             for gib in (24, 48, 80):
@@ -225,14 +270,14 @@ def readme_table(resolution: int, models: list[str] | None = None) -> str:
                 for label, change in tried:
                     if change.get("quantization", "none") != "none" and not lora:
                         continue
-                    result = peak(**change)
+                    swapped, result = peak(gib=gib, **change)
                     if result.peak / GIB <= gib:
                         host = f" (+{result.host / GIB:.0f} GiB host)" if result.host else ""
-                        cell = f"{label}: {result.peak / GIB:.1f} GiB{host}"
+                        cell = f"{label.format(swapped)}: {result.peak / GIB:.1f} GiB{host}"
                         break
                 cells.append(cell)
-            sharded = peak(strategy="fsdp", ranks=8)
-            checkpointed = peak(strategy="fsdp", ranks=8, checkpointing="full")
+            sharded = peak(strategy="fsdp", ranks=8)[1]
+            checkpointed = peak(strategy="fsdp", ranks=8, checkpointing="full")[1]
             cells.append(f"{sharded.peak / GIB:.1f} GiB ({checkpointed.peak / GIB:.1f} with AC)")
             lines.append(f"| {model} | {'LoRA r16' if lora else 'full'} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -265,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     counts = counter(cfg, dataset, tokenizer)
     print_rows(plan_rows(cfg, counts, args.gpus, args.gpu_gib), args.gpu_gib)
     print(cheapest_line(cfg, counts, args.gpus, args.gpu_gib))
+    swapping = swap_line(cfg, counts, args.gpus, args.gpu_gib)
+    if swapping:
+        print(swapping)
     return 0
 
 

@@ -29,6 +29,7 @@ from optim.ema import EMA
 from optim.schedule import warmup_cosine
 from perf.attention import apply_attention_backend, joint_lengths
 from perf.batch_sizer import build_batch_sizer
+from perf.block_swap import check_block_swap
 from perf.checkpoint import Checkpointer, OptimizerState, TrainedWeights
 from perf.float8 import check_float8, precompute_scales_after_step
 from perf.parallel import apply_parallelism, check_all_parameters_used, check_parallel, sync_gradients, unwrap
@@ -101,6 +102,7 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
         items, holdout = holdout_split(cfg, dataset)
         check_batches(dataset, items, batch_size)
         model = build_trained_model(cfg, dataset, tokenizer)
+        check_block_swap(cfg, model)
         lengths = joint_lengths(dataset.latent_sizes, cfg.model.patch_size, text_tokens(dataset, tokenizer))
         apply_attention_backend(model, training.attention_backend, device, training.dtype, cfg.model.attention_head_dim,
                                 lengths, fullgraph=cfg.compile.enabled and cfg.compile.scope == "blocks")
@@ -109,7 +111,7 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
             prepare_run_dir(cfg, world.world_size)
     run_dir = Path(cfg.logging.output_dir)
 
-    # checkpointing, compile, the wrap, and the weights: each rank reads or draws only what it holds
+    # checkpointing, compile, block swap, the wrap, and the weights: each rank reads or draws only what it holds
     model = apply_parallelism(model, cfg, world, device, InitialValues(model, training.seed, cfg.model.init_from))
     optimizer = build_adamw(unwrap(model), optim.lr, (optim.beta1, optim.beta2), optim.eps, optim.weight_decay,
                             device, optim.fused, lr_scales(cfg))

@@ -32,6 +32,13 @@ per optimizer step: the micro-steps, activation checkpointing's recompute, gradi
 AdamW and the EMA (`StepPrediction.terms`). MFU = model FLOPs (matmuls and attention, no recompute, as
 benchmarks/train_step.py counts them) / (time x dense peak). `ASSUMPTIONS` lists every rate with its source.
 
+Block swapping (offload.blocks_to_swap=N, LoRA presets): the swapped blocks' frozen weights are copied to the GPU
+once in the forward and again in the backward (the last swapped block stays), each at `H2D_RATES` (PCIe 4.0 and 5.0
+x16), on a side stream that starts each copy when the previous swapped block starts computing (perf/block_swap.py);
+`swap_stall` plays that schedule against the blocks' predicted forward and backward times (recompute included) and
+gives the time the compute waits for copies. The report lists it by N and the largest N whose copies stay hidden
+(under 1 % of the micro-step); a config's own N adds its stall to the step (`predict`, PCIe 5.0: an H100's link).
+
 For other scripts: `predict_step(cfg)` predicts the step a config describes (for benchmarks/train_step.py to print
 beside the step it measures).
 """
@@ -67,6 +74,7 @@ from errors import ConfigError, InputError  # noqa: E402
 from models.flux.model import SingleTransformerBlock  # noqa: E402
 from models.qwen_image.model import QwenImageBlock  # noqa: E402
 from models.rectified_flow import interpolate, per_sample_loss  # noqa: E402
+from perf.block_swap import swapped_blocks  # noqa: E402
 from plan_memory import RELEASED, released_data  # noqa: E402
 from runtime.memory_plan import CUDA_CONTEXT, FRAGMENTATION, GIB  # noqa: E402
 
@@ -148,6 +156,11 @@ EMA_BYTES = 12  # optim/ema.py: one _foreach_lerp_: reads the average and the we
 CLIP_BYTES = 12  # clip_grad_norm_: reads the gradients for the norm, then reads and writes them to scale (always)
 ACCUMULATE_BYTES = 12  # every micro-step after the first: autograd's AccumulateGrad, grad += new (2 reads, 1 write)
 
+# Host-to-device copies from pinned memory, one direction: assumed 80 % of the x16 link's 31.5 GB/s (PCIe 4.0: 16 GT/s
+# x 16 lanes, 128b/130b) and 63 GB/s (PCIe 5.0, an H100's host link), what pinned-memory copies reach in practice
+H2D_RATES = {"PCIe 4.0 x16": 25e9, "PCIe 5.0 x16": 50e9}
+HIDDEN = 0.01  # block swapping's copies count as hidden while the compute waits for them under 1 % of the micro-step
+
 ASSUMPTIONS = [  # (what, value, source), printed with every table
     ("dense peak", "bf16 989 TFLOP/s, TF32 495", "NVIDIA H100 SXM datasheet (1979 bf16 is with sparsity)"),
     ("memory", "3.0 TB/s read + written", "measured device-to-device copy, H100 80GB HBM3 (datasheet 3.35)"),
@@ -173,6 +186,8 @@ ASSUMPTIONS = [  # (what, value, source), printed with every table
     ("gradient accumulation", f"{ACCUMULATE_BYTES} B per trained parameter per extra micro-step", "AccumulateGrad"),
     ("recompute", "full: one more forward of each checkpointed block; selective: its forward's kernels other than "
                   "matmuls and attention", "torchtitan's op-level policy saves matmul and attention outputs"),
+    ("block swap copies", "host to GPU at 25 GB/s (PCIe 4.0 x16), 50 GB/s (PCIe 5.0 x16), overlapping compute",
+     "assumed: 80 % of the links' 31.5 / 63 GB/s per direction, from pinned memory"),
     ("not counted", "host work, data loading, communication, text encoders run in the step", "one GPU, precomputed "
                                                                                              "text, no host syncs"),
 ]
@@ -783,6 +798,7 @@ class BlockCensus:
     saved: Counter  # bytes its forward saves for the backward, by what made them (eager census)
     input_bytes: int  # what it keeps when fully checkpointed: its inputs
     heavy_outputs: int  # what its matmuls and attention write in the forward: selective checkpointing keeps them
+    frozen_bytes: int = 0  # its frozen weights as stored (a LoRA base): what block swapping copies
 
     @property
     def count(self) -> int:
@@ -830,7 +846,8 @@ def count_step(cfg, data: SimpleNamespace, paths=("eager", "compiled")) -> StepC
             kernels["compiled"] = compiled_census(block, shape)
         act_bytes = 4 if dtype == "fp32" else 2
         input_bytes = act_bytes * batch * (image_tokens + data.text_tokens + 1) * shape.width
-        blocks.append(BlockCensus(kind, indices, kernels, saved, input_bytes, heavy_outputs))
+        frozen = sum(p.numel() * p.element_size() for p in block.parameters() if not p.requires_grad)
+        blocks.append(BlockCensus(kind, indices, kernels, saved, input_bytes, heavy_outputs, frozen))
     outside, outside_saved = outside_census(model, data, batch, dtype)
     stored = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     return StepCensus(batch, dtype, blocks, kinds, outside, outside_saved,
@@ -849,12 +866,91 @@ class StepPrediction:
     settings: dict
 
 
+def block_times(census: StepCensus, path: str, attention: str, checkpointing: str = "none",
+                every: int = 1) -> tuple[list[float], list[float]]:
+    """Each block's forward and backward seconds, in the model's order (the backward with its recompute)."""
+    checkpointed = set(range(0, len(census.kinds), every)) if checkpointing != "none" else set()
+    by_kind = {b.kind: b for b in census.blocks}
+    forward, backward = [], []
+    for i, kind in enumerate(census.kinds):
+        kernels = by_kind[kind].kernels[path]
+        forward.append(seconds([k for k in kernels if k.phase == "forward"], path, attention))
+        backward.append(seconds([k for k in kernels if k.phase == "backward"], path, attention)
+                        + (recompute_seconds(kernels, path, attention, checkpointing) if i in checkpointed else 0.0))
+    return forward, backward
+
+
+def swap_stall(forward: list[float], backward: list[float], frozen: list[int], swapped: int,
+               rate: float) -> tuple[float, float]:
+    """(seconds of copying, seconds the compute waits for copies) of one micro-step with `swapped` blocks swapped
+    (perf/block_swap.py's schedule): the forward starts s_0's copy as it starts; each swapped block s_k, once its
+    copy is done, starts s_{k+1}'s; the backward keeps the last and starts s_{k-1}'s when s_k starts. Copies run
+    one after another on the side stream, each at `rate` bytes/s, never before they are asked for."""
+    if not swapped:
+        return 0.0, 0.0
+    order = swapped_blocks(len(forward), swapped)
+    copy = {b: frozen[b] / rate for b in order}
+    clock = side = stall = 0.0
+    done = {}
+
+    def ask(block: int) -> None:
+        nonlocal side
+        side = max(side, clock) + copy[block]
+        done[block] = side
+
+    for phase, blocks, times, step in (("forward", range(len(forward)), forward, 1),
+                                       ("backward", range(len(forward) - 1, -1, -1), backward, -1)):
+        if phase == "forward":
+            ask(order[0])
+        for i in blocks:
+            if i in done:
+                stall += max(0.0, done[i] - clock)
+                clock = max(clock, done[i])
+                k = order.index(i) + step
+                if 0 <= k < len(order) and not (phase == "backward" and order[k] in done):
+                    ask(order[k])
+            clock += times[i]
+        if phase == "forward":
+            done = {order[-1]: done[order[-1]]}  # the last swapped block stays for the backward
+    return sum(copy.values()) * 2 - copy[order[-1]], stall
+
+
+def swap_rows(census: StepCensus, path: str, attention: str, checkpointing: str, every: int) -> list[dict]:
+    """For each N: the bytes copied per micro-step, and per link the copying and waiting time."""
+    attention = rates_of(attention)
+    forward, backward = block_times(census, path, attention, checkpointing, every)
+    by_kind = {b.kind: b for b in census.blocks}
+    frozen = [by_kind[k].frozen_bytes for k in census.kinds]
+    micro_step = sum(forward) + sum(backward)
+    rows = []
+    for n in range(1, len(frozen) + 1):
+        row = {"swapped": n, "host_gib": sum(frozen[b] for b in swapped_blocks(len(frozen), n)) / GIB,
+               "micro_step_s": micro_step}
+        for link, rate in H2D_RATES.items():
+            copying, stall = swap_stall(forward, backward, frozen, n, rate)
+            row[link] = {"copy_s": copying, "stall_s": stall, "hidden": stall < HIDDEN * micro_step}
+        row["gb_per_micro_step"] = row["PCIe 4.0 x16"]["copy_s"] * H2D_RATES["PCIe 4.0 x16"] / 1e9
+        rows.append(row)
+    return rows
+
+
+def hidden_up_to(rows: list[dict], link: str) -> int:
+    """The largest N whose copies, and those of every smaller N, stay hidden."""
+    hidden = 0
+    for row in rows:
+        if not row[link]["hidden"]:
+            break
+        hidden = row["swapped"]
+    return hidden
+
+
 def predict(census: StepCensus, path: str, attention: str, micro_steps: int, checkpointing: str = "none",
             every: int = 1, fused_optimizer: bool = True, weight_decay: bool = False, fp16_scaler: bool = False,
-            flat_gemms: bool = False) -> StepPrediction:
+            flat_gemms: bool = False, swapped: int = 0, h2d_rate: float = H2D_RATES["PCIe 5.0 x16"]) -> StepPrediction:
     """One optimizer step: `micro_steps` forward + backward passes of the census' micro-batch, with activation
     checkpointing's recompute in blocks 0, every, 2*every, ..., then the gradient's clipping, AdamW and the EMA.
-    `flat_gemms`: every matmul at the measured large-matmul rate (what the GEMM model costs)."""
+    `flat_gemms`: every matmul at the measured large-matmul rate (what the GEMM model costs). `swapped`: blocks
+    swapped (offload.blocks_to_swap), whose copies at `h2d_rate` add what they do not hide (`swap_stall`)."""
     attention = rates_of(attention)
     checkpointed = range(0, len(census.kinds), every) if checkpointing != "none" else range(0)
     recompute = {b.kind: recompute_seconds(b.kernels[path], path, attention, checkpointing, flat_gemms)
@@ -873,6 +969,11 @@ def predict(census: StepCensus, path: str, attention: str, micro_steps: int, che
     }
     if fp16_scaler:  # GradScaler.unscale_: reads and writes every gradient
         terms["fp16 unscale"] = 8 * per_parameter
+    if swapped:
+        by_kind = {b.kind: b for b in census.blocks}
+        times = block_times(census, path, attention, checkpointing, every)
+        terms["block swap copies not hidden"] = micro_steps * swap_stall(
+            *times, [by_kind[k].frozen_bytes for k in census.kinds], swapped, h2d_rate)[1]
     flops = micro_steps * (sum(b.count * model_flops(b.kernels["eager"]) for b in census.blocks)
                            + model_flops(census.outside))
     total = sum(terms.values())
@@ -889,7 +990,7 @@ def predict(census: StepCensus, path: str, attention: str, micro_steps: int, che
                           "recompute ms": recompute[b.kind] * 1e3}
     settings = {"path": path, "attention": attention, "micro_batch": census.micro_batch, "micro_steps": micro_steps,
                 "checkpointing": checkpointing, "every": every, "fused_optimizer": fused_optimizer,
-                "gemm_rates": "flat" if flat_gemms else "waves"}
+                "gemm_rates": "flat" if flat_gemms else "waves", "swapped": swapped}
     return StepPrediction(total, flops / total / peak, flops, terms, blocks,
                           peak_memory(census, checkpointing, every) / GIB, settings)
 
@@ -954,7 +1055,7 @@ def predict_step(cfg, data: SimpleNamespace | None = None, attention: str | None
         _CENSUSES[key] = count_step(cfg, data, (path,))
     return predict(_CENSUSES[key], path, attention or t.attention_backend, micro_steps or t.gradient_accumulation_steps,
                    t.activation_checkpointing, t.activation_checkpointing_every, cfg.optimizer.fused,
-                   cfg.optimizer.weight_decay > 0, t.dtype == "fp16")
+                   cfg.optimizer.weight_decay > 0, t.dtype == "fp16", swapped=cfg.offload.blocks_to_swap)
 
 
 # ----------------------------------------------------------------------------------------------- presets
@@ -1031,8 +1132,27 @@ def gemm_rows(census: StepCensus, path: str) -> list[dict]:
     return rows
 
 
+def print_swaps(rows: list[dict], census: StepCensus, s: dict) -> None:
+    """Block swapping by N: what it copies and what the compute waits for, on each link."""
+    links = list(H2D_RATES)
+    frozen = sum(b.frozen_bytes * b.count for b in census.blocks)
+    print(f"\nBlock swapping (offload.blocks_to_swap=N; {s['path']}, {s['attention']}, checkpointing "
+          f"{s['checkpointing']}): {frozen / GIB:.1f} GiB of frozen block weights; a micro-step computes "
+          f"{rows[0]['micro_step_s'] * 1e3:.0f} ms of blocks; per micro-step, ms copying and (waiting):\n")
+    print("| N | GiB in host memory | GB copied per micro-step | " + " | ".join(links) + " |")
+    print("|---|---|---|" + "---|" * len(links))
+    shown = sorted({1, *(hidden_up_to(rows, link) for link in links), *(hidden_up_to(rows, link) + 1 for link in links),
+                    len(rows) // 4, len(rows) // 2, 3 * len(rows) // 4, len(rows)} - {0} & set(range(1, len(rows) + 1)))
+    for n in shown:
+        r = rows[n - 1]
+        print(f"| {n} | {r['host_gib']:.1f} | {r['gb_per_micro_step']:.1f} | " + " | ".join(
+            f"{r[link]['copy_s'] * 1e3:.0f} ({r[link]['stall_s'] * 1e3:.0f})" for link in links) + " |")
+    print("\nThe copies hide behind compute (waits under 1 % of the micro-step) up to N = " + ", ".join(
+        f"{hidden_up_to(rows, link)} on {link}" for link in links) + f" of {len(rows)} blocks.")
+
+
 def print_report(name: str, source: str, census: StepCensus, configured: StepPrediction, steps: list[dict],
-                 gemms: list[dict], sharded: bool) -> None:
+                 gemms: list[dict], sharded: bool, swaps: list[dict] | None = None) -> None:
     s = configured.settings
     print(f"\n## {name}: {source}")
     if sharded:
@@ -1066,6 +1186,8 @@ def print_report(name: str, source: str, census: StepCensus, configured: StepPre
     for row in steps:
         cells = " | ".join(f"{row[a]['seconds']:.3f} s, {row[a]['mfu']:.1%}" for a in (*ATTENTION_RATES, "fa3 flat"))
         print(f"| {row['checkpointing']} | {row['memory_gib']:.1f} | {cells} |")
+    if swaps:
+        print_swaps(swaps, census, s)
     print(f"\nAs configured: {configured.seconds:.3f} s, MFU {configured.mfu:.1%} "
           f"({configured.model_flops / 1e12:.1f} model TFLOP per step); by term: " + ", ".join(
               f"{term} {t * 1e3:.1f} ms ({t / configured.seconds:.0%})" for term, t in configured.terms.items()))
@@ -1081,7 +1203,7 @@ def run_preset(name: str, cfg, source: str, checkpointing: str | None, attention
     checkpointing = checkpointing or t.activation_checkpointing
     every = t.activation_checkpointing_every if checkpointing == t.activation_checkpointing else 1
     configured = predict(census, path, attention or t.attention_backend, checkpointing=checkpointing, every=every,
-                         **common)
+                         swapped=cfg.offload.blocks_to_swap, **common)
     steps = []
     for mode in CHECKPOINTING:
         row = {"checkpointing": mode, "memory_gib": peak_memory(census, mode) / GIB}
@@ -1090,10 +1212,11 @@ def run_preset(name: str, cfg, source: str, checkpointing: str | None, attention
             row[column] = {"seconds": p.seconds, "mfu": p.mfu, "terms": p.terms}
         steps.append(row)
     gemms = gemm_rows(census, path)
-    print_report(name, source, census, configured, steps, gemms, cfg.parallel.strategy != "ddp")
+    swaps = swap_rows(census, path, attention or t.attention_backend, checkpointing, every) if cfg.lora.enabled else []
+    print_report(name, source, census, configured, steps, gemms, cfg.parallel.strategy != "ddp", swaps)
     return {"config": source, "dtype": census.dtype, "trained_parameters": census.trained,
             "tokens_per_sample": census.tokens, "blocks": block_rows(census), "gemm_rates": gemms, "step": steps,
-            "as_configured": asdict(configured)}
+            "as_configured": asdict(configured), "block_swap": swaps}
 
 
 def main(argv=None) -> int:

@@ -6,7 +6,8 @@ Runs a short real training run (the shapes data, no download) for each row of th
 here: fp32 / bf16, SDPA / flash-attn, compile, activation checkpointing and both, DDP and FSDP over all local
 GPUs (2 gloo processes on a CPU machine), FSDP with CPU offload, an async checkpoint then a bitwise resume, the
 OOM-aware batch sizer against a real allocation failure (the device memory capped so that the first
-micro-batch cannot fit) and against an injected one, and the profiler's trace. Each row is a process of its
+micro-batch cannot fit) and against an injected one, the profiler's trace, and block swapping (LoRA on a random
+base with every block swapped, against the same run unswapped). Each row is a process of its
 own (torchrun for the multi-process rows), so one failing row cannot take the others down.
 
 Per row: passed / failed (with the error's first line) / not runnable here (why); step time, images/s, MFU
@@ -80,6 +81,10 @@ ROWS = [
     Row("OOM sizer, injected failure", ["batch_sizer.enabled=true", "batch_sizer.debug_oom_steps=[1]",
                                         "batch_sizer.debug_oom_above=1"]),
     Row("OOM sizer, real allocation failure", ["batch_sizer.enabled=true"], needs="cuda"),
+    # LoRA on a random base of the row's size, every block swapped (offload.blocks_to_swap: the model's blocks), then
+    # the same run unswapped: the same adapters bit for bit; on a GPU pinned host buffers and a lower peak
+    Row("block swap, LoRA", ["lora.enabled=true", "training.activation_checkpointing=full",
+                             "training.deterministic=true", "validation.at_end=false"]),
     Row("profiler trace", ["profiler.enabled=true", "profiler.skip_first=1", "profiler.active_steps=2"]),
 ]
 
@@ -136,12 +141,14 @@ def run_row(row: Row, overrides: list[str], steps: int, out: Path) -> dict:
     try:
         if row.name == "OOM sizer, real allocation failure":
             cap_memory_below_the_first_micro_batch(overrides, out)
+        if row.name.startswith("block swap"):
+            args = [*args, *swapping_all_blocks(overrides, out)]
         train_mmdit_stable.build_adamw, TrainingLog.step = build_adamw, log_step
         status = train_mmdit_stable.main(args)
         if status:
             raise RuntimeError(errors.first or f"training exited with status {status}")
-        check_row(row, out, args)
-        result = {"status": "passed", **window.measured, **device_batch_speed(row, overrides)}
+        extra = check_row(row, out, args, window.measured)
+        result = {"status": "passed", **window.measured, **device_batch_speed(row, overrides), **extra}
     except Exception as e:
         result = {"status": "failed", "error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"}
     finally:
@@ -211,8 +218,9 @@ class SyncWindow:
         self.measured.update(host_syncs_per_step=sum(counts.values()) / self.steps, host_sync_kinds=dict(counts))
 
 
-def check_row(row: Row, out: Path, args: list[str]) -> None:
-    """What a row promises beyond finishing: a trace, an OOM the sizer survived, a bitwise resume."""
+def check_row(row: Row, out: Path, args: list[str], measured: dict) -> dict:
+    """What a row promises beyond finishing: a trace, an OOM the sizer survived, a bitwise resume, a block swap
+    that trains like the run without it (what that run measured comes back, for the table)."""
     run = out / "run"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] if \
         (run / "metrics.jsonl").is_file() else []
@@ -222,6 +230,51 @@ def check_row(row: Row, out: Path, args: list[str]) -> None:
         raise RuntimeError("no out-of-memory event reached the sizer")
     if row.name.startswith("async checkpoint"):
         resume_bitwise(out, args)
+    if row.name.startswith("block swap"):
+        return like_unswapped(out, args, measured)
+    return {}
+
+
+def swapping_all_blocks(overrides: list[str], out: Path) -> list[str]:
+    """A random "released" base of the row's model size (adaLN-Zero's zeros would leave the adapters without a
+    gradient) in diffusers' layout, and its every block swapped."""
+    from configs.build import build_data, build_model
+    from configs.schema import load_config
+    from models.diffusers_io import export_diffusers_transformer
+    cfg = load_config(overrides=[*overrides, "lora.enabled=false"])
+    transformer = build_model(cfg, *build_data(cfg)).transformer
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in transformer.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
+    base = export_diffusers_transformer(transformer, out / "base")
+    return [f"model.init_from={base}", f"offload.blocks_to_swap={len(transformer.blocks)}"]
+
+
+def like_unswapped(out: Path, args: list[str], measured: dict) -> dict:
+    """The block swap row's run against the same run unswapped: the adapters bit for bit; on a GPU the host buffers
+    page-locked and the swapped run's peak device memory lower. The unswapped run's step time and peak come back."""
+    import train_mmdit_stable
+    from perf import block_swap
+    from perf.checkpoint import checkpoints, read_checkpoint
+    swapped = block_swap.active
+    pinned = all(b.is_pinned() for b in swapped.buffers.values()) if torch.cuda.is_available() else None
+    plain = out / "unswapped"
+    assert train_mmdit_stable.main([*[a for a in args if not a.startswith(("logging.output_dir=", "offload."))],
+                                    f"logging.output_dir={plain}"]) == 0
+    ours, theirs = (read_checkpoint(checkpoints(run)[-1])[0]["model"] for run in (out / "run", plain))
+    different = [k for k in theirs if not torch.equal(ours[k], theirs[k])]
+    if different or ours.keys() != theirs.keys():
+        raise RuntimeError(f"the swapped run's adapters differ from the unswapped run's in {different[:3]}")
+    row = [json.loads(line) for line in (plain / "metrics.jsonl").read_text().splitlines() if '"loss"' in line][-1]
+    peak = row.get("memory/peak_allocated_gib", row.get("memory/peak_rss_gib"))
+    if pinned is False:
+        raise RuntimeError("the swapped blocks' host buffers are not page-locked: their copies would not overlap")
+    if torch.cuda.is_available() and not measured.get("peak_memory_gib", peak) < peak:
+        raise RuntimeError(f"swapping every block did not lower the peak device memory ({measured.get('peak_memory_gib')}"
+                           f" GiB against {peak} GiB unswapped)")
+    return {"speed_from": f"its own run; unswapped: {row['time/step_s']:.4f} s/step, peak {peak:.2f} GiB, adapters "
+                          f"bitwise equal; {len(swapped.loads)} block copies"}
 
 
 def resume_bitwise(out: Path, args: list[str]) -> None:

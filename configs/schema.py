@@ -415,6 +415,19 @@ class ParallelConfig:
 
 
 @dataclass
+class OffloadConfig:
+    # LoRA on a base larger than the GPU: the frozen weights of this many transformer blocks (spread evenly, the last
+    # among them) stay in pinned host memory and are copied to the GPU one swapped block ahead of use, forward and
+    # backward (2N - 1 block copies per micro-step), while it computes; the GPU holds two of them, so N - 2 blocks'
+    # weights are saved. Device memory against host memory and PCIe traffic: plan_memory.py prints the smallest N
+    # that fits, benchmarks/roofline.py the N beyond which the copies outlast the compute they hide behind. 0: off
+    blocks_to_swap: int = 0
+
+    def __post_init__(self):
+        non_negative(self, "blocks_to_swap")
+
+
+@dataclass
 class WandbConfig:
     enabled: bool = False  # also log metrics and sample grids to Weights & Biases
     project: str = "mmdit-stable"  # wandb project
@@ -464,6 +477,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     batch_sizer: BatchSizerConfig = field(default_factory=BatchSizerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -502,9 +516,38 @@ def check_combinations(cfg: DictConfig) -> None:
     if cfg.float8.enabled and lora.base_quantization != "none":
         raise ConfigError(f"float8.enabled=true converts the frozen base's linears, which "
                           f"lora.base_quantization={lora.base_quantization} already replaced; choose one of them")
+    check_block_swap_combinations(cfg)
     if cfg.training.dtype == "fp16" and cfg.parallel.strategy != "ddp":
         raise ConfigError(f"training.dtype=fp16 is not supported with parallel.strategy={cfg.parallel.strategy} "
                           f"(its gradient scaler does not handle sharded gradients); use training.dtype=bf16")
+
+
+def check_block_swap_combinations(cfg: DictConfig) -> None:
+    """What block swapping (offload.blocks_to_swap) does not run with, and why (perf/block_swap.py)."""
+    swapped = cfg.offload.blocks_to_swap
+    if not swapped:
+        return
+    key = f"offload.blocks_to_swap={swapped}"
+    if not cfg.lora.enabled:
+        raise ConfigError(f"{key} swaps the frozen base of a LoRA run (lora.enabled=true): a full fine-tune's weights "
+                          f"change every step, and their fp32 master, gradients, AdamW state and EMA (20 bytes per "
+                          f"parameter against 2 for a bf16 weight) stay on the GPU for the optimizer; for a full "
+                          f"fine-tune that does not fit, use parallel.strategy=fsdp parallel.cpu_offload=true")
+    if cfg.parallel.cpu_offload:
+        raise ConfigError(f"{key} with parallel.cpu_offload=true: FSDP's offload already keeps every weight in host "
+                          f"memory and copies each block to the GPU for its forward and backward; use one of them")
+    if cfg.parallel.strategy != "ddp":
+        raise ConfigError(f"{key} with parallel.strategy={cfg.parallel.strategy}: sharding already spreads the "
+                          f"weights over the GPUs (each holds 1/N of them); use one of them")
+    if cfg.compile.enabled and cfg.compile.scope == "model":
+        raise ConfigError(f"{key} with compile.scope=model: the weights are copied in between blocks, outside "
+                          f"their compiled graphs, which needs compile.scope=blocks")
+    if cfg.compile.enabled and cfg.compile.mode == "reduce-overhead":
+        raise ConfigError(f"{key} with compile.mode=reduce-overhead: CUDA graphs replay fixed addresses, and swapped "
+                          f"weights get new device memory at each copy; use compile.mode=default")
+    if cfg.float8.enabled:
+        raise ConfigError(f"{key} with float8.enabled=true: block swapping is for LoRA runs, where float8 is no "
+                          f"faster than bf16 (perf/float8.py); use lora.base_quantization to shrink the base instead")
 
 
 PATH_KEYS = ("data.path", "data.text_encoders_from", "model.init_from", "logging.output_dir", "validation.vae_from")

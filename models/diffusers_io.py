@@ -61,7 +61,7 @@ class WeightReader:
     """A model directory's weights (one safetensors file, or shards with their index; `stem` names them:
     diffusers' transformers use diffusion_pytorch_model, transformers' text encoders model), read one tensor,
     or one slice of a tensor, at a time from the memory-mapped files: a rank that holds rows 1000-1999 of a
-    weight reads just those bytes, and no reader ever holds the whole state dict."""
+    weight reads just those bytes, and no reader ever holds the whole state dict, nor more than one file mapped."""
 
     def __init__(self, directory: Path, stem: str = "diffusion_pytorch_model"):
         self.directory = Path(directory)
@@ -91,6 +91,10 @@ class WeightReader:
         """Tensor `key`, or its block starting at `offsets` of `sizes`."""
         file = self.file_of[key]
         if file not in self.handles:
+            # one file mapped at a time: the pages read of the others leave the process with their mapping, so filling
+            # a model holds at most one shard of it beyond what it keeps (what was read and is still referenced keeps
+            # its own mapping alive)
+            self.handles.clear()
             self.handles[file] = open_safetensors(self.directory / file)
         region = self.handles[file].get_slice(key)
         if offsets is not None:

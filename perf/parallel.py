@@ -1,6 +1,7 @@
 """Data parallelism over ranks: DDP, FSDP or HSDP (`parallel.strategy`), applied in the one order that works
 for all of them: float8 linears, then activation checkpointing, then torch.compile (per block, in place), then
-the wrap. The model arrives built on the meta device and is materialized here: on the device, or under FSDP only
+block swapping (its hooks run outside the compiled blocks; it keeps the swapped weights off the device from the
+start), then the wrap. The model arrives built on the meta device and is materialized here: on the device, or under FSDP only
 the shards this rank holds, so no rank ever holds the whole model (an 8B model is 32 GB in fp32).
 
 - ddp: every rank holds the whole model and optimizer; gradients are all-reduced in buckets during the last
@@ -38,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 from errors import ConfigError
 from models.pipeline_text import PipelineTextEncoders
 from perf.activation_checkpointing import apply_activation_checkpointing
+from perf.block_swap import BlockSwap, apply_block_swap
 from perf.compile import apply_compile
 from perf.float8 import apply_float8
 from runtime.distributed import World
@@ -81,10 +83,11 @@ def apply_parallelism(model: nn.Module, cfg: DictConfig, world: World, device: t
     apply_float8(model, cfg.float8, device, sharded=sharded(cfg, world))
     apply_activation_checkpointing(model, t.activation_checkpointing, t.activation_checkpointing_every)
     apply_compile(model, cfg.compile)
-    if not sharded(cfg, world):
-        materialize(model, device, initial_values)
+    if not sharded(cfg, world):  # block swap is refused with sharding (configs/schema.py)
+        swap = apply_block_swap(model, cfg.offload.blocks_to_swap, device)
+        materialize(model, device, initial_values, swap=swap)
         if world.distributed:
-            return wrap_ddp(model, device, p.ddp_bucket_cap_mb)
+            return wrap_ddp(model, device, p.ddp_bucket_cap_mb, ignored=list(swap.names) if swap else [])
         if p.strategy != "ddp":
             log.info("parallel.strategy=%s with one process: nothing to shard, training unsharded", p.strategy)
         return model
@@ -121,11 +124,15 @@ def sharded(cfg: DictConfig, world: World) -> bool:
     return cfg.parallel.strategy != "ddp" and (world.distributed or cfg.parallel.cpu_offload)
 
 
-def materialize(model: nn.Module, device: torch.device, initial_values, buffers: torch.device | None = None) -> None:
+def materialize(model: nn.Module, device: torch.device, initial_values, buffers: torch.device | None = None,
+                swap: BlockSwap | None = None) -> None:
     """Allocate the parameters and buffers of a model built on the meta device on `device` (buffers on `buffers`,
     if given) and fill each from `initial_values(name, offsets, sizes)`: the block of it this rank holds, the
-    whole tensor unless FSDP sharded it. Peak host memory: one tensor (or block) at a time."""
-    model.to_empty(device=device)
+    whole tensor unless FSDP sharded it; the weights `swap` swaps go to its host buffers instead (never to the
+    device). Peak host memory beyond what the process keeps: one tensor (or block) at a time, and one file of
+    model.init_from mapped (models/diffusers_io.py's WeightReader)."""
+    with swap.set_aside() if swap else nullcontext():
+        model.to_empty(device=device)
     if buffers is not None:
         for module in model.modules():
             for name, buffer in module.named_buffers(recurse=False):
@@ -138,13 +145,20 @@ def materialize(model: nn.Module, device: torch.device, initial_values, buffers:
                 offsets, sizes, local = tuple(chunk.offsets), tuple(chunk.sizes), tensor.to_local()
             else:
                 offsets, sizes, local = (0,) * tensor.dim(), tuple(tensor.shape), tensor
+            local = swap.master(name) if swap and swap.master(name) is not None else local
             if local.numel():
                 local.copy_(initial_values(name, offsets, sizes))
+    if swap:
+        swap.pin()
 
 
-def wrap_ddp(model: nn.Module, device: torch.device, bucket_cap_mb: float) -> nn.Module:
+def wrap_ddp(model: nn.Module, device: torch.device, bucket_cap_mb: float, ignored: list[str] = ()) -> nn.Module:
     """DDP after compile (dynamo's DDP optimiser then splits compiled graphs at bucket boundaries).
-    find_unused_parameters stays off: the MMDiT has none, and `check_all_parameters_used` says so loudly."""
+    find_unused_parameters stays off: the MMDiT has none, and `check_all_parameters_used` says so loudly. `ignored`:
+    parameters DDP must not touch (block swapping's, which have no device memory between uses: DDP would broadcast
+    them from rank 0 as it starts; each rank read the same frozen values)."""
+    if ignored:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     # No buffer broadcast: the only buffer is the constant position table, and a broadcast in every forward
     # would be a collective that a rank failing mid-step (out of memory) never reaches.
     no_buffer_sync = ({"forward_sync_buffers": False}  # torch >= 2.13 name; the old one warns there

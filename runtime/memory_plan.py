@@ -19,6 +19,9 @@ micro-batch 1. The rest follows stated rules:
   forward's matmul FLOPs at 800 TFLOP/s): `full` re-runs the block's matmuls (their FLOPs) and its other ops (the
   bytes they read and write as eager kernels, at 3 TB/s), `selective` the other ops only. Both are counted on the
   meta device like the bytes; compiled blocks fuse the other ops, so their part is an upper bound.
+- block swapping (offload.blocks_to_swap=N, LoRA): the frozen weights of the N swapped blocks
+  (perf/block_swap.py's `swapped_blocks`) leave the GPU for host memory, and the two largest of them are in flight
+  (the block running and the one being copied in); a micro-step copies 2N - 1 blocks to the GPU (`swap_bytes`).
 - workspace: dequantizing a quantized layer holds its 4-byte level indices and two weight-sized temporaries in
   the compute dtype (int8: three), for the largest such layer.
 - peak: everything that persists, plus the larger of the activations and the gradients (the backward frees
@@ -41,6 +44,7 @@ from formats import DTYPES
 from models import attention
 from models.quantized import QuantizedLinear
 from perf.activation_checkpointing import keeps
+from perf.block_swap import swapped_blocks
 from perf.float8 import BF16_MATMUL_RATE, MEMORY_RATE
 
 GIB = 2**30
@@ -62,6 +66,7 @@ class Plan:
     host: float = 0.0
     recompute: float = 0.0  # activation checkpointing's extra time, as a share of the step's (roofline)
     recompute_flops: float = 0.0  # its extra FLOPs, as a share of the step's
+    swap_bytes: float = 0.0  # block swapping: bytes copied host to GPU per micro-step
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -77,6 +82,7 @@ class ModelCount:
     frozen_bytes: int
     buffer_bytes: int
     block_bytes: list[int]  # each block's parameters at their stored size
+    block_frozen: list[int]  # of those, the frozen ones (what block swapping moves)
     block_trained: list[int]  # each block's trained parameters
     root_bytes: int  # parameters outside the blocks
     saved_per_block: list[int]  # bytes autograd saves in each block, per sample
@@ -167,6 +173,7 @@ def count_model(model, example_inputs, activation_bytes: int, frozen_bytes: int)
         frozen_bytes=sum(stored_size(p) for p in model.parameters() if not p.requires_grad),
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         block_bytes=[stored(b) for b in blocks],
+        block_frozen=[sum(stored_size(p) for p in b.parameters() if not p.requires_grad) for b in blocks],
         block_trained=[sum(p.numel() for p in b.parameters() if p.requires_grad) for b in blocks],
         root_bytes=stored(model) - sum(stored(b) for b in blocks),
         saved_per_block=saved, block_inputs=inputs, saved_outside=outside[0],
@@ -231,17 +238,30 @@ def largest_quantized(model) -> dict[str, int]:
 
 
 def plan(count: ModelCount, *, strategy: str, ranks: int, micro_batch: int, dtype: str, checkpointing: str = "none",
-         every: int = 1, reshard_after_forward: bool = True, cpu_offload: bool = False, gpu: bool = True) -> Plan:
-    """Bytes per rank for training with these settings (`ranks`: the shard group under FSDP/HSDP)."""
+         every: int = 1, reshard_after_forward: bool = True, cpu_offload: bool = False, gpu: bool = True,
+         swapped: int = 0) -> Plan:
+    """Bytes per rank for training with these settings (`ranks`: the shard group under FSDP/HSDP; `swapped`: the
+    blocks block swapping keeps in host memory, without sharding or CPU offload)."""
     p = Plan()
     split = ranks if strategy in ("fsdp", "hsdp") else 1
     compute = DTYPES[dtype].itemsize
     p.weights = (4 * count.trained + count.frozen_bytes) / split + count.buffer_bytes
+    if swapped:
+        if split > 1 or cpu_offload or swapped > len(count.block_frozen):
+            raise ValueError(f"block swapping of {swapped} of {len(count.block_frozen)} blocks, unsharded, is planned")
+        order = swapped_blocks(len(count.block_frozen), swapped)
+        host = sum(count.block_frozen[i] for i in order)
+        p.weights -= host
+        p.host += host
+        p.in_flight += sum(sorted((count.block_frozen[i] for i in order), reverse=True)[:2])
+        p.swap_bytes = 2 * host - count.block_frozen[order[-1]]
+        p.notes.append(f"{swapped} blocks' frozen weights in host memory, two on the GPU at a time; "
+                       f"{p.swap_bytes / 2**30:.2f} GiB copied to the GPU per micro-step")
     p.gradients = 4 * count.trained / split
     p.optimizer = 8 * count.trained / split
     p.ema = 4 * count.trained / split
     if strategy == "ddp" and ranks > 1:
-        p.in_flight = 4 * count.trained  # DDP's all-reduce buckets
+        p.in_flight += 4 * count.trained  # DDP's all-reduce buckets
         p.notes.append("DDP buckets: a second copy of the gradients")
     if split > 1 or cpu_offload:
         blocks = len(count.block_bytes)
@@ -292,3 +312,14 @@ def cheapest_checkpointing(count: ModelCount, gpu_bytes: float, **settings) -> t
     plans = [(mode, every, plan(count, checkpointing=mode, every=every, **settings)) for mode, every in CHECKPOINTING]
     fitting = [choice for choice in plans if choice[2].peak <= gpu_bytes]
     return min(fitting, key=lambda choice: (choice[2].recompute, choice[2].peak), default=None)
+
+
+def smallest_swap(count: ModelCount, gpu_bytes: float, **settings) -> tuple[int, Plan] | None:
+    """The fewest blocks block swapping must keep in host memory for the plan to fit in `gpu_bytes` (0: it fits
+    without), as (N, plan); None if swapping every block does not fit either. `settings`: plan()'s other arguments
+    (unsharded, no CPU offload)."""
+    for swapped in range(len(count.block_frozen) + 1):
+        result = plan(count, swapped=swapped, **settings)
+        if result.peak <= gpu_bytes:
+            return swapped, result
+    return None

@@ -2,7 +2,8 @@
 new entry there): its transformer equals diffusers' both ways, key for key, on configs the tests never saw; and
 every plugin trains a tiny model of it (on the shapes data) like the run without the plugin: FSDP like DDP and
 resumed bit for bit, compiled and checkpointed blocks (each kind of block one graph, no graph break) like eager ones,
-the OOM splitter, CPU offload, float8 on its image-stream linears, a SIGKILL resumed bit for bit.
+the OOM splitter, CPU offload, float8 on its image-stream linears, a SIGKILL resumed bit for bit; and a LoRA run on
+its pipeline's transformer with blocks swapped like the run without, bit for bit.
 
 Each property runs at the smallest size that shows it: 2-3 blocks, 2 heads, 2-4 steps."""
 
@@ -371,6 +372,23 @@ def test_a_lora_run_stopped_twice_resumes_bit_for_bit_and_loads_into_the_pipelin
         assert (adapted - base).abs().max() > 1e-3  # the adapters act
         torch.testing.assert_close(adapted, ours(model, x), rtol=0, atol=1e-5)
     assert torch.isfinite(adapted_image).all() and not torch.equal(adapted_image, base_image)
+
+
+@pytest.mark.parametrize("family", CASES)
+def test_a_lora_run_with_blocks_swapped_trains_bit_for_bit_like_without(family, request, tmp_path):
+    """offload.blocks_to_swap=2 on the family's pipeline transformer (SD3's and Qwen-Image's 2 blocks, FLUX's double
+    block and last single block): their frozen weights are copied in before each use, forward and backward, and
+    freed after, as planned, and the run trains the adapters and their EMA of the run without, bit for bit."""
+    from perf import block_swap
+    case = CASES[family].pipeline
+    folder, data = request.getfixturevalue(case.folder), request.getfixturevalue(case.data)
+    common = ["training.max_steps=2", "checkpoint.every=0"]
+    assert main(pipeline_lora(case, folder, data, tmp_path / "plain", *common)) == 0
+    assert main(pipeline_lora(case, folder, data, tmp_path / "swapped", *common, "offload.blocks_to_swap=2")) == 0
+    swap = block_swap.active
+    assert swap.loads == block_swap.planned_loads(swap.blocks, 2) * 2  # two steps of one micro-step
+    for part in ("model", "ema"):
+        assert_close(final_weights(tmp_path / "swapped", part), final_weights(tmp_path / "plain", part))
 
 
 @pytest.mark.parametrize("family", CASES)

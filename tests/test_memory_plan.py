@@ -156,3 +156,42 @@ def test_the_plan_picks_the_setting_that_fits_with_the_least_recompute(tiny):
         chosen = plans[pick(budget)]
         assert chosen.peak <= budget
         assert all(p.recompute >= chosen.recompute for p in plans.values() if p.peak <= budget)
+
+
+def test_block_swapping_plans_the_swapped_blocks_in_host_memory_and_two_of_them_in_flight(tmp_path, capsys):
+    """offload.blocks_to_swap=N on a LoRA run: the frozen weights of the N blocks perf/block_swap.py picks leave the
+    GPU for host memory, the two largest of them are in flight (one computing, one arriving), 2N - 1 blocks are
+    copied per micro-step, and nothing else changes; so swapping saves nothing below 3 blocks, and plan_memory.py
+    prints the fewest blocks that fit."""
+    from perf.block_swap import swapped_blocks
+    from runtime.memory_plan import GIB, smallest_swap
+    config = tmp_path / "lora.yaml"
+    config.write_text("model: {num_layers: 4, num_attention_heads: 2, attention_head_dim: 32, patch_size: 2}\n"
+                      "lora: {enabled: true}\ntraining: {train_batch_size: 8, activation_checkpointing: full}\n")
+    cfg, _ = plan_memory.planning_config(str(config), [], None)
+    dataset, tokenizer = plan_memory.data_like(cfg, 0)
+    count = plan_memory.count(cfg, dataset, tokenizer, "none")
+    frozen = count.block_frozen
+    assert frozen == [b - 4 * t for b, t in zip(count.block_bytes, count.block_trained)] and min(frozen) > 0
+    settings = {"strategy": "ddp", "ranks": 1, "micro_batch": 8, "dtype": "fp32", "checkpointing": "full"}
+    plans = [plan(count, swapped=n, **settings) for n in range(len(frozen) + 1)]
+    for n, p in enumerate(plans[1:], start=1):
+        order = swapped_blocks(len(frozen), n)
+        off = sum(frozen[i] for i in order)
+        assert p.host == off and p.weights == plans[0].weights - off and p.swap_bytes == 2 * off - frozen[order[-1]]
+        assert p.in_flight == sum(sorted((frozen[i] for i in order), reverse=True)[:2])
+        assert (p.activations, p.gradients, p.optimizer, p.ema) == \
+            (plans[0].activations, plans[0].gradients, plans[0].optimizer, plans[0].ema)
+    assert plans[0].peak == plans[1].peak >= plans[2].peak > plans[3].peak > plans[4].peak
+    assert smallest_swap(count, plans[3].peak, **settings) == (3, plans[3])
+    assert smallest_swap(count, plans[0].peak, **settings)[0] == 0
+    assert smallest_swap(count, plans[4].peak - 1, **settings) is None
+    with pytest.raises(ValueError):
+        plan(count, swapped=2, **{**settings, "strategy": "fsdp", "ranks": 2})
+    gib = plans[3].peak / GIB + 1e-9  # the command plans the config as given: the same settings, on a GPU
+    assert plan_memory.main(["--config", str(config), "--gpu-gib", repr(gib)]) == 0
+    out = capsys.readouterr().out
+    assert "smallest offload.blocks_to_swap that fits" in out and ": 3 of 4 blocks (" in out
+    row = next(line for line in out.splitlines() if line.startswith("offload.blocks_to_swap=3 (fewest)"))
+    assert row.split()[-1] == "yes" and next(line for line in out.splitlines()
+                                             if line.startswith("as configured")).split()[-1] == "NO"

@@ -227,3 +227,37 @@ def test_what_is_not_modelled_is_refused(sd3, capsys):
     assert roofline.main(["--preset", "sd3-medium", "training.no_such_key=1", "--json", "-"]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 2 and "attention_backend=math" in errors[0] and "no_such_key" in errors[1]
+
+
+def test_block_swap_copies_wait_only_where_they_outlast_the_compute_before_them():
+    """perf/block_swap.py's schedule played against block times: 2 of 4 blocks swapped (1 and 3), forward 1 s and
+    backward 2 s per block. Copies of 0.5 s hide; copies of 3 s make the forward wait for block 1 (2 s: its copy
+    starts with the pass) and for block 3 (1 s: its copy starts when block 1 does), and the backward not (block 3
+    stayed; block 1's copy has blocks 3 and 2 to hide behind). A micro-step copies 2N - 1 blocks."""
+    forward, backward, frozen = [1.0] * 4, [2.0] * 4, [1] * 4
+    assert roofline.swap_stall(forward, backward, frozen, 2, rate=2.0) == (1.5, 0.0)
+    assert roofline.swap_stall(forward, backward, frozen, 2, rate=1 / 3) == (pytest.approx(9.0), pytest.approx(3.0))
+    assert roofline.swap_stall(forward, backward, frozen, 0, rate=1.0) == (0.0, 0.0)
+    # every block: block 0's copy starts with the pass and cannot hide
+    assert roofline.swap_stall(forward, backward, frozen, 4, rate=2.0) == (3.5, 0.5)
+
+
+def test_block_swapping_is_priced_by_n_and_added_to_a_configured_step():
+    """A LoRA census: for each N the frozen bytes copied per micro-step (2N - 1 swapped blocks), the waits growing
+    with N on the slower link, the largest N whose copies hide; a config's own N adds its waits to the step."""
+    census = roofline.count_step(tiny(*LORA, "model.num_layers=4"), DATA, ("eager",))
+    frozen = {b.kind: b.frozen_bytes for b in census.blocks}
+    assert all(frozen.values())
+    rows = roofline.swap_rows(census, "eager", "cudnn", "full", 1)
+    assert [r["swapped"] for r in rows] == [1, 2, 3, 4]
+    by_block = [frozen[k] for k in census.kinds]
+    for row in rows:
+        order = roofline.swapped_blocks(4, row["swapped"])
+        assert row["gb_per_micro_step"] * 1e9 == pytest.approx(2 * sum(by_block[b] for b in order) - by_block[order[-1]])
+        assert row["PCIe 4.0 x16"]["stall_s"] >= row["PCIe 5.0 x16"]["stall_s"]
+    assert roofline.hidden_up_to(rows, "PCIe 5.0 x16") >= roofline.hidden_up_to(rows, "PCIe 4.0 x16")
+    plain = roofline.predict(census, "eager", "cudnn", 2, "full")
+    swapped = roofline.predict(census, "eager", "cudnn", 2, "full", swapped=3, h2d_rate=1e3)
+    stall = roofline.swap_stall(*roofline.block_times(census, "eager", "cudnn", "full"), by_block, 3, 1e3)[1]
+    assert swapped.terms["block swap copies not hidden"] == pytest.approx(2 * stall) and stall > 1
+    assert swapped.seconds == pytest.approx(plain.seconds + 2 * stall)  # 1 kB/s: nothing hides
