@@ -75,6 +75,9 @@ class ModelConfig:
     # flux, flux2: a guidance embedding, as FLUX.1-dev and FLUX.2-dev (guidance-distilled) have; FLUX.1-schnell,
     # FLUX.2-klein and models trained from scratch without distillation have none
     guidance_embeds: bool = False
+    # qwen_image: reference images' tokens modulated at timestep 0, as Qwen-Image-Edit-2511 has them (its
+    # config.json's zero_cond_t; model.init_from sets it)
+    zero_cond_t: bool = False
     # a diffusers transformer directory (SD3Transformer2DModel, FluxTransformer2DModel, QwenImageTransformer2DModel,
     # Flux2Transformer2DModel) or a family's original single file to start from; sets the family and the sizes above
     init_from: Optional[str] = None

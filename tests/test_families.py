@@ -25,7 +25,7 @@ from perf.activation_checkpointing import apply_activation_checkpointing
 from perf.checkpoint import checkpoints
 from tests.conftest import (TINY, assert_close, final_weights, metric_rows, randomize, sigint_at_first_step,
                             sigkill_after, spawn, train)
-from tests.families import CASES, ours
+from tests.families import CASES, ours, with_references
 from train_mmdit_stable import main
 
 diffusers = pytest.importorskip("diffusers")
@@ -51,6 +51,38 @@ def test_a_diffusers_folder_loads_with_diffusers_outputs(family, name, tmp_path)
         x = case.inputs(config, height, width, tokens, seed=height)
         with torch.no_grad():
             torch.testing.assert_close(ours(model, x), case.theirs(reference, x), rtol=1e-5, atol=1e-5)
+
+
+EDITS = [(family, name, references) for family, case in CASES.items() if case.edit
+         for name in case.config_names() for references in case.edit.references]
+
+
+@pytest.mark.parametrize("family,name,references", EDITS)
+def test_an_edit_computes_what_diffusers_computes_as_the_edit_pipeline_drives_it(family, name, references):
+    """With reference latents of other sizes than the target's (one, and two where the family's pipelines take
+    several): the velocity of the target is diffusers' transformer's as the family's edit pipeline calls it (its
+    sequence, positions, `img_shapes`, Edit-2511's zero_cond_t), and the references change it."""
+    case = CASES[family]
+    config = case.config(name)
+    reference = getattr(diffusers, case.reference)(**config).eval()
+    randomize(reference, 1)
+    model = FAMILIES[family].transformer(FAMILIES[family].config(**config)).eval()
+    model.load_state_dict(reference.state_dict())
+    plain = case.inputs(config, 8, 8, 5, seed=7)
+    x = with_references(plain, references, seed=8)
+    with torch.no_grad():
+        edited = ours(model, x)
+        torch.testing.assert_close(edited, case.edit.theirs(reference, x), rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(edited, ours(model, plain), rtol=1e-5, atol=1e-5)  # beyond the comparison's tolerance
+
+
+def test_flux_kontext_takes_one_reference():
+    case = CASES["flux"]
+    config = case.config("dev-like")
+    model = FAMILIES["flux"].transformer(FAMILIES["flux"].config(**config))
+    x = with_references(case.inputs(config, 8, 8, 5, seed=0), ((4, 4), (4, 4)), seed=1)
+    with pytest.raises(ValueError, match="2 reference images: FLUX.1 Kontext takes one"):
+        ours(model, x)
 
 
 @pytest.mark.parametrize("family,name", INTEROP)

@@ -83,6 +83,7 @@ class MMDiT(nn.Module):
     DIFFUSERS_CLASS = "SD3Transformer2DModel"
     # the text embeddings it takes (by a latent dataset's names) and the forward argument each is
     TEXT_INPUTS = {"prompt_embeds": "encoder_hidden_states", "pooled_prompt_embeds": "pooled_projections"}
+    MAX_REFERENCES = 0  # no edit model of SD3: it takes no reference images
 
     def __init__(self, cfg: MMDiTConfig):
         super().__init__()
