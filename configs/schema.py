@@ -125,7 +125,9 @@ class DatasetEntry:  # one dataset of data.datasets
 
 @dataclass
 class DataConfig:
-    name: Literal["shapes", "latents"] = "shapes"  # built-in captioned shapes, or precomputed latent shards
+    # built-in captioned shapes, their edits (a reference shape, "make it {color}" or "move it to the {position}", the
+    # changed shape: model.family flux, qwen_image or flux2), or precomputed latent shards (an edit dataset too)
+    name: Literal["shapes", "shapes_edit", "latents"] = "shapes"
     path: Optional[str] = None  # latents: the directory precompute_latents.py wrote
     aspect_buckets: bool = False  # latents: train on several latent sizes, each global batch from one size
     # latents: precomputed embeddings cost ~2.7 MB per SD3 sample on disk; on_the_fly stores captions only and

@@ -479,8 +479,17 @@ def flux_dir(tmp_path_factory):
     """A tiny, random FLUX.1-dev pipeline saved by diffusers' FluxPipeline (model_index.json and all; nothing is
     downloaded): a 4-channel VAE with FLUX's constants and one downsampling, CLIP-L (8 wide, pooled), T5 (24 wide,
     T5_TOKENS long), and a transformer of 1 double and 2 single blocks with a guidance embedding."""
+    return build_flux_pipeline(tmp_path_factory.mktemp("flux"), "FluxPipeline")
+
+
+@pytest.fixture(scope="session")
+def kontext_dir(tmp_path_factory):
+    """The same tiny FLUX.1 saved as a FluxKontextPipeline (Kontext is FLUX.1-dev's transformer)."""
+    return build_flux_pipeline(tmp_path_factory.mktemp("flux-kontext"), "FluxKontextPipeline")
+
+
+def build_flux_pipeline(root: Path, pipeline: str) -> Path:
     import diffusers
-    root = tmp_path_factory.mktemp("flux")
     torch.manual_seed(0)
     transformer = diffusers.FluxTransformer2DModel(in_channels=16, num_layers=1, num_single_layers=2,
                                                    attention_head_dim=8, num_attention_heads=2, joint_attention_dim=24,
@@ -489,9 +498,9 @@ def flux_dir(tmp_path_factory):
     randomize(transformer, 5)
     scheduler = diffusers.FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
                                                           base_image_seq_len=256, max_image_seq_len=4096)
-    diffusers.FluxPipeline(scheduler=scheduler, vae=tiny_vae(**FLUX_VAE), text_encoder=clip(8, projection=False),
-                           tokenizer=word_tokenizer(CLIP_TOKENS), text_encoder_2=t5(),
-                           tokenizer_2=word_tokenizer(T5_TOKENS), transformer=transformer).save_pretrained(root)
+    getattr(diffusers, pipeline)(scheduler=scheduler, vae=tiny_vae(**FLUX_VAE), text_encoder=clip(8, projection=False),
+                                 tokenizer=word_tokenizer(CLIP_TOKENS), text_encoder_2=t5(),
+                                 tokenizer_2=word_tokenizer(T5_TOKENS), transformer=transformer).save_pretrained(root)
     return root
 
 

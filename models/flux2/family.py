@@ -7,6 +7,8 @@ facts and their sources."""
 
 import logging
 
+from PIL import Image
+
 from models.family import Family, ReleasedText, ResolutionShift, check_qk_norm, check_rotary_axes
 from models.flux2.bfl import Flux2BFLReader
 from models.flux2.comfyui import export_comfyui_lora
@@ -58,6 +60,24 @@ def empirical_mu(image_tokens: int, steps: int) -> float:
     return slope * steps + m200 - 200.0 * slope
 
 
+def pipeline_reference(image: Image.Image, resolution: int, multiple: int) -> Image.Image:
+    """As Flux2KleinPipeline and Flux2Pipeline resize a reference image: down to resolution^2 pixels where larger
+    (Lanczos; 1024^2 theirs), then to its sides floored to `multiple`, covered and centre-cropped
+    (`_resize_and_crop`, Lanczos)."""
+    width, height = image.size
+    if width * height > resolution * resolution:
+        scale = (resolution * resolution / (width * height)) ** 0.5
+        image = image.resize((int(width * scale), int(height * scale)), Image.LANCZOS)
+    width, height = (max(multiple, side // multiple * multiple) for side in image.size)
+    if width / height > image.width / image.height:
+        covered = (width, image.height * width // image.width)
+    else:
+        covered = (image.width * height // image.height, height)
+    resized = image.resize(covered, Image.LANCZOS)
+    left, top = covered[0] // 2 - width // 2, covered[1] // 2 - height // 2
+    return resized.crop((left, top, left + width, top + height))
+
+
 # diffusers' train_dreambooth_lora_flux2.py and _klein.py: the double blocks' image attention (to_q, to_k, to_v,
 # to_out.0) and the single blocks' fused projections (to_qkv_mlp_proj, to_out: the latter by full name, since
 # `attn.to_out` is a ModuleList in the double blocks). The text stream and the double blocks' feed-forwards are
@@ -106,4 +126,6 @@ FAMILY = Family(
     # training sigmas (flow.resolution_shift): FLUX.1's e^mu, mu 0.5 at 256 tokens to 1.15 at 4096, over FLUX.2's
     # tokens, as musubi-tuner's `flux2_shift` (docs/flux2-architecture.md: schedule); sampling: its pipelines' own mu
     schedule=ResolutionShift(), sampling_mu=empirical_mu,
-    single_file=Flux2BFLReader, packing=PACKING, kohya=export_comfyui_lora)
+    single_file=Flux2BFLReader, packing=PACKING, kohya=export_comfyui_lora,
+    # its pipelines take reference images natively (`image=`)
+    edit_pipelines=("Flux2KleinPipeline", "Flux2Pipeline"), reference_image=pipeline_reference)

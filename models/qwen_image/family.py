@@ -4,6 +4,8 @@ latents packed 2 x 2 into tokens, conditioned on Qwen2.5-VL's hidden states with
 its single file of the transformer is read by models/qwen_image/single_file.py, its LoRA layout written by
 models/qwen_image/comfyui.py."""
 
+from PIL import Image
+
 from models.blocks import rotary_axes
 from models.family import Family, ReleasedText, ResolutionShift, check_qk_norm, check_rotary_axes
 from models.qwen_image.comfyui import export_comfyui_lora
@@ -37,6 +39,19 @@ def fill_defaults(model) -> None:
         model.axes_dims_rope = rotary_axes(model.attention_head_dim)
 
 
+def area_size(width: int, height: int, area: int) -> tuple[int, int]:
+    """The edit pipelines' `calculate_dimensions`: (width, height) of about `area` pixels at the image's aspect
+    ratio, multiples of 32 (here at least 32)."""
+    w = (area * width / height) ** 0.5
+    return max(32, round(w / 32) * 32), max(32, round(w * height / width / 32) * 32)
+
+
+def edit_reference(image: Image.Image, resolution: int, multiple: int) -> Image.Image:
+    """As QwenImageEditPlusPipeline resizes a reference for its VAE: about resolution^2 pixels (its VAE_IMAGE_SIZE,
+    1024^2) at its aspect ratio, sides multiples of 32; stretched (Lanczos)."""
+    return image.resize(area_size(*image.size, resolution * resolution), Image.LANCZOS)
+
+
 # Both streams' attention projections and feed-forwards, as diffusers' FLUX.1 script adapts them and musubi-tuner's
 # and ai-toolkit's block linears do (without the modulations). diffusers' train_dreambooth_lora_qwen_image.py takes
 # the image stream's attention alone by default (to_q, to_k, to_v, to_out.0): lora.target_modules narrows to that
@@ -60,5 +75,6 @@ FAMILY = Family(
     # Qwen/Qwen-Image's scheduler/scheduler_config.json
     schedule=ResolutionShift(base_tokens=256, max_tokens=8192, base_shift=0.5, max_shift=0.9, terminal=0.02),
     single_file=QwenSingleFileReader, kohya=export_comfyui_lora, packing=2, cfg_renorm=True, negative_prompt=" ",
+    edit_pipelines=("QwenImageEditPlusPipeline", "QwenImageEditPipeline"), reference_image=edit_reference,
     # Qwen-Image-Layered's extra conditioning and layered rotary positions: not implemented, accepted off
     neutral_values={"use_additional_t_cond": False, "use_layer3d_rope": False})  # the model card's true_cfg_scale=4.0, negative_prompt=" "
