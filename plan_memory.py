@@ -24,7 +24,7 @@ import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from configs.build import build_data, build_model, example_text
+from configs.build import SHAPES, build_data, build_model, example_text
 from configs.schema import Config, family_defaults
 from data.latents import text_shapes
 from errors import ConfigError, InputError
@@ -68,7 +68,7 @@ def planning_config(path: str, overrides: list[str], model: str | None):
         architecture = {"family": family.name, **family.settings(config)}
     elif name:
         architecture = RELEASED[name]
-    elif cfg.data.name == "shapes":
+    elif cfg.data.name in SHAPES:
         architecture = {}
     else:
         raise ConfigError(f"{path}: no model.init_from here to read the architecture from; name one with --model "
@@ -88,12 +88,15 @@ def read_config_or_none(folder: str):
 
 def data_like(cfg, resolution: int):
     """What the model needs to know of the data: the dataset when it is here, else the released pipeline's latents
-    and text at `resolution` (its largest latent size sets the activations)."""
-    if cfg.data.name == "shapes" or (cfg.data.path and Path(cfg.data.path, "dataset.json").is_file()):
+    and text at `resolution` (its largest bucket sets the activations), with data.references reference images of
+    that size (edit pairs)."""
+    if cfg.data.name in SHAPES or (cfg.data.path and Path(cfg.data.path, "dataset.json").is_file()):
         return build_data(cfg)
     text = released_text(cfg)
     side = resolution // text["vae_factor"]
+    references = cfg.data.references or 0
     return SimpleNamespace(latent_channels=text["latent_channels"], latent_sizes=[(side, side)],
+                           buckets=[((side, side), ((side, side),) * references)], references=references,
                            text_dims=(text["joint"], text["pooled"]), text_tokens=text["tokens"],
                            text_shapes=text_shapes(text["tokens"], (text["joint"], text["pooled"]), text["masked"])), None
 
@@ -106,9 +109,10 @@ def count(cfg, dataset, tokenizer, quantization: str):
         model = apply_lora(build_model(cfg, dataset, tokenizer), lora)
         if lora.enabled and quantization != "none":
             quantize_linears(model.transformer, quantization)
-        shape = (dataset.latent_channels, *dataset.latent_sizes[-1])
-        text = example_text(dataset, tokenizer)
-        inputs = (torch.empty(1, *shape), torch.empty(1), text)
+        target, references = max(dataset.buckets, key=lambda b: sum(h * w for h, w in (b[0], *b[1])))  # the longest
+        latents = lambda size: torch.empty(1, dataset.latent_channels, *size)  # noqa: E731
+        inputs = (latents(target), torch.empty(1), example_text(dataset, tokenizer), None,
+                  tuple(map(latents, references)))  # an edit's references: more tokens in every block
     compute = 4 if cfg.training.dtype == "fp32" else 2
     return count_model(model, inputs, activation_bytes=compute, frozen_bytes=compute)  # frozen: the compute dtype
 

@@ -163,6 +163,9 @@ def check_edit(args: argparse.Namespace, family, references: int) -> None:
     if args.random_flip:
         raise PrecomputeError("--random-flip mirrors the target alone, and an edit's instruction may name left and "
                               "right: precompute edit pairs without it")
+    if args.validation_prompts:
+        raise PrecomputeError("--validation-prompts: an edit dataset's validation images edit held-out pairs' "
+                              "references by their instructions (data.holdout); precompute it without prompts")
     if args.text_embeddings == "none" and family.edit_text is not None:
         raise PrecomputeError(f"--text-embeddings none: {family.title}'s edit pipeline encodes the instruction with "
                               f"the reference images, which training does not do in the step; precompute the text")

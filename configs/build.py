@@ -85,8 +85,13 @@ def check_position_table(cfg: DictConfig, dataset) -> None:
 
 
 def check_references(cfg: DictConfig, dataset, source: str) -> None:
-    """An edit dataset's reference images fit model.family's edit model: it has one, taking that many."""
+    """An edit dataset's reference images fit model.family's edit model (it has one, taking that many) and the
+    config (data.references, where it says)."""
     family, count = FAMILIES[cfg.model.family], dataset.references
+    if cfg.data.references is not None and cfg.data.references != count:
+        raise ConfigError(f"data.references={cfg.data.references}: the config is made for pairs with that many reference "
+                          f"images, and {source} has {count or 'none'}" + (
+                              " (precompute the pairs with --references)" if not count else ""))
     most = family.max_references
     if count and most is not None and count > most:
         takes = f"takes {most} reference image{'s' if most != 1 else ''}" if most else "has no edit model"

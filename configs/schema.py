@@ -146,10 +146,13 @@ class DataConfig:
     # latents: weigh the loss by the images' masks (alpha or NAME.mask.png; white = train); auto: where the
     # dataset has masks. A masked item costs its [1, h, w] weights on disk and in the batch
     use_masks: str = "auto"
+    # latents: edit pairs' reference images per pair the config is made for (its dataset must have that many;
+    # plan_memory.py counts their tokens, each of the result's size); None: as the dataset has (0: text to image)
+    references: Optional[int] = None
 
     def __post_init__(self):
         positive(self, "num_items", "prefetch_factor")
-        non_negative(self, "holdout")
+        non_negative(self, "holdout", "references")
         fraction(self, "caption_dropout")
         if self.use_masks not in ("auto", "true", "false"):
             raise FieldError("use_masks", self.use_masks, "auto, true or false")

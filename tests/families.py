@@ -305,12 +305,84 @@ class Pipeline:
     generate: dict  # the pipeline's call for one small image
 
 
+def kontext_encode(pipe, instruction: str, references: list) -> dict:
+    return flux_encode(pipe, [instruction])  # the instruction alone, as a caption
+
+
+def kontext_reference(pipe, image, resolution: int) -> torch.Tensor:
+    """As FluxKontextPipeline sizes and encodes its reference: the preferred resolution nearest its aspect ratio,
+    scaled by resolution / 1024 (its own at 1024), floored to its multiple, resized, then its VAE's mode, shifted
+    and scaled."""
+    from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
+    multiple = pipe.vae_scale_factor * 2
+    height, width = pipe.image_processor.get_default_height_width(image)
+    _, w, h = min((abs(width / height - w / h), w, h) for w, h in PREFERRED_KONTEXT_RESOLUTIONS)
+    w, h = (max(multiple, side * resolution // 1024 // multiple * multiple) for side in (w, h))
+    pixels = pipe.image_processor.preprocess(pipe.image_processor.resize(image, h, w), h, w)
+    return pipe._encode_vae_image(pixels, generator=None)
+
+
+def qwen_edit_encode(pipe, instruction: str, references: list) -> dict:
+    """QwenImageEditPlusPipeline's encode_prompt of the instruction with its references, each resized as its
+    __call__ resizes them for Qwen2.5-VL (CONDITION_IMAGE_SIZE)."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import CONDITION_IMAGE_SIZE, calculate_dimensions
+    images = [pipe.image_processor.resize(r, *calculate_dimensions(CONDITION_IMAGE_SIZE, r.width / r.height)[::-1])
+              for r in references]
+    embeds, mask = pipe.encode_prompt(instruction, image=images)
+    return {"prompt_embeds": embeds, "prompt_embeds_mask": torch.ones(embeds.shape[:2]) if mask is None else mask}
+
+
+def qwen_edit_reference(pipe, image, resolution: int) -> torch.Tensor:
+    """As QwenImageEditPlusPipeline sizes a reference for its VAE (`calculate_dimensions` of resolution^2 pixels:
+    its VAE_IMAGE_SIZE at 1024) and encodes it (one frame, the mode, normalised)."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import calculate_dimensions
+    w, h = calculate_dimensions(resolution * resolution, image.width / image.height)
+    return pipe._encode_vae_image(pipe.image_processor.preprocess(image, h, w).unsqueeze(2), generator=None)[:, :, 0]
+
+
+def flux2_edit_encode(pipe, instruction: str, references: list) -> dict:
+    return flux2_encode(pipe, [instruction])
+
+
+def flux2_reference(pipe, image, resolution: int) -> torch.Tensor:
+    """As Flux2KleinPipeline sizes a reference (down to resolution^2 pixels where larger: its 1024^2; floored to its
+    multiple, covered and cropped) and encodes it."""
+    from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+    if image.width * image.height > resolution * resolution:
+        image = Flux2ImageProcessor._resize_to_target_area(image, resolution * resolution)
+    multiple = pipe.vae_scale_factor * 2
+    w, h = image.width // multiple * multiple, image.height // multiple * multiple
+    pixels = pipe.image_processor.preprocess(image, height=h, width=w, resize_mode="crop")
+    return pipe._encode_vae_image(pixels, generator=None)
+
+
+def load_pipeline(name: str):
+    def load(folder):
+        import diffusers
+        return getattr(diffusers, name).from_pretrained(folder)
+    return load
+
+
+def load_qwen_edit(folder):
+    from tests.pipelines import load_qwen_image_edit_plus_pipeline
+    return load_qwen_image_edit_plus_pipeline(folder)
+
+
 @dataclass(frozen=True)
 class Edit:
-    """How the family's edit pipelines drive its transformer with reference images."""
+    """How the family's edit pipelines drive its transformer with reference images, its tiny edit pipeline
+    (tests/conftest.py's fixtures) and what that pipeline computes of a (reference, instruction) pair."""
     pipelines: tuple[str, ...]  # diffusers' edit pipelines of the family
     theirs: Callable  # (diffusers' transformer, inputs with "references") -> velocity of the target
     references: tuple[tuple[tuple[int, int], ...], ...]  # reference latent sizes to compare on (sets of them)
+    folder: str = ""  # the fixture of its tiny edit pipeline's folder
+    data: str = ""  # the fixture of pairs precomputed with it
+    config: str = ""  # the shipped config of an edit LoRA
+    load: Callable = None  # folder -> the pipeline
+    encode: Callable = None  # (pipeline, instruction, reference PIL images) -> its text embeddings
+    reference: Callable = None  # (pipeline, reference PIL image, resolution) -> its normalised latents
+    generate: dict = None  # the pipeline's call editing one small image
+    areas: dict = None  # pipeline module -> its constant areas, set to the tests' (a 1024^2 reference is slow)
 
 
 # one reference of another size than the target's 8 x 8 latents, and two of two other sizes
@@ -365,7 +437,9 @@ CASES = {
                                                                "norm1.linear", "norm.linear")),
         Pipeline("flux_dir", "flux_data", "flux_dev_lora.yaml", flux_encode, kl_latents,
                  {"guidance_scale": 3.5, "max_sequence_length": 512}),
-        Edit(("FluxKontextPipeline",), kontext_theirs, (ONE_REFERENCE,))),
+        Edit(("FluxKontextPipeline",), kontext_theirs, (ONE_REFERENCE,), "kontext_dir", "kontext_pairs",
+             "flux_kontext_lora.yaml", load_pipeline("FluxKontextPipeline"), kontext_encode, kontext_reference,
+             {"guidance_scale": 3.5, "max_sequence_length": 512, "max_area": 16 * 16, "_auto_resize": False}, {})),
     "qwen_image": Case(
         "qwen_image", "QwenImageTransformer2DModel",
         {"qwen-like": {**QWEN_BASE, "num_layers": 2, "attention_head_dim": 16, "num_attention_heads": 2,
@@ -379,7 +453,9 @@ CASES = {
         Pipeline("qwen_dir", "qwen_data", "qwen_image_lora.yaml", qwen_encode, qwen_latents,
                  {"negative_prompt": " ", "true_cfg_scale": 4.0, "max_sequence_length": 16}),
         Edit(("QwenImageEditPlusPipeline", "QwenImageEditPipeline"), qwen_edit_theirs,
-             (ONE_REFERENCE, TWO_REFERENCES))),
+             (ONE_REFERENCE, TWO_REFERENCES), "qwen_edit_dir", "qwen_edit_pairs", "qwen_image_edit_lora.yaml",
+             load_qwen_edit, qwen_edit_encode, qwen_edit_reference, {"true_cfg_scale": 1.0},
+             {"diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus": {"VAE_IMAGE_SIZE": 32 * 32}})),
     "flux2": Case(
         "flux2", "Flux2Transformer2DModel",
         {"dev-like": {**FLUX2_BASE, "num_layers": 2, "num_single_layers": 2, "attention_head_dim": 16,
@@ -395,5 +471,7 @@ CASES = {
          ("attn.add_v_proj", "attn.to_add_out", "ff_context.linear_in")),
         Pipeline("flux2_dir", "flux2_data", "flux2_klein_4b_lora.yaml", flux2_encode, flux2_latents,
                  {"guidance_scale": 4.0, "max_sequence_length": 32}),
-        Edit(("Flux2KleinPipeline", "Flux2Pipeline"), flux2_edit_theirs, (ONE_REFERENCE, TWO_REFERENCES))),
+        Edit(("Flux2KleinPipeline", "Flux2Pipeline"), flux2_edit_theirs, (ONE_REFERENCE, TWO_REFERENCES),
+             "flux2_dir", "flux2_pairs", "flux2_klein_4b_lora.yaml", load_pipeline("Flux2KleinPipeline"),
+             flux2_edit_encode, flux2_reference, {"guidance_scale": 4.0, "max_sequence_length": 32}, {})),
 }

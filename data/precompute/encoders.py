@@ -46,10 +46,11 @@ class PipelineEncoders:
 
     @torch.no_grad()
     def encode_text(self, captions: list[str], references: list[tuple] = ()) -> dict[str, torch.Tensor]:
-        """The captions' embeddings; an edit pipeline's instruction encoder sees each sample's references."""
-        if self.edit_text is not None and references:
+        """The captions' embeddings; an edit pipeline's instruction encoder sees each sample's references (none: the
+        prompts of caption dropout and validation's unconditional input, the edit template without pictures)."""
+        if self.edit_text is not None:
             rows = [self.edit_text(caption, [condition for _, condition in refs])
-                    for caption, refs in zip(captions, references)]
+                    for caption, refs in zip(captions, references or [()] * len(captions))]
             return {name: torch.stack([row[name] for row in rows]) for name in rows[0]}
         self.truncated += self.tokenizers.truncated(captions)
         return self.text(**{k: v.to(self.device) for k, v in self.tokenizers(captions).items()})

@@ -162,11 +162,11 @@ def check_items(items: list[tuple[Path, str | None]], bad: list[tuple[str, str]]
     references = references or {}
     unreadable = []
     for path, _ in items:
-        for file, what in ((path, "not a readable image"), *((r, f"reference {r}") for r in references.get(path, ()))):
+        for file in (path, *references.get(path, ())):
             try:
                 image_size(file)
             except BadSample as e:
-                unreadable.append((str(path), str(e) if file == path else f"{what} is {str(e).removeprefix('not ')}"))
+                unreadable.append((str(path), str(e) if file == path else f"reference {file}: {e}"))
     bad = bad + unreadable
     bad += reference_counts(items, references, {where for where, _ in bad})
     if bad:

@@ -90,7 +90,9 @@ FAMILY = Family(
     # 3 double- and 4 single-stream blocks train in about sd3's time and read position from the caption (FLUX.1's
     # ratio, 2 + 4, learned it in one run of three: docs/flux.md)
     demo={"num_layers": 3, "num_single_layers": 4},
-    released={"flux-dev": {**RELEASED, "guidance_embeds": True}, "flux-schnell": {**RELEASED, "guidance_embeds": False}},
+    # FLUX.1 Kontext [dev] is FLUX.1-dev's transformer (its configs: configs/flux_kontext_*.yaml)
+    released={"flux-dev": {**RELEASED, "guidance_embeds": True}, "flux-schnell": {**RELEASED, "guidance_embeds": False},
+              "flux-kontext": {**RELEASED, "guidance_embeds": True}},
     # T5 tokens, CLIP-L's pooled output; 16-channel latents at 1/8
     released_text=ReleasedText(joint=4096, pooled=768, latent_channels=16, vae_factor=8),
     settings=settings, build_config=build_config, check=check, fill_defaults=fill_defaults,

@@ -62,20 +62,15 @@ def empirical_mu(image_tokens: int, steps: int) -> float:
 
 def pipeline_reference(image: Image.Image, resolution: int, multiple: int) -> Image.Image:
     """As Flux2KleinPipeline and Flux2Pipeline resize a reference image: down to resolution^2 pixels where larger
-    (Lanczos; 1024^2 theirs), then to its sides floored to `multiple`, covered and centre-cropped
-    (`_resize_and_crop`, Lanczos)."""
+    (Lanczos; 1024^2 theirs), then centre-cropped to its sides floored to `multiple` (Flux2ImageProcessor's
+    `_resize_and_crop` crops only)."""
     width, height = image.size
     if width * height > resolution * resolution:
         scale = (resolution * resolution / (width * height)) ** 0.5
         image = image.resize((int(width * scale), int(height * scale)), Image.LANCZOS)
     width, height = (max(multiple, side // multiple * multiple) for side in image.size)
-    if width / height > image.width / image.height:
-        covered = (width, image.height * width // image.width)
-    else:
-        covered = (image.width * height // image.height, height)
-    resized = image.resize(covered, Image.LANCZOS)
-    left, top = covered[0] // 2 - width // 2, covered[1] // 2 - height // 2
-    return resized.crop((left, top, left + width, top + height))
+    left, top = (image.width - width) // 2, (image.height - height) // 2
+    return image.crop((left, top, left + width, top + height))
 
 
 # diffusers' train_dreambooth_lora_flux2.py and _klein.py: the double blocks' image attention (to_q, to_k, to_v,

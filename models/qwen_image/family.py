@@ -11,7 +11,7 @@ from models.family import Family, ReleasedText, ResolutionShift, check_qk_norm, 
 from models.qwen_image.comfyui import export_comfyui_lora
 from models.qwen_image.model import QwenImage, QwenImageConfig
 from models.qwen_image.single_file import QwenSingleFileReader
-from models.qwen_image.text import MAX_SEQUENCE_LENGTH, QwenTextEncoders, QwenTokenizers
+from models.qwen_image.text import MAX_SEQUENCE_LENGTH, QwenEditText, QwenTextEncoders, QwenTokenizers, area_size
 
 ARCHITECTURE = ("patch_size", "num_layers", "num_attention_heads", "attention_head_dim", "axes_dims_rope",
                 "zero_cond_t")
@@ -37,13 +37,6 @@ def check(model) -> None:
 def fill_defaults(model) -> None:
     if model.axes_dims_rope is None:
         model.axes_dims_rope = rotary_axes(model.attention_head_dim)
-
-
-def area_size(width: int, height: int, area: int) -> tuple[int, int]:
-    """The edit pipelines' `calculate_dimensions`: (width, height) of about `area` pixels at the image's aspect
-    ratio, multiples of 32 (here at least 32)."""
-    w = (area * width / height) ** 0.5
-    return max(32, round(w / 32) * 32), max(32, round(w * height / width / 32) * 32)
 
 
 def edit_reference(image: Image.Image, resolution: int, multiple: int) -> Image.Image:
@@ -76,5 +69,6 @@ FAMILY = Family(
     schedule=ResolutionShift(base_tokens=256, max_tokens=8192, base_shift=0.5, max_shift=0.9, terminal=0.02),
     single_file=QwenSingleFileReader, kohya=export_comfyui_lora, packing=2, cfg_renorm=True, negative_prompt=" ",
     edit_pipelines=("QwenImageEditPlusPipeline", "QwenImageEditPipeline"), reference_image=edit_reference,
+    edit_text=QwenEditText,
     # Qwen-Image-Layered's extra conditioning and layered rotary positions: not implemented, accepted off
     neutral_values={"use_additional_t_cond": False, "use_layer3d_rope": False})  # the model card's true_cfg_scale=4.0, negative_prompt=" "
