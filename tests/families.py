@@ -356,6 +356,14 @@ def flux2_reference(pipe, image, resolution: int) -> torch.Tensor:
     return pipe._encode_vae_image(pixels, generator=None)
 
 
+def tiny_kohya_converter(monkeypatch) -> None:
+    """diffusers' kohya -> diffusers FLUX.1 converter at the tiny transformer's width (it hard-codes FLUX.1's)."""
+    from diffusers.loaders import lora_pipeline
+
+    from tests.test_flux_finetune import kohya_converter
+    monkeypatch.setattr(lora_pipeline, "_convert_kohya_flux_lora_to_diffusers", kohya_converter(16))
+
+
 def load_pipeline(name: str):
     def load(folder):
         import diffusers
@@ -383,6 +391,7 @@ class Edit:
     reference: Callable = None  # (pipeline, reference PIL image, resolution) -> its normalised latents
     generate: dict = None  # the pipeline's call editing one small image
     areas: dict = None  # pipeline module -> its constant areas, set to the tests' (a 1024^2 reference is slow)
+    comfy: Callable = lambda monkeypatch: None  # what loading its ComfyUI file into the tiny pipeline needs
 
 
 # one reference of another size than the target's 8 x 8 latents, and two of two other sizes
@@ -439,7 +448,8 @@ CASES = {
                  {"guidance_scale": 3.5, "max_sequence_length": 512}),
         Edit(("FluxKontextPipeline",), kontext_theirs, (ONE_REFERENCE,), "kontext_dir", "kontext_pairs",
              "flux_kontext_lora.yaml", load_pipeline("FluxKontextPipeline"), kontext_encode, kontext_reference,
-             {"guidance_scale": 3.5, "max_sequence_length": 512, "max_area": 16 * 16, "_auto_resize": False}, {})),
+             {"guidance_scale": 3.5, "max_sequence_length": 512, "max_area": 16 * 16, "_auto_resize": False}, {},
+             tiny_kohya_converter)),
     "qwen_image": Case(
         "qwen_image", "QwenImageTransformer2DModel",
         {"qwen-like": {**QWEN_BASE, "num_layers": 2, "attention_head_dim": 16, "num_attention_heads": 2,

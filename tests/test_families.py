@@ -375,6 +375,7 @@ def test_a_lora_run_stopped_twice_resumes_bit_for_bit_and_loads_into_the_pipelin
     assert export_mmdit.main(["--checkpoint", str(tmp_path / "killed"), "--out", str(tmp_path / "comfy"),
                               "--format", "kohya"]) == 0
     comfy = edit.load(folder)
+    edit.comfy(monkeypatch)
     comfy.load_lora_weights(tmp_path / "comfy" / "comfy.safetensors")
     with torch.no_grad():
         torch.testing.assert_close(edit.theirs(comfy.transformer, x), adapted, rtol=0, atol=1e-5)
@@ -545,6 +546,7 @@ def test_an_edit_lora_killed_resumes_bit_for_bit_and_loads_into_the_edit_pipelin
     assert export_mmdit.main(["--checkpoint", str(tmp_path / "killed"), "--out", str(tmp_path / "comfy"),
                               "--format", "kohya"]) == 0
     comfy = edit.load(folder)
+    edit.comfy(monkeypatch)
     comfy.load_lora_weights(tmp_path / "comfy" / "comfy.safetensors")
     with torch.no_grad():
         torch.testing.assert_close(edit.theirs(comfy.transformer, x), adapted, rtol=0, atol=1e-5)
