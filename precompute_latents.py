@@ -117,8 +117,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not 0 <= args.max_bad_fraction <= 1:
         parser.error("--max-bad-fraction must be between 0 and 1")
     if args.references and not args.images:
-        parser.error("--references goes with --images (a manifest lists each line's \"references\"; a shard holds "
-                     "KEY.reference.png)")
+        parser.error("--references goes with --images (a manifest lists each line's \"references\"; shards of pairs "
+                     "are not read yet)")
     return args
 
 

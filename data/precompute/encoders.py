@@ -25,16 +25,17 @@ class PipelineEncoders:
         self.device, self.family = device, family
         self.resolution, self.multiple = resolution, multiple  # of reference images
         self.vae = load_vae(model_dir / "vae", device, dtype)
+        # an edit pipeline's instruction encoder that sees the references (Qwen-Image-Edit) encodes every text
         self.edit_text = family.edit_text(model_dir, max_sequence_length, device, dtype) \
             if references and text_embeddings and family.edit_text else None
         self.tokenizers = family.tokenizers(model_dir, max_sequence_length)
         with torch.device("meta"):
             self.text = family.text_encoders(model_dir, max_sequence_length)
         self.text_dims, self.text_mask = (self.text.joint_dim, self.text.pooled_dim), self.text.MASKED
-        if text_embeddings:
+        if text_embeddings and self.edit_text is None:
             self.text.check("--model")
             self.text.load(device, dtype)
-        else:
+        elif not text_embeddings:
             self.text = None
         self.truncated = 0
 

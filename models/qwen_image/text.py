@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from errors import InputError
 from models.pipeline_text import PipelineTextEncoders, PipelineTokenizers
 
 PARTS = {"qwen": ("text_encoder", "tokenizer")}
@@ -151,7 +152,7 @@ class QwenEditText:
                             if images else None, image_grid_thw=vision.get("image_grid_thw"),
                             output_hidden_states=True).hidden_states[-1][0, EDIT_TEMPLATE_TOKENS:]
         if len(hidden) > self.max_sequence_length:
-            raise ValueError(f"the instruction {instruction!r} with its {len(images)} reference image(s) makes "
+            raise InputError(f"the instruction {instruction!r} with its {len(images)} reference image(s) makes "
                              f"{len(hidden)} tokens, more than --max-sequence-length {self.max_sequence_length}")
         embeds = hidden.new_zeros(self.max_sequence_length, hidden.shape[-1])
         embeds[:len(hidden)] = hidden
