@@ -9,7 +9,8 @@ nothing is ever overwritten.
 A full fine-tune becomes a transformer directory of the run's family (`SD3Transformer2DModel`,
 `FluxTransformer2DModel`, ...: `.from_pretrained(DIR)`, or a pipeline's `transformer=`). A LoRA run becomes, by --format:
   peft (default)  DIR/pytorch_lora_weights.safetensors, diffusers' own format (`StableDiffusion3Pipeline` or
-                  `FluxPipeline.load_lora_weights(DIR)`), with the text encoders' adapters of lora.text_encoders
+                  `FluxPipeline.load_lora_weights(DIR)`; an edit run's: `FluxKontextPipeline`,
+                  `QwenImageEditPlusPipeline`), with the text encoders' adapters of lora.text_encoders
                   (`text_encoder.*` for CLIP-L, `text_encoder_2.*` for SD3's CLIP-G) beside the transformer's.
   kohya           FLUX.1, Qwen-Image, FLUX.2: DIR/<DIR's name>.safetensors in the layout ComfyUI loads. Not for DoRA
                   runs.

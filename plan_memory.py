@@ -25,7 +25,7 @@ import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from configs.build import build_data, build_model, example_text
+from configs.build import SHAPES, build_data, build_model, example_text
 from configs.schema import Config, family_defaults
 from data.latents import text_shapes
 from errors import ConfigError, InputError
@@ -69,7 +69,7 @@ def planning_config(path: str, overrides: list[str], model: str | None):
         architecture = {"family": family.name, **family.settings(config)}
     elif name:
         architecture = RELEASED[name]
-    elif cfg.data.name == "shapes":
+    elif cfg.data.name in SHAPES:
         architecture = {}
     else:
         raise ConfigError(f"{path}: no model.init_from here to read the architecture from; name one with --model "
@@ -89,8 +89,9 @@ def read_config_or_none(folder: str):
 
 def data_like(cfg, resolution: int):
     """What the model needs to know of the data: the dataset when it is here, else the released pipeline's latents
-    and text at `resolution` (its largest latent size sets the activations)."""
-    if cfg.data.name == "shapes" or (cfg.data.path and Path(cfg.data.path, "dataset.json").is_file()):
+    and text at `resolution` (its largest bucket sets the activations), with data.references reference images of
+    that size (edit pairs)."""
+    if cfg.data.name in SHAPES or (cfg.data.path and Path(cfg.data.path, "dataset.json").is_file()):
         return build_data(cfg)
     return released_data(cfg, resolution), None
 
@@ -98,15 +99,17 @@ def data_like(cfg, resolution: int):
 def released_data(cfg, resolution: int) -> SimpleNamespace:
     """The released pipeline's data as the model sees it: square latents at `resolution` and its text."""
     text = released_text(cfg)
-    return data_of(text, resolution // text["vae_factor"])
+    return data_of(text, resolution // text["vae_factor"], cfg.data.references or 0)
 
 
-def data_of(text: dict, side: int) -> SimpleNamespace:
+def data_of(text: dict, side: int, references: int = 0) -> SimpleNamespace:
     """A dataset's description (what building a model reads of it) for `text` (`family_text`'s) and latents of
-    `side` a side."""
+    `side` a side, each with `references` reference images of that size (edit pairs)."""
     dims = (text["joint"], text["pooled"])
-    return SimpleNamespace(latent_channels=text["latent_channels"], latent_sizes=[(side, side)], text_dims=dims,
-                           text_tokens=text["tokens"], text_shapes=text_shapes(text["tokens"], dims, text["masked"]))
+    return SimpleNamespace(latent_channels=text["latent_channels"], latent_sizes=[(side, side)],
+                           buckets=[((side, side), ((side, side),) * references)], references=references,
+                           text_dims=dims, text_tokens=text["tokens"],
+                           text_shapes=text_shapes(text["tokens"], dims, text["masked"]))
 
 
 def count(cfg, dataset, tokenizer, quantization: str):
@@ -117,9 +120,10 @@ def count(cfg, dataset, tokenizer, quantization: str):
         model = apply_lora(build_model(cfg, dataset, tokenizer), lora)
         if lora.enabled and quantization != "none":
             quantize_linears(model.transformer, quantization)
-        shape = (dataset.latent_channels, *dataset.latent_sizes[-1])
-        text = example_text(dataset, tokenizer)
-        inputs = (torch.empty(1, *shape), torch.empty(1), text)
+        target, references = max(dataset.buckets, key=lambda b: sum(h * w for h, w in (b[0], *b[1])))  # the longest
+        latents = lambda size: torch.empty(1, dataset.latent_channels, *size)  # noqa: E731
+        inputs = (latents(target), torch.empty(1), example_text(dataset, tokenizer), None,
+                  tuple(map(latents, references)))  # an edit's references: more tokens in every block
     compute = 4 if cfg.training.dtype == "fp32" else 2
     return count_model(model, inputs, activation_bytes=compute, frozen_bytes=compute)  # frozen: the compute dtype
 

@@ -60,7 +60,7 @@ import torch.distributed.nn  # noqa: F401  imported before the group exists: see
 
 from data.precompute.encoders import QUANTIZATIONS, PipelineEncoders, text_storage
 from data.precompute.inputs import (PrecomputeError, Unit, check_items, default_sequence_length, fingerprint,
-                                    item_units, pipeline_family, read_image_folder, read_manifest,
+                                    folder_references, item_units, pipeline_family, read_image_folder, read_manifest,
                                     read_validation_prompts, shard_units, vae_downsampling)
 from data.precompute.job import (INPUT_NAMES, check_output_directory, precompute, recorded_settings,
                                  start_output_directory)
@@ -87,6 +87,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     source.add_argument("--images", type=Path, help="folder of images with same-named .txt captions")
     source.add_argument("--manifest", type=Path, help='JSONL of {"image": ..., "caption": ...}')
     source.add_argument("--shards", nargs="+", help="webdataset tar shards: paths, globs, {000..999} ranges, pipe:")
+    parser.add_argument("--references", type=Path, help="edit pairs: the folder of each --images image's reference "
+                        "image(s), by its stem (cat.png -> REFS/cat.png, or cat_0.png, cat_1.png, ...); the caption "
+                        "is the instruction")
     parser.add_argument("--out", required=True, type=Path, help="dataset directory to write (or resume)")
     parser.add_argument("--resolution", type=int, default=1024, help="side of the square target size in pixels")
     parser.add_argument("--aspect-buckets", action="store_true", help="keep aspect ratios (train with "
@@ -121,6 +124,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 <= args.max_bad_fraction <= 1:
         parser.error("--max-bad-fraction must be between 0 and 1")
+    if args.references and not args.images:
+        parser.error("--references goes with --images (a manifest lists each line's \"references\"; shards of pairs "
+                     "are not read yet)")
     return args
 
 
@@ -135,12 +141,42 @@ def read_inputs(args: argparse.Namespace) -> tuple[list[Unit], dict]:
         return units, {"inputs": fingerprint(units, None), INPUT_NAMES: [unit.name for unit in units]}
     if args.caption_field:
         raise PrecomputeError("--caption-field applies to --shards inputs (folders and manifests give captions)")
-    items, bad = read_image_folder(args.images) if args.images else read_manifest(args.manifest)
+    if args.images:
+        items, bad = read_image_folder(args.images)
+        references, unmatched = folder_references(items, args.images, args.references) if args.references \
+            else ({}, [])
+        bad += unmatched
+    else:
+        items, bad, references = read_manifest(args.manifest)
     source = f"--images {args.images}" if args.images else f"--manifest {args.manifest}"
-    check_items(items, bad, source)
-    units = item_units(items, args.shard_size, source)
+    check_items(items, bad, source, references)
+    units = item_units(items, args.shard_size, source, references)
     names = [str(path) for path, _ in items] if len(items) <= MAX_INPUT_NAMES else None  # precompute.json stays small
-    return units, {"inputs": fingerprint(units, items), INPUT_NAMES: names}
+    count = len(next(iter(references.values()), ()))  # an edit dataset's references per target (check_items)
+    return units, {"inputs": fingerprint(units, items, references), INPUT_NAMES: names,
+                   **({"references": count} if count else {})}  # absent: settings of a text-to-image set as before
+
+
+def check_edit(args: argparse.Namespace, family, references: int) -> None:
+    """An edit dataset (references per target) needs an edit model of the pipeline's family that takes that many,
+    and refuses what would separate a target from its references."""
+    if not references:
+        return
+    most = family.max_references
+    if not family.edits or (most is not None and references > most):
+        raise PrecomputeError(f"--model {args.model} is a {family.title} pipeline, and each target has {references} "
+                              f"reference image(s): " + (f"{family.title} has no edit model (edit families: "
+                              f"FLUX.1 Kontext, Qwen-Image-Edit, FLUX.2)" if not family.edits else
+                              f"{family.edit_pipelines[0]} takes {most}"))
+    if args.random_flip:
+        raise PrecomputeError("--random-flip mirrors the target alone, and an edit's instruction may name left and "
+                              "right: precompute edit pairs without it")
+    if args.validation_prompts:
+        raise PrecomputeError("--validation-prompts: an edit dataset's validation images edit held-out pairs' "
+                              "references by their instructions (data.holdout); precompute it without prompts")
+    if args.text_embeddings == "none" and family.edit_text is not None:
+        raise PrecomputeError(f"--text-embeddings none: {family.title}'s edit pipeline encodes the instruction with "
+                              f"the reference images, which training does not do in the step; precompute the text")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,6 +225,7 @@ def run(args: argparse.Namespace, ranks: Ranks, device: torch.device) -> int:
         units, inputs = read_inputs(args)
         prompts = read_validation_prompts(args.validation_prompts) if args.validation_prompts else None
         family = pipeline_family(args.model)
+        check_edit(args, family, inputs.get("references", 0))
         length = args.max_sequence_length or default_sequence_length(args.model, family)
         if family.max_text_tokens and length > family.max_text_tokens:
             raise PrecomputeError(f"--max-sequence-length {length}: {family.title}'s pipeline takes at most "
@@ -215,7 +252,8 @@ def run(args: argparse.Namespace, ranks: Ranks, device: torch.device) -> int:
         if ranks.rank == 0:
             check_output_directory(args.out, settings)
             start_output_directory(args.out, settings)
-        encoders = PipelineEncoders(args.model, family, device, compute, length, text)
+        encoders = PipelineEncoders(args.model, family, device, compute, length, text, args.resolution, multiple,
+                                    inputs.get("references", 0))
     work = {**settings, "batch_size": args.batch_size, "workers": args.workers}
     return precompute(units, encoders, args.out, work, ranks, prompts, args.max_bad_fraction)
 

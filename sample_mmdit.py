@@ -1,10 +1,13 @@
-"""Generate one PNG per prompt line with a trained MMDiT.
+"""Generate one PNG per prompt line with a trained MMDiT (or edit one reference image per line with an edit run).
 
-    python sample_mmdit.py --checkpoint PATH --prompts FILE --out DIR [--steps N] [--cfg W] [--seed S]
+    python sample_mmdit.py --checkpoint PATH --prompts FILE --out DIR [--references DIR] [--steps N] [--cfg W]
+        [--seed S]
 
 PATH is a run directory (its newest complete checkpoint is used) or one checkpoint directory. Images are
 written as 0000.png, 0001.png, ... in prompt order, from the EMA weights unless --no-ema is given. DIR must not
-exist: nothing is ever overwritten.
+exist: nothing is ever overwritten. A run of the edit shapes (data.name=shapes_edit) edits images: the prompts are
+instructions, and --references DIR holds the image each edits, DIR/0000.png for the first line (as OUT/0000.png is
+its result), 0001.png for the second, ... (NNNN_0.png, NNNN_1.png, ... where a run takes several).
 """
 
 import argparse
@@ -16,10 +19,9 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from configs.build import build_data, build_model, build_sampler, build_tokenizer
+from configs.build import SHAPES, build_data, build_model, build_sampler, build_tokenizer
 from configs.schema import load_config
 from data.images import save_png, to_unit
-from data.shapes import ShapesDataset
 from errors import ConfigError, InputError
 from models.diffusers_io import load_diffusers_weights, refuse_existing, write_new_directory
 from models.lora import apply_lora
@@ -40,8 +42,8 @@ def load_trained(checkpoint: Path, use_ema: bool = True) -> tuple[TextToImage, D
     checkpoint's trained weights, or their EMA."""
     cfg = load_config(checkpoint / "config.yaml", resolve=False)  # as the run resolved it
     tensors, meta = read_checkpoint(checkpoint)
-    if cfg.data.name == "shapes":
-        model = build_model(cfg, ShapesDataset, build_tokenizer())
+    if cfg.data.name in SHAPES:
+        model = build_model(cfg, SHAPES[cfg.data.name], build_tokenizer(SHAPES[cfg.data.name]))
     elif cfg.lora.enabled and cfg.lora.text_encoders:  # adapted text encoders: the pipeline's, read from its files
         tokenizer = build_data(cfg)[1]
         encoders = FAMILIES[cfg.model.family].text_encoders(tokenizer.folder, tokenizer.max_sequence_length).load(
@@ -64,11 +66,11 @@ def load_trained(checkpoint: Path, use_ema: bool = True) -> tuple[TextToImage, D
 def load_for_sampling(path: Path, use_ema: bool = True):
     checkpoint = find_checkpoint(path)
     cfg = load_config(checkpoint / "config.yaml", resolve=False)
-    if cfg.data.name != "shapes":
+    if cfg.data.name not in SHAPES:
         raise InputError(f"{checkpoint} was trained on precomputed latents: export it (export_mmdit.py) and "
                          f"sample with diffusers' {FAMILIES[cfg.model.family].pipeline_class}")
     model, cfg = load_trained(checkpoint, use_ema)
-    return model, build_tokenizer(), cfg, checkpoint
+    return model, build_tokenizer(SHAPES[cfg.data.name]), cfg, checkpoint
 
 
 def read_prompts(path: Path) -> list[str]:
@@ -78,6 +80,43 @@ def read_prompts(path: Path) -> list[str]:
     if not prompts:
         raise InputError(f"prompts file {path} has no prompts")
     return prompts
+
+
+def read_references(directory: Path | None, lines: int, name: str, checkpoint: Path) -> tuple[torch.Tensor, ...]:
+    """The reference images of an edit run's prompt lines, in [-1, 1] ([lines, 3, h, w] per reference): line i's
+    DIR/{i:04d}.png (or {i:04d}_{j}.png, one per reference j); none for a text-to-image run."""
+    dataset = SHAPES[name]
+    if not dataset.references:
+        if directory is not None:
+            raise InputError(f"--references {directory}: {checkpoint} generates images from text (its data "
+                             f"data.name={name} has no reference images)")
+        return ()
+    if directory is None or not directory.is_dir():
+        raise InputError(f"{checkpoint} edits images: --references DIR must name a folder of the reference images, "
+                         f"DIR/0000.png for the first prompt line" + (f" ({directory} is not one)" if directory else ""))
+    names = [[f"{i:04d}.png"] if dataset.references == 1 else [f"{i:04d}_{j}.png" for j in range(dataset.references)]
+             for i in range(lines)]
+    missing = [f"line {i + 1}: {directory / name}" for i, row in enumerate(names) for name in row
+               if not (directory / name).is_file()]
+    if missing:
+        raise InputError(f"--references {directory}: no reference image for {len(missing)} prompt line(s): "
+                         f"{'; '.join(missing[:5])}")
+    return tuple(torch.stack([reference_pixels(directory / row[j], size) for row in names])
+                 for j, size in enumerate(dataset.buckets[0][1]))
+
+
+def reference_pixels(path: Path, size: tuple[int, int]) -> torch.Tensor:
+    """[3, h, w] in [-1, 1] of an image file that must be `size` (h, w) pixels."""
+    from PIL import Image, UnidentifiedImageError
+    try:
+        with Image.open(path) as image:
+            pixels = torch.frombuffer(bytearray(image.convert("RGB").tobytes()), dtype=torch.uint8).float()
+            width, height = image.size
+    except (OSError, UnidentifiedImageError) as e:
+        raise InputError(f"reference {path} is not a readable image ({e})") from None
+    if (height, width) != tuple(size):
+        raise InputError(f"reference {path} is {width}x{height} pixels; this run edits {size[1]}x{size[0]} images")
+    return pixels.view(height, width, 3).permute(2, 0, 1) / 127.5 - 1
 
 
 def save_pngs(images: torch.Tensor, directory: Path) -> None:
@@ -90,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", required=True, type=Path, help="run directory or checkpoint directory")
     parser.add_argument("--prompts", required=True, type=Path, help="text file, one prompt per line")
     parser.add_argument("--out", required=True, type=Path, help="new directory for NNNN.png")
+    parser.add_argument("--references", type=Path, help="an edit run's reference images: NNNN.png for line NNNN + 1")
     parser.add_argument("--steps", type=int, help="Euler steps (default: the run's sampling.steps)")
     parser.add_argument("--cfg", type=float, help="guidance scale (default: the run's sampling.cfg_scale)")
     parser.add_argument("--seed", type=int, default=0, help="image i uses noise keyed by (seed, i)")
@@ -105,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             tokenizer(prompts)
         except ValueError as e:  # a word outside the dataset's vocabulary
             raise InputError(f"{args.prompts}: {e}") from None
+        references = read_references(args.references, len(prompts), cfg.data.name, checkpoint)
         refuse_existing(args.out)  # before the sampling, not after it
         writable_directory(args.out.parent, f"--out {args.out}")
     except (InputError, FileExistsError) as e:
@@ -112,10 +153,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     steps = cfg.sampling.steps if args.steps is None else args.steps
     cfg_scale = cfg.sampling.cfg_scale if args.cfg is None else args.cfg
-    shape = (ShapesDataset.latent_channels, *ShapesDataset.latent_sizes[0])
+    dataset = SHAPES[cfg.data.name]
+    shape = (dataset.latent_channels, *dataset.latent_sizes[0])
     noise = initial_noise(args.seed, list(range(len(prompts))), shape)
     sampler = dataclasses.replace(build_sampler(cfg, shape[1:], steps), cfg_scale=cfg_scale)
-    x = generate(model, tokenizer(prompts), tokenizer([""]), noise, sampler)
+    x = generate(model, tokenizer(prompts), tokenizer([""]), noise, sampler, references=references)
     images = to_unit(x)
     write_new_directory(args.out, lambda tmp: save_pngs(images, tmp))  # whole or not at all
     log.info("wrote %d images to %s from %s (%d steps, cfg %.1f, %s weights)", len(images), args.out,

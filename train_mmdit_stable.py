@@ -103,7 +103,7 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
         check_batches(dataset, items, batch_size)
         model = build_trained_model(cfg, dataset, tokenizer)
         check_block_swap(cfg, model)
-        lengths = joint_lengths(dataset.latent_sizes, cfg.model.patch_size, text_tokens(dataset, tokenizer))
+        lengths = joint_lengths(dataset.buckets, cfg.model.patch_size, text_tokens(dataset, tokenizer))
         apply_attention_backend(model, training.attention_backend, device, training.dtype, cfg.model.attention_head_dim,
                                 lengths, fullgraph=cfg.compile.enabled and cfg.compile.scope == "blocks")
         validation = build_validation(cfg, dataset, tokenizer, holdout, world, device)
@@ -223,8 +223,8 @@ def forward_backward(model, batch: dict, cfg: DictConfig, scaler, sigma_losses: 
         x0, noise, sigma = part["latents"], part["noise"], part["sigma"]
         with sync_gradients(model, last_micro_step=reduce and i == len(parts) - 1):
             with autocast(x0.device, cfg.training.dtype):
-                v_pred = model(interpolate(x0, noise, sigma), sigma, part["text"])
-            losses = per_sample_loss(v_pred, x0, noise, part.get("loss_mask"))
+                v_pred = model(interpolate(x0, noise, sigma), sigma, part["text"], references=part.get("references"))
+            losses = per_sample_loss(v_pred, x0, noise, part.get("loss_mask"))  # the target's: references are clean
             loss = (losses * part.get("loss_weight", 1.0)).sum() / samples
             scaler.scale(loss * cfg.loss.loss_scale).backward()
         total += loss.detach()
@@ -266,14 +266,15 @@ def checkpoint_meta(cfg: DictConfig, model, world: World) -> dict:
 def throughput(cfg: DictConfig, dataset, tokenizer, batch_size: int, world: World, device: torch.device) -> Throughput:
     """Samples, tokens and FLOPs per second; FLOPs counted once on a meta-device copy of the model, by the rank
     that reports them (the count takes seconds of CPU for a large model)."""
-    shape = (dataset.latent_channels, *dataset.latent_sizes[-1])  # the largest size
-    tokens = joint_lengths([shape[1:]], cfg.model.patch_size, text_tokens(dataset, tokenizer))[0]
+    count = lambda bucket: joint_lengths([bucket], cfg.model.patch_size, text_tokens(dataset, tokenizer))[0]  # noqa
+    target, references = max(dataset.buckets, key=count)  # the longest sequence
+    latents = lambda size: torch.zeros(1, dataset.latent_channels, *size)  # noqa: E731
     flops = train_flops_per_sample(
         lambda: apply_lora(build_model(cfg, dataset, tokenizer), cfg.lora),
-        lambda: (torch.zeros(1, *shape), torch.full((1,), 0.5), example_text(dataset, tokenizer))) \
-        if world.is_main else None
+        lambda: (latents(target), torch.full((1,), 0.5), example_text(dataset, tokenizer), None,
+                 tuple(map(latents, references)))) if world.is_main else None
     peak = peak_flops(device, cfg.training.dtype, cfg.training.allow_tf32, cfg.logging.peak_tflops)
-    return Throughput(batch_size, world.world_size, tokens, flops, peak)
+    return Throughput(batch_size, world.world_size, count((target, references)), flops, peak)
 
 
 if __name__ == "__main__":

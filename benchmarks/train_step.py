@@ -404,7 +404,7 @@ def ours(cfg, data: SimpleNamespace, device: torch.device):
 def attention_setting(cfg, data: SimpleNamespace) -> tuple[list[int], bool]:
     """The sequence lengths `auto` checks a kernel at and whether the blocks compile as one graph, as
     train_mmdit_stable.py passes them."""
-    return (joint_lengths(data.latent_sizes, cfg.model.patch_size, data.text_tokens),
+    return (joint_lengths([(size, ()) for size in data.latent_sizes], cfg.model.patch_size, data.text_tokens),
             cfg.compile.enabled and cfg.compile.scope == "blocks")
 
 

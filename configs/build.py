@@ -14,10 +14,10 @@ import torch.nn as nn
 from omegaconf import DictConfig
 
 from data.images import to_unit
-from data.latents import TEXT_FIELDS, LatentDataset, empty_text, vae_folder
+from data.latents import TEXT_FIELDS, LatentDataset, bucket_name, empty_text, vae_folder
 from data.loader import Collate, split_holdout
 from data.mixture import MixedDataset
-from data.shapes import MAX_CAPTION_WORDS, VOCABULARY, ShapesDataset
+from data.shapes import ShapesDataset, ShapesEditDataset
 from errors import ConfigError, InputError
 from formats import DTYPES
 from models.diffusers_io import CheckpointFormatError
@@ -36,15 +36,19 @@ from runtime.validation import HeldOutLoss, PromptImages, Validation
 log = logging.getLogger("mmdit")
 
 
-def build_tokenizer() -> WordTokenizer:
-    return WordTokenizer(VOCABULARY, MAX_CAPTION_WORDS)
+SHAPES = {"shapes": ShapesDataset, "shapes_edit": ShapesEditDataset}  # the built-in data.name values
+
+
+def build_tokenizer(dataset=ShapesDataset) -> WordTokenizer:
+    """The tokenizer of the text encoder trained with the model on a built-in dataset (its words)."""
+    return WordTokenizer(dataset.vocabulary, dataset.max_caption_words)
 
 
 def transformer_config(cfg: DictConfig, latent_channels: int, latent_sizes: list[tuple[int, int]],
                        text_dims: tuple[int, int]):
     """The transformer's config (diffusers' config.json keys) of model.family, sized for the data."""
     m, family = cfg.model, FAMILIES[cfg.model.family]
-    for size in latent_sizes:
+    for size in latent_sizes:  # an edit's reference sizes among them
         if size[0] % m.patch_size or size[1] % m.patch_size:
             raise ConfigError(f"model.patch_size={m.patch_size} does not divide the {size[0]}x{size[1]} latents "
                               f"({'packed tokens' if family.packing else 'patches'} of {m.patch_size}x{m.patch_size})")
@@ -80,6 +84,23 @@ def check_position_table(cfg: DictConfig, dataset) -> None:
                 f", or set model.pos_embed_max_size={largest // m.patch_size} or more"))
 
 
+def check_references(cfg: DictConfig, dataset, source: str) -> None:
+    """An edit dataset's reference images fit model.family's edit model (it has one, taking that many) and the
+    config (data.references, where it says)."""
+    family, count = FAMILIES[cfg.model.family], dataset.references
+    if cfg.data.references is not None and cfg.data.references != count:
+        raise ConfigError(f"data.references={cfg.data.references}: the config is made for pairs with that many reference "
+                          f"images, and {source} has {count or 'none'}" + (
+                              " (precompute the pairs with --references)" if not count else ""))
+    most = family.max_references
+    if count and most is not None and count > most:
+        takes = f"takes {most} reference image{'s' if most != 1 else ''}" if most else "has no edit model"
+        raise ConfigError(f"{source} pairs each target with {count} reference image(s), and model.family="
+                          f"{family.name}: {family.title} {takes}" +
+                          (f" ({', '.join(family.edit_pipelines)})" if most else
+                           f" (the edit families: {', '.join(f.name for f in FAMILIES.values() if f.edits)})"))
+
+
 def build_transformer(cfg: DictConfig, latent_channels: int, latent_sizes: list[tuple[int, int]],
                       text_dims: tuple[int, int]) -> nn.Module:
     config = transformer_config(cfg, latent_channels, latent_sizes, text_dims)
@@ -90,8 +111,10 @@ def build_data(cfg: DictConfig) -> tuple[torch.utils.data.Dataset, WordTokenizer
     """The dataset, and the tokenizer of the text encoder in the model: the one trained jointly for the shapes
     data, the pipeline's for latents whose captions are encoded in the step (data.text_encoding=on_the_fly), None
     for precomputed embeddings."""
-    if cfg.data.name == "shapes":
-        return ShapesDataset(cfg.data.num_items, cfg.training.seed), build_tokenizer()
+    if cfg.data.name in SHAPES:
+        dataset = SHAPES[cfg.data.name](cfg.data.num_items, cfg.training.seed)
+        check_references(cfg, dataset, f"data.name={cfg.data.name}")
+        return dataset, build_tokenizer(dataset)
     if not cfg.data.path and not cfg.data.datasets:
         raise ConfigError("data.name=latents needs data.path, a directory written by "
                           "python precompute_latents.py (or data.datasets, several of them)")
@@ -103,9 +126,10 @@ def build_data(cfg: DictConfig) -> tuple[torch.utils.data.Dataset, WordTokenizer
                    if cfg.data.datasets else datasets[0])
     except InputError as e:
         raise ConfigError(str(e)) from None
-    if len(dataset.latent_sizes) > 1 and not cfg.data.aspect_buckets:  # a batch is of one size
-        raise ConfigError(f"data.datasets hold latents of {len(dataset.latent_sizes)} sizes {dataset.latent_sizes}; "
-                          f"set data.aspect_buckets=true to train on several sizes")
+    if len(dataset.buckets) > 1 and not cfg.data.aspect_buckets:  # a batch is of one size
+        raise ConfigError(f"data.datasets hold latents of {len(dataset.buckets)} sizes "
+                          f"({'; '.join(map(bucket_name, dataset.buckets))}); set data.aspect_buckets=true to train "
+                          f"on several sizes")
     return dataset, pipeline_tokenizers(cfg, dataset) if on_the_fly else None
 
 
@@ -121,6 +145,7 @@ def open_latents(cfg: DictConfig, path: str, text_embeddings: bool) -> LatentDat
                           f"precompute the images with a {cfg.model.family} pipeline)")
     if masks is None and dataset.masks:
         log.info("%s has loss masks: the loss is weighted by them (data.use_masks=false to ignore them)", path)
+    check_references(cfg, dataset, path)
     return dataset
 
 
@@ -166,7 +191,8 @@ def holdout_split(cfg: DictConfig, dataset) -> tuple[np.ndarray, list[int]]:
 def build_model(cfg: DictConfig, dataset, tokenizer: WordTokenizer | PipelineTokenizers | None = None) -> TextToImage:
     """The MMDiT sized for the dataset, with the text encoder `tokenizer` belongs to: a pipeline's frozen encoders, or
     one trained jointly with it. Datasets of precomputed embeddings bring their own text widths (`text_dims`)."""
-    channels, sizes = dataset.latent_channels, dataset.latent_sizes
+    channels = dataset.latent_channels
+    sizes = sorted({size for target, references in dataset.buckets for size in (target, *references)})
     if tokenizer is None:
         text_encoder, dims = None, dataset.text_dims
     elif isinstance(tokenizer, PipelineTokenizers):
@@ -293,8 +319,11 @@ def build_validation(cfg: DictConfig, dataset, tokenizer: WordTokenizer | Pipeli
     if isinstance(dataset, ShapesDataset) and (on or v.at_end):  # scored at the end even with validation off
         captions = dataset.validation_captions()
         shown = torch.linspace(0, len(captions) - 1, cfg.sampling.grid_size).long().tolist()
+        references = dataset.validation_references() if dataset.references else ()
         images = prompt_images(cfg, dataset, captions, tokenizer(captions), tokenizer([""]), to_unit,
-                               dataset.score_images, shown)
+                               dataset.score_images, shown, references)
+    elif on and dataset.references:  # an edit dataset: its held-out items' references and instructions
+        images = held_out_edits(cfg, dataset, tokenizer, holdout, world, device)
     elif on and dataset.validation_captions is not None:
         captions = dataset.validation_captions
         if tokenizer is not None:  # encoded by the model; the unconditional input as precompute stores it
@@ -344,10 +373,33 @@ def build_sampler(cfg: DictConfig, latent_size: tuple[int, int], steps: int | No
                    p if family.cfg_renorm else None)
 
 
-def prompt_images(cfg: DictConfig, dataset, captions, text, uncond, decode, score, shown) -> PromptImages:
-    shape = (dataset.latent_channels, *dataset.commonest_size)
+def prompt_images(cfg: DictConfig, dataset, captions, text, uncond, decode, score, shown, references=(),
+                  size: tuple[int, int] | None = None) -> PromptImages:
+    shape = (dataset.latent_channels, *(size or dataset.commonest_size))
     return PromptImages(captions, text, uncond, shape, decode, score, shown, build_sampler(cfg, shape[1:]),
-                        cfg.training.seed, cfg.training.dtype, cfg.training.train_batch_size)
+                        cfg.training.seed, cfg.training.dtype, cfg.training.train_batch_size, references)
+
+
+def held_out_edits(cfg: DictConfig, dataset, tokenizer, holdout: list[int], world: World,
+                   device: torch.device) -> PromptImages | None:
+    """Validation images of an edit dataset: its held-out items (data.holdout) of the most common bucket among
+    them (a batch stacks references of one size), each an edit of its references by its instruction."""
+    if not holdout:
+        log.warning("%s is an edit dataset: its validation images edit held-out items' references; set "
+                    "data.holdout to keep some out of training", cfg.data.path or "data.datasets")
+        return None
+    buckets = dataset.items_by_bucket(np.asarray(holdout))
+    bucket, items = max(buckets.items(), key=lambda entry: len(entry[1]))
+    rows = [dataset[int(i)] for i in items]
+    captions = [row["caption"] for row in rows]
+    references = tuple(torch.stack(images) for images in zip(*(row["references"] for row in rows)))
+    if tokenizer is not None:
+        text, uncond = tokenizer(captions), tokenizer([""])
+    else:
+        text = {k: torch.stack([row[k] for row in rows]) for k in TEXT_FIELDS if k in rows[0]}
+        uncond = dataset.negative_prompt or {k: torch.zeros_like(t[:1]) for k, t in text.items()}
+    return prompt_images(cfg, dataset, captions, text, uncond, latent_decoder(cfg, dataset, world, device), None,
+                         list(range(len(captions))), references, bucket[0])
 
 
 def latent_decoder(cfg: DictConfig, dataset, world: World, device: torch.device):

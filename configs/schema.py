@@ -75,6 +75,9 @@ class ModelConfig:
     # flux, flux2: a guidance embedding, as FLUX.1-dev and FLUX.2-dev (guidance-distilled) have; FLUX.1-schnell,
     # FLUX.2-klein and models trained from scratch without distillation have none
     guidance_embeds: bool = False
+    # qwen_image: reference images' tokens modulated at timestep 0, as Qwen-Image-Edit-2511 has them (its
+    # config.json's zero_cond_t; model.init_from sets it)
+    zero_cond_t: bool = False
     # a diffusers transformer directory (SD3Transformer2DModel, FluxTransformer2DModel, QwenImageTransformer2DModel,
     # Flux2Transformer2DModel) or a family's original single file to start from; sets the family and the sizes above
     init_from: Optional[str] = None
@@ -122,7 +125,9 @@ class DatasetEntry:  # one dataset of data.datasets
 
 @dataclass
 class DataConfig:
-    name: Literal["shapes", "latents"] = "shapes"  # built-in captioned shapes, or precomputed latent shards
+    # built-in captioned shapes, their edits (a reference shape, "make it {color}" or "move it to the {position}", the
+    # changed shape: model.family flux, qwen_image or flux2), or precomputed latent shards (an edit dataset too)
+    name: Literal["shapes", "shapes_edit", "latents"] = "shapes"
     path: Optional[str] = None  # latents: the directory precompute_latents.py wrote
     aspect_buckets: bool = False  # latents: train on several latent sizes, each global batch from one size
     # latents: precomputed embeddings cost ~2.7 MB per SD3 sample on disk; on_the_fly stores captions only and
@@ -141,10 +146,13 @@ class DataConfig:
     # latents: weigh the loss by the images' masks (alpha or NAME.mask.png; white = train); auto: where the
     # dataset has masks. A masked item costs its [1, h, w] weights on disk and in the batch
     use_masks: str = "auto"
+    # latents: edit pairs' reference images per pair the config is made for (its dataset must have that many;
+    # plan_memory.py counts their tokens, each of the result's size); None: as the dataset has (0: text to image)
+    references: Optional[int] = None
 
     def __post_init__(self):
         positive(self, "num_items", "prefetch_factor")
-        non_negative(self, "holdout")
+        non_negative(self, "holdout", "references")
         fraction(self, "caption_dropout")
         if self.use_masks not in ("auto", "true", "false"):
             raise FieldError("use_masks", self.use_masks, "auto, true or false")

@@ -11,19 +11,27 @@ A dataset directory (written by precompute_latents.py) holds
                                           (Qwen-Image): `text_shapes` says which a dataset has
       loss_mask             [N, 1, h, w]  optional: per-latent-element loss weights in [0, 1] from the image's
                                           mask (white = 1); shards without it belong to items without a mask
+      reference_latents_i   [N, C, h_i, w_i]  an edit dataset's reference image i (i = 0 ... references - 1),
+                                          encoded at its own size as the family's edit pipeline sizes it
   (the text fields are absent from datasets of `--text-embeddings none`, whose captions training encodes:
   data.text_encoding=on_the_fly), and the captions as a JSON list under the header key "captions";
-- `dataset.json`: the format, the shards in order with their item count, latent size, bytes and sha256 (what a
-  published shard must still be), the fields' sizes, whether text embeddings are stored, the VAE and pipeline
-  that encoded it (and its T5 sequence length), and whether any item has a loss mask (`masks`);
+- `dataset.json`: the format, the shards in order with their item count, latent size (and reference sizes),
+  bytes and sha256 (what a published shard must still be), the fields' sizes, whether text embeddings are stored,
+  the VAE and pipeline that encoded it (and its T5 sequence length), whether any item has a loss mask (`masks`),
+  the reference images per item (`references`, 0 but for edit datasets) and the buckets;
 - `index/`: the per-item table as arrays, memory-mapped when the dataset opens (no shard is read for it, and
-  loader workers share the pages): each item's shard, row and latent-size bucket, and where its caption lies
-  in `index/captions.bin`;
+  loader workers share the pages): each item's shard, row and bucket, and where its caption lies in
+  `index/captions.bin`;
 - `negative_prompt.safetensors`: the encoding of the family's default negative prompt, where its pipelines use
   one other than "" (Qwen-Image's " "): the unconditional input of validation images;
 - `empty_prompt.safetensors`: the encoding of "" (caption dropout's input, as SD3 pipelines use it for the
   unconditional branch), and `validation_prompts.safetensors`: the validation prompts' encodings (their
   captions alone in dataset.json for datasets encoded during training).
+
+A bucket is the tuple (target latent size, reference latent sizes): every item of a shard has the same, and a
+global batch is drawn from one bucket (data/loader.py), so the references of a batch stack like its targets. An
+edit dataset (precompute_latents.py --references) holds the same number of references for every item; its caption
+is the instruction; the loss mask, where there is one, is the target's.
 
 Opening a dataset checks every shard's byte size against dataset.json, so a damaged or missing shard is named
 before a run directory is touched; each shard's header is checked when a loader first reads it.
@@ -76,10 +84,24 @@ class DataFormatError(InputError):
     pass
 
 
-def shard_record(directory: Path, file: str, count: int, latent_size) -> dict:
+def shard_record(directory: Path, file: str, count: int, latent_size, reference_sizes=()) -> dict:
     """What dataset.json records of a published shard: what it holds, and the bytes and sha256 it must keep."""
-    return {"file": file, "count": count, "latent_size": list(latent_size), "bytes": (directory / file).stat().st_size,
-            "sha256": sha256(directory / file)}
+    return {"file": file, "count": count, "latent_size": list(latent_size),
+            "reference_sizes": [list(size) for size in reference_sizes],
+            "bytes": (directory / file).stat().st_size, "sha256": sha256(directory / file)}
+
+
+Bucket = tuple[tuple[int, int], tuple[tuple[int, int], ...]]  # (target size, reference sizes)
+
+
+def bucket_of(shard: dict) -> Bucket:
+    return tuple(shard["latent_size"]), tuple(tuple(size) for size in shard.get("reference_sizes", ()))
+
+
+def bucket_name(bucket: Bucket) -> str:
+    """8x8, or 8x8 with references 6x10, 4x4."""
+    (h, w), references = bucket
+    return f"{h}x{w}" + (f" with references {', '.join(f'{a}x{b}' for a, b in references)}" if references else "")
 
 
 def publish_json(path: Path, record: dict) -> None:
@@ -101,7 +123,7 @@ def write_index(directory: Path, shards: list[dict], captions: Iterable[list[str
     """Publish a dataset: the per-item arrays of `shards` (dicts with file, count, latent_size, bytes, sha256; in
     order) and their `captions` (a list per shard, streamed to disk), then dataset.json (with `info`: the fields'
     sizes, the encoders), last."""
-    sizes = sorted({tuple(s["latent_size"]) for s in shards})
+    buckets = sorted({bucket_of(s) for s in shards})
     counts = np.array([s["count"] for s in shards], dtype=np.int64)
     index = directory / INDEX_DIR
     index.mkdir(exist_ok=True)
@@ -116,13 +138,13 @@ def write_index(directory: Path, shards: list[dict], captions: Iterable[list[str
     arrays = {"shard": np.repeat(np.arange(len(shards), dtype=np.int32), counts),
               "row": np.arange(len(lengths), dtype=np.int32) - np.repeat((np.cumsum(counts) - counts).astype(np.int32),
                                                                          counts),
-              "bucket": np.repeat(np.array([sizes.index(tuple(s["latent_size"])) for s in shards], dtype=np.int16),
-                                  counts),
+              "bucket": np.repeat(np.array([buckets.index(bucket_of(s)) for s in shards], dtype=np.int16), counts),
               "caption_start": np.concatenate([[0], np.cumsum(lengths)])}
     for name, array in arrays.items():
         np.save(index / f"{name}.npy", array)
-    record = {"format": FORMAT, **info, "latent_sizes": [list(s) for s in sizes], "items": int(counts.sum()),
-              "shards": shards}
+    record = {"format": FORMAT, **info, "latent_sizes": [list(t) for t in sorted({t for t, _ in buckets})],
+              "buckets": [[list(target), [list(r) for r in references]] for target, references in buckets],
+              "items": int(counts.sum()), "shards": shards}
     publish_json(directory / INDEX, record)  # the finished-dataset marker, last
 
 
@@ -170,9 +192,14 @@ class LatentDataset(torch.utils.data.Dataset):
         self.index = read_index(self.directory)
         check_shards(self.directory, self.index["shards"])
         self.latent_sizes = [tuple(s) for s in self.index["latent_sizes"]]
-        if len(self.latent_sizes) > 1 and not aspect_buckets:
-            raise DataFormatError(f"data.path={self.directory} holds latents of {len(self.latent_sizes)} sizes "
-                                  f"{self.latent_sizes}; set data.aspect_buckets=true to train on several sizes")
+        # a dataset written before edit datasets: one bucket per size, in the same (sorted) order
+        self.buckets = [(tuple(t), tuple(tuple(r) for r in refs)) for t, refs in
+                        self.index.get("buckets", [[size, []] for size in self.latent_sizes])]
+        self.references = self.index.get("references", 0)
+        if len(self.buckets) > 1 and not aspect_buckets:
+            raise DataFormatError(f"data.path={self.directory} holds latents of {len(self.buckets)} sizes "
+                                  f"({'; '.join(map(bucket_name, self.buckets))}); set data.aspect_buckets=true to "
+                                  f"train on several sizes")
         self.latent_channels = self.index["channels"]
         if text_embeddings and not self.index["text_embeddings"]:
             raise DataFormatError(f"data.path={self.directory} stores captions without text embeddings "
@@ -187,7 +214,8 @@ class LatentDataset(torch.utils.data.Dataset):
         self.text_mask = bool(self.index.get("text_mask"))  # recorded since Qwen-Image
         self.text_shapes = text_shapes(self.text_tokens, self.text_dims, self.text_mask) if self.text_dims else {}
         self.fields = ["latents", *(["latents_flipped"] if self.index["flipped"] else []),
-                       *(self.text_shapes if self.text_encoded else [])]
+                       *(self.text_shapes if self.text_encoded else []),
+                       *(f"reference_latents_{i}" for i in range(self.references))]
         arrays = {name: np.load(self.directory / INDEX_DIR / f"{name}.npy", mmap_mode="r")
                   for name in ("shard", "row", "bucket", "caption_start")}
         self.shard_of, self.row_of, self.bucket_of, self.caption_start = (arrays[k] for k in
@@ -210,13 +238,17 @@ class LatentDataset(torch.utils.data.Dataset):
         return bytes(self.captions_blob[self.caption_start[index]:self.caption_start[index + 1]]).decode()
 
     @cached_property
-    def commonest_size(self) -> tuple[int, int]:
-        return self.latent_sizes[int(np.bincount(self.bucket_of).argmax())]
+    def commonest_bucket(self) -> Bucket:
+        return self.buckets[int(np.bincount(self.bucket_of).argmax())]
 
-    def items_by_size(self, items: np.ndarray) -> dict[tuple[int, int], np.ndarray]:
-        """The given items grouped by latent size (each group in the order given)."""
+    @property
+    def commonest_size(self) -> tuple[int, int]:
+        return self.commonest_bucket[0]
+
+    def items_by_bucket(self, items: np.ndarray) -> dict[Bucket, np.ndarray]:
+        """The given items grouped by bucket (each group in the order given)."""
         buckets = self.bucket_of[items]
-        return {size: items[buckets == b] for b, size in enumerate(self.latent_sizes)}
+        return {bucket: items[buckets == b] for b, bucket in enumerate(self.buckets)}
 
     @cached_property
     def validation_set(self) -> tuple[dict | None, list[str] | None]:
@@ -275,9 +307,11 @@ class LatentDataset(torch.utils.data.Dataset):
             f = self.open(path)
             (n, (h, w)), c = (record["count"], record["latent_size"]), self.latent_channels
             expected = {"latents": [n, c, h, w], "latents_flipped": [n, c, h, w], "loss_mask": [n, 1, h, w],
-                        **{field: [n, *shape] for field, shape in self.text_shapes.items()}}
+                        **{field: [n, *shape] for field, shape in self.text_shapes.items()},
+                        **{f"reference_latents_{i}": [n, c, *size]
+                           for i, size in enumerate(record.get("reference_sizes", ()))}}
             fields = [*self.fields, *(["loss_mask"] if self.masks and record.get("masks") else [])]
-            expected = {field: expected[field] for field in fields}
+            expected = {field: expected.get(field, f"a size {INDEX} records") for field in fields}
             found = {field: (f.get_slice(field).get_shape() if field in f.keys() else "missing") for field in expected}
             wrong_type = [field for field in expected if field in f.keys()
                           and f.get_slice(field).get_dtype() not in ("F16", "BF16", "F32")]
@@ -295,6 +329,8 @@ class LatentDataset(torch.utils.data.Dataset):
         shard, row = int(self.shard_of[index]), int(self.row_of[index])
         f = self.handle(shard)
         item = {name: f.get_slice(name)[row : row + 1][0].float() for name in self.fields}
+        if self.references:
+            item["references"] = tuple(item.pop(f"reference_latents_{i}") for i in range(self.references))
         if self.masks:
             masked = self.index["shards"][shard].get("masks")
             item["loss_mask"] = (f.get_slice("loss_mask")[row : row + 1][0].float() if masked

@@ -19,7 +19,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from data.latents import TEXT_FIELDS
+from data.latents import TEXT_FIELDS, Bucket, bucket_name
 from data.mixture import Mixture
 from errors import ConfigError
 from models.rectified_flow import FLIP_STREAM, HOLDOUT_STREAM, ORDER_STREAM, draw_sample_noise, sample_key
@@ -43,33 +43,34 @@ def split_holdout(num_items: int, holdout: int, seed: int, dataset: int = 0) -> 
     return np.flatnonzero(kept), held
 
 
-def training_buckets(dataset, items) -> dict[tuple[int, int], np.ndarray] | None:
-    """The training items by latent size, for datasets of several sizes; None when all items share one."""
-    if len(getattr(dataset, "latent_sizes", ())) <= 1:
+def training_buckets(dataset, items) -> dict[Bucket, np.ndarray] | None:
+    """The training items by bucket (latent size, and reference sizes: data/latents.py), for datasets of several;
+    None when all items share one."""
+    if len(getattr(dataset, "buckets", ())) <= 1:
         return None
-    return dataset.items_by_size(np.asarray(items))
+    return dataset.items_by_bucket(np.asarray(items))
 
 
 def training_order(dataset, items) -> dict:
     """StepBatchSampler's `items` and `buckets` for the training items of a dataset, and for a mixture of
-    datasets (data/mixture.py) its lists of them, and the `weights`. A mixture over several latent sizes is
-    bucketed in every dataset (each global batch is one dataset's and one size's)."""
+    datasets (data/mixture.py) its lists of them, and the `weights`. A mixture over several buckets is bucketed
+    in every dataset (each global batch is one dataset's and one bucket's)."""
     if not hasattr(dataset, "parts"):
         return {"items": items, "buckets": training_buckets(dataset, items)}
-    parts, bucketed = dataset.parts(items), len(dataset.latent_sizes) > 1
-    buckets = [{size: b for size, b in dataset.items_by_size(part).items() if len(b)} if bucketed else None
+    parts, bucketed = dataset.parts(items), len(dataset.buckets) > 1
+    buckets = [{bucket: b for bucket, b in dataset.items_by_bucket(part).items() if len(b)} if bucketed else None
                for part in parts]
     return {"items": parts, "buckets": buckets, "weights": dataset.weights}
 
 
 def check_batches(dataset, items, global_batch: int) -> None:
-    """Before a run starts: with several latent sizes, some size must fill a global batch (in every dataset); with
+    """Before a run starts: with several buckets, some bucket must fill a global batch (in every dataset); with
     one, a global batch larger than the training items is said, since every step then repeats items."""
     order = training_order(dataset, items)
     bucketings = order["buckets"] if "weights" in order else [order["buckets"]]
     for buckets in bucketings:
         if buckets:
-            batches_per_epoch(tuple((size, len(b)) for size, b in buckets.items()), global_batch)
+            batches_per_epoch(tuple((bucket, len(b)) for bucket, b in buckets.items()), global_batch)
     if not any(bucketings) and len(items) < global_batch:
         log.warning("the global batch (%d) is larger than the %d training items: every step holds some of them more "
                     "than once (lower training.train_batch_size, training.gradient_accumulation_steps or the "
@@ -77,17 +78,17 @@ def check_batches(dataset, items, global_batch: int) -> None:
 
 
 @lru_cache
-def batches_per_epoch(bucket_sizes: tuple[tuple[tuple[int, int], int], ...], global_batch: int) -> int:
-    """Whole global batches per epoch when each batch comes from one bucket; `bucket_sizes` holds (latent size,
-    items) pairs. Items of a bucket smaller than the global batch are never drawn: a warning (once) names
-    those sizes, and an error is raised if no bucket fills a batch."""
+def batches_per_epoch(bucket_sizes: tuple[tuple[Bucket, int], ...], global_batch: int) -> int:
+    """Whole global batches per epoch when each batch comes from one bucket; `bucket_sizes` holds (bucket, items)
+    pairs. Items of a bucket smaller than the global batch are never drawn: a warning (once) names those sizes,
+    and an error is raised if no bucket fills a batch."""
     count = sum(n // global_batch for _, n in bucket_sizes)
-    sizes = ", ".join(f"{h}x{w}: {n}" for (h, w), n in bucket_sizes)
+    sizes = ", ".join(f"{bucket_name(bucket)}: {n}" for bucket, n in bucket_sizes)
     if not count:
         raise ConfigError(f"no latent size has enough items for one global batch of {global_batch} (items per "
                          f"latent size: {sizes}); lower training.train_batch_size or "
                          f"training.gradient_accumulation_steps, or precompute without --aspect-buckets")
-    never = [f"{h}x{w} ({n} items)" for (h, w), n in bucket_sizes if n < global_batch]
+    never = [f"{bucket_name(bucket)} ({n} items)" for bucket, n in bucket_sizes if n < global_batch]
     if never:
         log.warning("latent sizes with fewer items than one global batch (%d) are never drawn: %s",
                     global_batch, ", ".join(never))
@@ -226,6 +227,8 @@ class Collate:
                  "loss_weight": self.loss_weights[sources]}
         if "loss_mask" in items[0]:
             batch["loss_mask"] = torch.stack([item["loss_mask"] for item in items])
+        if "references" in items[0]:  # an edit's reference latents, never noised; kept when the caption drops
+            batch["references"] = tuple(torch.stack(rows) for rows in zip(*(item["references"] for item in items)))
         return batch
 
     def text(self, items: list[dict], dropped: torch.Tensor) -> dict:
@@ -247,8 +250,11 @@ def micro_batches(batch: dict, size: int):
 
 
 def take(tree, part: slice):
+    """Of a batch: the samples `part` of its tensors and lists (a tuple holds tensors of its own: references)."""
     if isinstance(tree, dict):
         return {key: take(value, part) for key, value in tree.items()}
+    if isinstance(tree, tuple):
+        return tuple(take(value, part) for value in tree)
     return tree[part] if isinstance(tree, (torch.Tensor, list)) else tree
 
 
@@ -256,6 +262,8 @@ def to_device(tree, device: torch.device):
     """Every tensor of a batch on the device, copied without blocking the host (batches are pinned on CUDA)."""
     if isinstance(tree, dict):
         return {key: to_device(value, device) for key, value in tree.items()}
+    if isinstance(tree, tuple):
+        return tuple(to_device(value, device) for value in tree)
     return tree.to(device, non_blocking=True) if isinstance(tree, torch.Tensor) else tree
 
 

@@ -64,20 +64,22 @@ class MixedDataset(torch.utils.data.Dataset):
     def __init__(self, datasets: list, names: list[str], weights: list[float]):
         first = datasets[0]
         for name, d in zip(names[1:], datasets[1:]):
-            ours = (d.latent_channels, d.text_shapes, d.text_encoded)
-            theirs = (first.latent_channels, first.text_shapes, first.text_encoded)
+            ours = (d.latent_channels, d.text_shapes, d.text_encoded, d.references)
+            theirs = (first.latent_channels, first.text_shapes, first.text_encoded, first.references)
             if ours != theirs:
-                raise InputError(f"data.datasets: {name} has (latent channels, text fields, text embeddings) {ours}, "
-                                 f"{names[0]} {theirs}: precompute them with the same pipeline and --text-embeddings")
+                raise InputError(f"data.datasets: {name} has (latent channels, text fields, text embeddings, "
+                                 f"references) {ours}, {names[0]} {theirs}: precompute them with the same pipeline, "
+                                 f"--text-embeddings and number of references")
         self.datasets, self.names, self.weights = datasets, names, weights
         self.offsets = np.cumsum([0, *(len(d) for d in datasets)])
         self.latent_sizes = sorted({size for d in datasets for size in d.latent_sizes})
+        self.buckets, self.references = sorted({b for d in datasets for b in d.buckets}), first.references
         self.latent_channels, self.text_dims, self.text_tokens = first.latent_channels, first.text_dims, first.text_tokens
         self.text_mask, self.text_shapes = first.text_mask, first.text_shapes
         self.text_encoded, self.empty_prompt, self.negative_prompt = first.text_encoded, first.empty_prompt, \
             first.negative_prompt
         self.index, self.directory = first.index, first.directory  # the pipeline and VAE (validation, tokenizers)
-        self.commonest_size = first.commonest_size
+        self.commonest_size, self.commonest_bucket = first.commonest_size, first.commonest_bucket
         self.masks = any(d.masks for d in datasets)
 
     def __len__(self) -> int:
@@ -99,15 +101,15 @@ class MixedDataset(torch.utils.data.Dataset):
         sources = self.sources(items)
         return [items[sources == d] for d in range(len(self.datasets))]
 
-    def items_by_size(self, items: np.ndarray) -> dict[tuple[int, int], np.ndarray]:
-        """The given items grouped by latent size (each group in the order given)."""
-        sizes = np.empty(len(items), dtype=np.int64)
+    def items_by_bucket(self, items: np.ndarray) -> dict:
+        """The given items grouped by bucket (each group in the order given)."""
+        buckets = np.empty(len(items), dtype=np.int64)
         sources = self.sources(items)
         for d, dataset in enumerate(self.datasets):
             mine = sources == d
-            local = [self.latent_sizes.index(s) for s in dataset.latent_sizes]
-            sizes[mine] = np.asarray(local)[dataset.bucket_of[items[mine] - self.offsets[d]]]
-        return {size: items[sizes == b] for b, size in enumerate(self.latent_sizes)}
+            local = [self.buckets.index(b) for b in dataset.buckets]
+            buckets[mine] = np.asarray(local)[dataset.bucket_of[items[mine] - self.offsets[d]]]
+        return {bucket: items[buckets == b] for b, bucket in enumerate(self.buckets)}
 
     @cached_property
     def validation_set(self) -> tuple[dict | None, list[str] | None]:

@@ -3,6 +3,11 @@
 32x32 RGB on black, one filled circle, square (axis-aligned) or triangle (isosceles, apex up) of half-size
 4-6 px in one of six pure colours, centred near one of five anchors with +-2 px jitter, captioned
 "a {color} {shape} in the {position}". Item i under seed s is always the same image and caption.
+
+The edit set (`ShapesEditDataset`, data.name=shapes_edit) pairs such an image, the reference, with an instruction,
+"make it {color}" or "move it to the {position}" (another colour or position of the captions'), and the target:
+the same shape, size and jitter with that one change. Its fidelity is the same analysis of the edited image against
+the target's colour, shape and position.
 """
 
 import itertools
@@ -19,6 +24,9 @@ POSITIONS = {"top left": (8, 8), "top right": (8, 24), "bottom left": (24, 8),
              "bottom right": (24, 24), "center": (16, 16)}
 VOCABULARY = sorted({w for text in [*COLORS, *SHAPES, *POSITIONS, "a in the"] for w in text.split()})
 MAX_CAPTION_WORDS = 7
+EDIT_VOCABULARY = sorted({w for text in [*COLORS, *POSITIONS, "make it move to the"] for w in text.split()})
+MAX_INSTRUCTION_WORDS = 6  # "move it to the top left"
+EDIT_STREAM = "edit"  # the edit's draws, apart from the reference's (the shapes dataset's item of the same index)
 
 
 def caption(color: str, shape: str, position: str) -> str:
@@ -58,6 +66,10 @@ class ShapesDataset(torch.utils.data.Dataset):
     latent_channels = 3
     latent_sizes = [(IMAGE_SIZE, IMAGE_SIZE)]
     commonest_size = (IMAGE_SIZE, IMAGE_SIZE)
+    references = 0  # an edit's reference images (none: text to image)
+    buckets = [((IMAGE_SIZE, IMAGE_SIZE), ())]  # (target size, reference sizes): data/latents.py
+    commonest_bucket = buckets[0]
+    vocabulary, max_caption_words = VOCABULARY, MAX_CAPTION_WORDS  # of the text encoder trained with the model
 
     def __init__(self, num_items: int, seed: int):
         self.num_items = num_items
@@ -93,6 +105,93 @@ class ShapesDataset(torch.utils.data.Dataset):
         color, shape, position, center, half_size = self.attributes(index)
         image = render(color, shape, center, half_size)
         return {"latents": image * 2 - 1, "caption": caption(color, shape, position)}
+
+
+# ----------------------------------------------------------------------------------------------- edits
+
+
+def instruction(change: str, value: str) -> str:
+    return f"make it {value}" if change == "color" else f"move it to the {value}"
+
+
+def other(values: list[str], value: str, turn: int) -> str:
+    """The `turn`-th (mod the others' count) of `values` other than `value`."""
+    others = [v for v in values if v != value]
+    return others[turn % len(others)]
+
+
+def edited(color: str, position: str, change: str, value: str) -> tuple[str, str]:
+    """The target's (color, position) after the instruction (change, value)."""
+    return (value, position) if change == "color" else (color, value)
+
+
+def render_at(color: str, shape: str, position: str, jitter: tuple[int, int], half_size: int) -> torch.Tensor:
+    anchor = POSITIONS[position]
+    return render(color, shape, (anchor[0] + jitter[0], anchor[1] + jitter[1]), half_size)
+
+
+class ShapesEditDataset(ShapesDataset):
+    """Items: `references` (the reference image in [-1, 1], one), `caption` (the instruction) and `latents` (the
+    target in [-1, 1]): the shapes dataset's item of the same index, then one change of colour or position drawn
+    from (seed, index) as well."""
+
+    references = 1
+    buckets = [((IMAGE_SIZE, IMAGE_SIZE), ((IMAGE_SIZE, IMAGE_SIZE),))]
+    commonest_bucket = buckets[0]
+    vocabulary, max_caption_words = EDIT_VOCABULARY, MAX_INSTRUCTION_WORDS
+
+    def edit(self, index: int) -> tuple[str, str]:
+        """(change, value): "color" and a colour, or "position" and a position, other than the reference's."""
+        color, _, position, _, _ = self.attributes(index)
+        gen = torch.Generator().manual_seed(sample_key(self.seed, DATA_STREAM, f"{EDIT_STREAM}/{index}"))
+        change = ("color", "position")[int(torch.randint(2, (), generator=gen))]
+        turn = int(torch.randint(len(COLORS) * len(POSITIONS), (), generator=gen))
+        return change, other(list(COLORS) if change == "color" else list(POSITIONS),
+                             color if change == "color" else position, turn)
+
+    def __getitem__(self, index: int) -> dict:
+        if not 0 <= index < self.num_items:
+            raise IndexError(f"index {index} outside a dataset of {self.num_items} items")
+        color, shape, position, center, half_size = self.attributes(index)
+        anchor = POSITIONS[position]
+        jitter = (center[0] - anchor[0], center[1] - anchor[1])
+        new_color, new_position = edited(color, position, *self.edit(index))
+        target = render_at(new_color, shape, new_position, jitter, half_size)
+        return {"latents": target * 2 - 1, "references": (render(color, shape, center, half_size) * 2 - 1,),
+                "caption": instruction(*self.edit(index))}
+
+    @staticmethod
+    def validation_edits() -> list[tuple[str, str, str, str, str]]:
+        """90 fixed edits (color, shape, position of the reference; change, value), one per caption of the
+        shapes data, colour and position changes alternating, the new value turning through the others."""
+        edits = []
+        for i, (color, shape, position) in enumerate(all_prompts()):
+            change = ("color", "position")[i % 2]
+            value = other(list(COLORS) if change == "color" else list(POSITIONS),
+                          color if change == "color" else position, i // 2)
+            edits.append((color, shape, position, change, value))
+        return edits
+
+    @classmethod
+    def validation_captions(cls) -> list[str]:
+        return [instruction(change, value) for *_, change, value in cls.validation_edits()]
+
+    @classmethod
+    def validation_references(cls) -> tuple[torch.Tensor]:
+        """The 90 edits' reference images in [-1, 1] (the anchor's centre, half-size 5)."""
+        return (torch.stack([render_at(color, shape, position, (0, 0), 5)
+                             for color, shape, position, _, _ in cls.validation_edits()]) * 2 - 1,)
+
+    @classmethod
+    def score_images(cls, images: torch.Tensor, captions: list[str]) -> dict[str, float]:
+        """Fidelity of the 90 edits' results [N, 3, H, W] in [0, 1] to their targets: colour and position after
+        the change, the reference's shape (`analyze`)."""
+        targets = []
+        for color, shape, position, change, value in cls.validation_edits():
+            new_color, new_position = edited(color, position, change, value)
+            targets.append((new_color, shape, new_position))
+        fidelity = prompt_fidelity(images, targets)
+        return {f"fidelity/{k}": v for k, v in fidelity.items()}
 
 
 # ----------------------------------------------------------------------------------------------- fidelity

@@ -41,6 +41,7 @@ class Sample:
     caption: str | None
     problem: str | None = None  # why it cannot be used, known before decoding
     mask: bytes | Path | None = None  # a mask image beside it (`NAME.mask.png`, `KEY.mask.png`): white = train
+    references: tuple[bytes | Path, ...] = ()  # an edit's reference images (of folder and manifest inputs)
 
 
 def expand_braces(pattern: str) -> list[str]:

@@ -203,6 +203,21 @@ def unpack(tokens: torch.Tensor, h: int, w: int, p: int) -> torch.Tensor:
     return x.reshape(b, d // (p * p), h, w)
 
 
+def pack_references(references: list[torch.Tensor] | None, p: int, channels: int
+                    ) -> tuple[list[torch.Tensor], tuple[tuple[int, int], ...]]:
+    """An edit model's reference latents ([B, C, h, w] each, each of its own size) packed into tokens as `pack`
+    packs the target, and their token grids (rows, columns); none for None."""
+    tokens, grids = [], []
+    for i, reference in enumerate(references or ()):
+        h, w = reference.shape[-2:]
+        if reference.shape[1] != channels or h % p or w % p:
+            raise ValueError(f"reference {i} of {tuple(reference.shape[1:])} is not latents of {channels} channels "
+                             f"whose sides divide by {p}")
+        tokens.append(pack(reference, p))
+        grids.append((h // p, w // p))
+    return tokens, tuple(grids)
+
+
 def packing(in_channels: int, latent_channels: int) -> int:
     """The side p of the latent patch a token packs: in_channels = latent channels x p x p."""
     p = math.isqrt(in_channels // latent_channels)

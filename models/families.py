@@ -26,7 +26,7 @@ BOOKKEEPING_KEYS = {"_class_name", "_diffusers_version", "_name_or_path"}
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (SD3, FLUX, QWEN_IMAGE, FLUX2)}
 BY_CLASS = {f.diffusers_class: f for f in FAMILIES.values()}
-BY_PIPELINE = {pipeline: f for f in FAMILIES.values() for pipeline in f.pipelines}
+BY_PIPELINE = {pipeline: f for f in FAMILIES.values() for pipeline in (*f.pipelines, *f.edit_pipelines)}
 
 
 def family_of_model(transformer: nn.Module) -> Family:

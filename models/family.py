@@ -82,6 +82,16 @@ class Family:
     max_text_tokens: int | None = None  # the most max_sequence_length its pipelines take (None: no limit of theirs)
     # config.json keys of newer diffusers versions this module does not implement: accepted at these values only
     neutral_values: dict = field(default_factory=dict)
+    # its edit pipelines' _class_name (the first is the one named; none: no edit model), which give the transformer
+    # reference images' latents (the transformer's `reference_latents`, at most its MAX_REFERENCES)
+    edit_pipelines: tuple[str, ...] = ()
+    # (PIL image, resolution, multiple) -> the reference image as its edit pipeline resizes it before the VAE, at
+    # `resolution` (1024: the pipeline's own areas; another scales them), sides multiples of `multiple` pixels
+    reference_image: Callable | None = None
+    # the edit pipeline's instruction encoder where it sees the reference images (Qwen-Image-Edit-Plus: its
+    # language model with its vision tower): (pipeline folder, max_sequence_length) -> the encoder; None: the
+    # instruction is encoded as a caption
+    edit_text: Callable | None = None
 
     @property
     def diffusers_class(self) -> str:
@@ -90,6 +100,15 @@ class Family:
     @property
     def pipeline_class(self) -> str:
         return self.pipelines[0]
+
+    @property
+    def edits(self) -> bool:
+        return bool(self.edit_pipelines)
+
+    @property
+    def max_references(self) -> int | None:
+        """The reference images an edit takes (None: any number; 0: the family has no edit model)."""
+        return self.transformer.MAX_REFERENCES
 
     def default_sequence_length(self, settings) -> int:
         """The text tokens its pipeline pads to for a transformer of `settings` (config.json's or model.*'s)."""

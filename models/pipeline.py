@@ -32,19 +32,31 @@ class Sampler:
     renorm: int | None = None
 
 
+def with_references(model, references: tuple[torch.Tensor, ...]):
+    """`model` as euler_sample calls it, given an edit's reference latents (a row per sample): the rows doubled
+    where guidance doubles the batch (the unconditional branch edits the same images, as the edit pipelines do)."""
+    def velocity(x: torch.Tensor, sigma: torch.Tensor, text: dict) -> torch.Tensor:
+        repeats = len(x) // len(references[0])
+        return model(x, sigma, text, references=tuple(r.repeat(repeats, 1, 1, 1) for r in references))
+    return velocity
+
+
 @torch.no_grad()
 def generate(model: TextToImage, text: dict[str, torch.Tensor], uncond: dict[str, torch.Tensor], noise: torch.Tensor,
-             sampler: Sampler, batch_size: int = 96) -> torch.Tensor:
+             sampler: Sampler, batch_size: int = 96, references: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
     """The model's output space (pixels in [-1, 1] for the shapes data, latents otherwise), one sample per row
-    of `text` (token ids, or precomputed embeddings) from the matching row of `noise`; `uncond` is the one-row
-    unconditional input of guidance. Returned in float32 on the CPU."""
+    of `text` (token ids, or precomputed embeddings) from the matching row of `noise`, editing the matching rows
+    of `references` (an edit model's reference latents, each [N, C, h, w]); `uncond` is the one-row unconditional
+    input of guidance. Returned in float32 on the CPU."""
     device = next(model.parameters()).device
     velocity = model if sampler.guidance is None else partial(model, guidance=sampler.guidance)
     out = []
     for start in range(0, len(noise), batch_size):
         cond = {k: v[start : start + batch_size].to(device) for k, v in text.items()}
         n = len(next(iter(cond.values())))
-        x = euler_sample(velocity, noise[start : start + n].to(device), cond,
+        velocity_of = with_references(velocity, tuple(r[start : start + n].to(device) for r in references)) \
+            if references else velocity
+        x = euler_sample(velocity_of, noise[start : start + n].to(device), cond,
                          {k: v.to(device).expand(n, *v.shape[1:]) for k, v in uncond.items()}, sampler.steps,
                          sampler.cfg_scale, sampler.shift, sampler.guidance_interval, sampler.terminal,
                          sampler.renorm)

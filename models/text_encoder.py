@@ -115,12 +115,15 @@ class TextToImage(nn.Module):
         """The text's embeddings by their dataset names (precomputed ones as they are)."""
         return text if "prompt_embeds" in text else self.text_encoder(**text)
 
-    def forward(self, x_t: torch.Tensor, sigma: torch.Tensor, text: dict, guidance: float | None = None) -> torch.Tensor:
+    def forward(self, x_t: torch.Tensor, sigma: torch.Tensor, text: dict, guidance: float | None = None,
+                references: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
         """The velocity at noise level sigma, from the text (token ids of the text encoder, or precomputed
-        embeddings)."""
+        embeddings) and, for an edit, the reference images' latents ([B, C, h, w] each; never noised)."""
         embeddings = self.encode(text)
         inputs = {argument: embeddings[name] for name, argument in self.transformer.TEXT_INPUTS.items()}
         guidance = self.guidance if guidance is None else guidance
         if guidance is not None:
             inputs["guidance"] = torch.full_like(sigma, guidance)
+        if references:
+            inputs["reference_latents"] = [r.to(x_t.dtype) for r in references]
         return self.transformer(x_t, timestep=sigma * 1000, **inputs)

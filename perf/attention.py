@@ -302,6 +302,8 @@ def apply_attention_backend(model: nn.Module, requested: str, device: torch.devi
     return backend
 
 
-def joint_lengths(latent_sizes, patch_size: int, text_tokens: int) -> list[int]:
-    """The sequence lengths of a run's joint attention: image tokens of each latent size plus the text tokens."""
-    return sorted({(h // patch_size) * (w // patch_size) + text_tokens for h, w in latent_sizes})
+def joint_lengths(buckets, patch_size: int, text_tokens: int) -> list[int]:
+    """The sequence lengths of a run's joint attention: the image tokens of each bucket (target size, reference
+    sizes: data/latents.py), an edit's references' with the target's, plus the text tokens."""
+    return sorted({sum((h // patch_size) * (w // patch_size) for h, w in (target, *references)) + text_tokens
+                   for target, references in buckets})

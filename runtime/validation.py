@@ -71,25 +71,43 @@ def evaluating(model, ema: EMA):
 class PromptImages:
     """Samples of fixed prompts from fixed noise: `text` is the model's text input for `captions` (one row
     each) and `uncond` the one-row unconditional input; `decode` turns the model's output into [3, H, W] images
-    in [0, 1] (on rank 0), `score` (if any) rates them, and the grid shows `shown` of them."""
+    in [0, 1] (on rank 0), `score` (if any) rates them, and the grid shows `shown` of them. An edit model's
+    samples edit `references` (each [N, C, h, w], a row per caption; the unconditional branch edits them too), and
+    the grid shows each beside its references."""
 
     def __init__(self, captions: list[str], text: dict, uncond: dict, shape: tuple, decode, score, shown: list[int],
-                 sampler: Sampler, seed: int, dtype: str, batch_size: int):
+                 sampler: Sampler, seed: int, dtype: str, batch_size: int, references: tuple = ()):
         self.captions, self.text, self.uncond, self.shape = captions, text, uncond, shape
         self.decode, self.score, self.shown = decode, score, shown
         self.sampler, self.seed, self.dtype, self.batch_size = sampler, seed, dtype, batch_size
+        self.references = references
+        self.columns = 4 if not references else 2 * (len(references) + 1)  # two edits a row
 
     def __call__(self, model, world: World, device) -> tuple[torch.Tensor | None, list[str], dict]:
         indices, real = share(list(range(len(self.captions))), world)
         with autocast(device, self.dtype):
             samples = generate(model, {k: v[indices] for k, v in self.text.items()}, self.uncond,
-                               initial_noise(self.seed, indices, self.shape), self.sampler, self.batch_size)
+                               initial_noise(self.seed, indices, self.shape), self.sampler, self.batch_size,
+                               tuple(r[indices] for r in self.references))
         samples = gather_to_main(list(samples[:real]), world)
         if not world.is_main:
             return None, [], {}
         images = torch.stack([self.decode(x) for x in samples])
         scores = self.score(images, self.captions) if self.score else {}
-        return images[self.shown], [self.captions[i] for i in self.shown], scores
+        if not self.references:
+            return images[self.shown], [self.captions[i] for i in self.shown], scores
+        cells, captions = [], []
+        for i in self.shown:  # each edit's references (at its result's size), then the result
+            cells += [resized(self.decode(r[i]), images.shape[-2:]) for r in self.references] + [images[i]]
+            captions += [f"reference {j + 1}" for j in range(len(self.references))] + [self.captions[i]]
+        return torch.stack(cells), captions, scores
+
+
+def resized(image: torch.Tensor, size) -> torch.Tensor:
+    """[3, h, w] at `size` (a reference beside its edit in the grid)."""
+    if tuple(image.shape[-2:]) == tuple(size):
+        return image
+    return torch.nn.functional.interpolate(image[None], size=tuple(size), mode="bilinear", antialias=True)[0]
 
 
 class HeldOutLoss:
@@ -110,9 +128,10 @@ class HeldOutLoss:
             x0 = item["latents"][None].expand(len(self.sigmas), *item["latents"].shape)
             noise = torch.stack([torch.randn(x0.shape[1:], generator=torch.Generator().manual_seed(
                 sample_key(self.seed, VALIDATION_STREAM, f"{index}/{k}"))) for k in range(len(x0))])
+            references = tuple(r[None].expand(len(x0), *r.shape).to(device) for r in item.get("references", ()))
             with autocast(device, self.dtype):
                 v = model(interpolate(x0, noise, self.sigmas).to(device), self.sigmas.to(device),
-                          {k: t.to(device) for k, t in self.text(item, len(x0)).items()})
+                          {k: t.to(device) for k, t in self.text(item, len(x0)).items()}, references=references)
             if i < real:
                 mask = item.get("loss_mask")
                 sums += per_sample_loss(v, x0.to(device), noise.to(device),
@@ -184,7 +203,7 @@ class Validation:
                 metrics |= scores
                 if images is not None:
                     grid = run_dir / "samples" / f"step_{step:08d}.png"
-                    if self.grids.write(grid, save_grid, images, captions, grid,
+                    if self.grids.write(grid, save_grid, images, captions, grid, self.images.columns,
                                         partial=(grid, grid.with_suffix(".txt"))):
                         logger.image(step, "samples", grid, captions)
         if metrics and self.world.is_main:

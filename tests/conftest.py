@@ -479,8 +479,17 @@ def flux_dir(tmp_path_factory):
     """A tiny, random FLUX.1-dev pipeline saved by diffusers' FluxPipeline (model_index.json and all; nothing is
     downloaded): a 4-channel VAE with FLUX's constants and one downsampling, CLIP-L (8 wide, pooled), T5 (24 wide,
     T5_TOKENS long), and a transformer of 1 double and 2 single blocks with a guidance embedding."""
+    return build_flux_pipeline(tmp_path_factory.mktemp("flux"), "FluxPipeline")
+
+
+@pytest.fixture(scope="session")
+def kontext_dir(tmp_path_factory):
+    """The same tiny FLUX.1 saved as a FluxKontextPipeline (Kontext is FLUX.1-dev's transformer)."""
+    return build_flux_pipeline(tmp_path_factory.mktemp("flux-kontext"), "FluxKontextPipeline")
+
+
+def build_flux_pipeline(root: Path, pipeline: str) -> Path:
     import diffusers
-    root = tmp_path_factory.mktemp("flux")
     torch.manual_seed(0)
     transformer = diffusers.FluxTransformer2DModel(in_channels=16, num_layers=1, num_single_layers=2,
                                                    attention_head_dim=8, num_attention_heads=2, joint_attention_dim=24,
@@ -489,9 +498,9 @@ def flux_dir(tmp_path_factory):
     randomize(transformer, 5)
     scheduler = diffusers.FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
                                                           base_image_seq_len=256, max_image_seq_len=4096)
-    diffusers.FluxPipeline(scheduler=scheduler, vae=tiny_vae(**FLUX_VAE), text_encoder=clip(8, projection=False),
-                           tokenizer=word_tokenizer(CLIP_TOKENS), text_encoder_2=t5(),
-                           tokenizer_2=word_tokenizer(T5_TOKENS), transformer=transformer).save_pretrained(root)
+    getattr(diffusers, pipeline)(scheduler=scheduler, vae=tiny_vae(**FLUX_VAE), text_encoder=clip(8, projection=False),
+                                 tokenizer=word_tokenizer(CLIP_TOKENS), text_encoder_2=t5(),
+                                 tokenizer_2=word_tokenizer(T5_TOKENS), transformer=transformer).save_pretrained(root)
     return root
 
 
@@ -511,7 +520,16 @@ def flux2_dir(tmp_path_factory):
     return build_flux2_klein_pipeline(tmp_path_factory.mktemp("flux2-klein"))
 
 
+@pytest.fixture(scope="session")
+def qwen_edit_dir(tmp_path_factory):
+    """A tiny, random QwenImageEditPlusPipeline (tests/pipelines.py: the QwenImagePipeline's parts, a processor
+    without torchvision; an Edit-2511 transformer: zero_cond_t)."""
+    from tests.pipelines import build_qwen_image_edit_plus_pipeline
+    return build_qwen_image_edit_plus_pipeline(tmp_path_factory.mktemp("qwen-image-edit"), zero_cond_t=True)
+
+
 FLUX2_TOKENS = 32  # the tiny FLUX.2 pipeline's text tokens (the released pipelines pad to 512)
+QWEN_EDIT_TOKENS = 260  # the tiny Qwen-Image-Edit's: an instruction with one reference's 196 vision tokens
 
 
 def precomputed(pipeline: Path, root: Path, *extra: str) -> Path:
@@ -546,11 +564,43 @@ def flux2_data(flux2_dir, tmp_path_factory):
     return precomputed(flux2_dir, tmp_path_factory.mktemp("flux2-data"), "--max-sequence-length", str(FLUX2_TOKENS))
 
 
-def image_folder(directory: Path, sizes) -> Path:
+def edit_pairs(pipeline: Path, root: Path, resolution: int, *extra: str) -> Path:
+    """Eight (reference, instruction, result) pairs encoded by a tiny edit pipeline: results of two sizes, each with a
+    reference of another size (REFS/imgNN.png), instructions of the tokenizers' words."""
+    import precompute_latents
+    images = image_folder(root / "images", [(16, 16), (20, 18)] * 4)
+    image_folder(root / "references", [(24, 16), (16, 20), (16, 16), (18, 24)] * 2, seed=1)
+    for caption in (root / "references").glob("*.txt"):
+        caption.unlink()
+    assert precompute_latents.main(["--model", str(pipeline), "--images", str(images), "--references",
+                                    str(root / "references"), "--out", str(root / "data"), "--resolution",
+                                    str(resolution), "--dtype", "fp32", *extra]) == 0
+    return root / "data"
+
+
+@pytest.fixture(scope="session")
+def kontext_pairs(kontext_dir, tmp_path_factory):
+    return edit_pairs(kontext_dir, tmp_path_factory.mktemp("kontext-pairs"), 16)
+
+
+@pytest.fixture(scope="session")
+def qwen_edit_pairs(qwen_edit_dir, tmp_path_factory):
+    """At 48 px: the pipeline's reference areas round to multiples of 32 pixels."""
+    return edit_pairs(qwen_edit_dir, tmp_path_factory.mktemp("qwen-edit-pairs"), 48, "--max-sequence-length",
+                      str(QWEN_EDIT_TOKENS))
+
+
+@pytest.fixture(scope="session")
+def flux2_pairs(flux2_dir, tmp_path_factory):
+    return edit_pairs(flux2_dir, tmp_path_factory.mktemp("flux2-pairs"), 16, "--max-sequence-length",
+                      str(FLUX2_TOKENS))
+
+
+def image_folder(directory: Path, sizes, seed: int = 0) -> Path:
     """Random-coloured images of the given (width, height) with captions from the tokenizers' vocabulary."""
     from PIL import Image
     directory.mkdir()
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     for i, (w, h) in enumerate(sizes):
         pixels = torch.randint(0, 256, (h, w, 3), generator=gen, dtype=torch.uint8).numpy()
         Image.fromarray(pixels).save(directory / f"img{i:02d}.png")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from models.qwen_image.text import TEMPLATE, TEMPLATE_TOKENS
+from models.qwen_image.text import EDIT_TEMPLATE, EDIT_TEMPLATE_TOKENS, PICTURE, TEMPLATE, TEMPLATE_TOKENS
 
 QWEN_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
                        "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
@@ -64,7 +64,9 @@ def qwen_tokenizer():
     from transformers import Qwen2Tokenizer
     vocab = {symbol: i for i, symbol in enumerate(byte_symbols())}
     merges, ranks = [], {}
-    for word in pretokens([TEMPLATE.replace("{}", " "), " ".join(CAPTION_WORDS), "\n".join(CAPTION_WORDS)]):
+    texts = [TEMPLATE.replace("{}", " "), EDIT_TEMPLATE.replace("{}", " "), "".join(PICTURE.format(i) for i in (1, 2, 3)),
+             " ".join(CAPTION_WORDS), "\n".join(CAPTION_WORDS)]
+    for word in pretokens(texts):
         while len(pieces := merged(list(word), ranks)) > 1:  # a merge added last never fires before the others
             ranks[pieces[0], pieces[1]] = len(merges)
             merges.append((pieces[0], pieces[1]))
@@ -77,9 +79,9 @@ def qwen_tokenizer():
     return tokenizer
 
 
-def template_tokens(tokenizer) -> int:
+def template_tokens(tokenizer, template: str = TEMPLATE) -> int:
     """The template's tokens before a caption's first token."""
-    ids = tokenizer(TEMPLATE.format("cat")).input_ids
+    ids = tokenizer(template.format("cat")).input_ids
     return ids.index(tokenizer.convert_tokens_to_ids("cat"))
 
 
@@ -128,6 +130,49 @@ def build_qwen_image_pipeline(root: Path) -> Path:
         text_encoder=qwen_text_encoder(tokenizer), tokenizer=tokenizer, transformer=qwen_transformer())
     pipe.save_pretrained(root)
     return root
+
+
+# ----------------------------------------------------------------------------------------------- Qwen-Image-Edit-Plus
+
+
+def qwen_vl_processor(tokenizer):
+    """Qwen2VLProcessor without torchvision: transformers 5 builds its video processor with torchvision, and its
+    constructor refuses none, so the object is assembled by hand (what its __init__ sets, the PIL image processor
+    of Qwen2.5-VL's settings), and saves its image processor and tokenizer only."""
+    from transformers import Qwen2VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    processor = Qwen2VLProcessor.__new__(Qwen2VLProcessor)
+    processor.chat_template, processor.video_processor = None, None
+    processor.image_processor = Qwen2VLImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280},
+                                                         patch_size=14, temporal_patch_size=2, merge_size=2)
+    processor.tokenizer = tokenizer
+    processor.image_token, processor.video_token = "<|image_pad|>", "<|video_pad|>"
+    processor.image_token_id = tokenizer.convert_tokens_to_ids(processor.image_token)
+    processor.video_token_id = tokenizer.convert_tokens_to_ids(processor.video_token)
+    processor.get_attributes = lambda: ["image_processor", "tokenizer"]  # this object's, for save_pretrained
+    return processor
+
+
+def build_qwen_image_edit_plus_pipeline(root: Path, **transformer) -> Path:
+    """A tiny random QwenImageEditPlusPipeline (Edit-2509's layout; `zero_cond_t=True`: 2511's) saved at `root`:
+    QwenImagePipeline's tiny parts and the processor above."""
+    import diffusers
+    torch.manual_seed(0)
+    tokenizer = qwen_tokenizer()
+    assert template_tokens(tokenizer, EDIT_TEMPLATE) == EDIT_TEMPLATE_TOKENS, "the edit template must be 64 tokens"
+    diffusers.QwenImageEditPlusPipeline(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER), vae=qwen_vae(),
+        text_encoder=qwen_text_encoder(tokenizer), tokenizer=tokenizer, processor=qwen_vl_processor(tokenizer),
+        transformer=qwen_transformer(**transformer)).save_pretrained(root)
+    return root
+
+
+def load_qwen_image_edit_plus_pipeline(root: Path):
+    """The pipeline saved above, its processor given (from_pretrained would build one with torchvision)."""
+    import diffusers
+    from transformers import Qwen2Tokenizer
+    tokenizer = Qwen2Tokenizer.from_pretrained(Path(root) / "tokenizer")
+    return diffusers.QwenImageEditPlusPipeline.from_pretrained(root, processor=qwen_vl_processor(tokenizer))
 
 
 # ----------------------------------------------------------------------------------------------- FLUX.2 [klein]

@@ -188,8 +188,9 @@ def opaque(q, k, v):  # as dynamo sees flash-attn-4's CuTe-DSL kernels: code it 
 def test_a_kernel_is_checked_against_the_math_kernel_at_the_runs_sequence_lengths():
     """SD3 at 1024 px attends over 4429 tokens, FLUX.1 over 4608 (joint_lengths); a kernel with a wrong backward
     at lengths not divisible by 128 passes at 256 and is refused at the run's length, naming what is wrong."""
-    assert joint_lengths([(128, 128)], 2, 333) == [4429]
-    assert joint_lengths([(128, 128), (96, 160), (160, 96)], 2, 512) == [4352, 4608]
+    assert joint_lengths([((128, 128), ())], 2, 333) == [4429]
+    assert joint_lengths([((128, 128), ()), ((96, 160), ()), ((160, 96), ())], 2, 512) == [4352, 4608]
+    assert joint_lengths([((128, 128), ((96, 160),))], 2, 512) == [4096 + 3840 + 512]  # an edit's reference too
     assert probe(cudnn_before_9_15_1, torch.device("cpu"), "fp32", 16, [256]) is None
     refused = probe(cudnn_before_9_15_1, torch.device("cpu"), "fp32", 16, [256, 300])
     assert refused.startswith("at sequence length 300 its dq is off by") and "dk is off" in refused \

@@ -26,7 +26,7 @@ from perf.activation_checkpointing import apply_activation_checkpointing
 from perf.checkpoint import checkpoints
 from tests.conftest import (TINY, assert_close, final_weights, metric_rows, randomize, sigint_at_first_step,
                             sigkill_after, spawn, train)
-from tests.families import CASES, ours
+from tests.families import CASES, ours, with_references
 from train_mmdit_stable import main
 
 diffusers = pytest.importorskip("diffusers")
@@ -52,6 +52,38 @@ def test_a_diffusers_folder_loads_with_diffusers_outputs(family, name, tmp_path)
         x = case.inputs(config, height, width, tokens, seed=height)
         with torch.no_grad():
             torch.testing.assert_close(ours(model, x), case.theirs(reference, x), rtol=1e-5, atol=1e-5)
+
+
+EDITS = [(family, name, references) for family, case in CASES.items() if case.edit
+         for name in case.config_names() for references in case.edit.references]
+
+
+@pytest.mark.parametrize("family,name,references", EDITS)
+def test_an_edit_computes_what_diffusers_computes_as_the_edit_pipeline_drives_it(family, name, references):
+    """With reference latents of other sizes than the target's (one, and two where the family's pipelines take
+    several): the velocity of the target is diffusers' transformer's as the family's edit pipeline calls it (its
+    sequence, positions, `img_shapes`, Edit-2511's zero_cond_t), and the references change it."""
+    case = CASES[family]
+    config = case.config(name)
+    reference = getattr(diffusers, case.reference)(**config).eval()
+    randomize(reference, 1)
+    model = FAMILIES[family].transformer(FAMILIES[family].config(**config)).eval()
+    model.load_state_dict(reference.state_dict())
+    plain = case.inputs(config, 8, 8, 5, seed=7)
+    x = with_references(plain, references, seed=8)
+    with torch.no_grad():
+        edited = ours(model, x)
+        torch.testing.assert_close(edited, case.edit.theirs(reference, x), rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(edited, ours(model, plain), rtol=1e-5, atol=1e-5)  # beyond the comparison's tolerance
+
+
+def test_flux_kontext_takes_one_reference():
+    case = CASES["flux"]
+    config = case.config("dev-like")
+    model = FAMILIES["flux"].transformer(FAMILIES["flux"].config(**config))
+    x = with_references(case.inputs(config, 8, 8, 5, seed=0), ((4, 4), (4, 4)), seed=1)
+    with pytest.raises(ValueError, match="2 reference images: FLUX.1 Kontext takes one"):
+        ours(model, x)
 
 
 @pytest.mark.parametrize("family,name", INTEROP)
@@ -372,6 +404,13 @@ def test_a_lora_run_stopped_twice_resumes_bit_for_bit_and_loads_into_the_pipelin
         assert (adapted - base).abs().max() > 1e-3  # the adapters act
         torch.testing.assert_close(adapted, ours(model, x), rtol=0, atol=1e-5)
     assert torch.isfinite(adapted_image).all() and not torch.equal(adapted_image, base_image)
+    assert export_mmdit.main(["--checkpoint", str(tmp_path / "killed"), "--out", str(tmp_path / "comfy"),
+                              "--format", "kohya"]) == 0
+    comfy = edit.load(folder)
+    edit.comfy(monkeypatch)
+    comfy.load_lora_weights(tmp_path / "comfy" / "comfy.safetensors")
+    with torch.no_grad():
+        torch.testing.assert_close(edit.theirs(comfy.transformer, x), adapted, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", CASES)
@@ -458,3 +497,119 @@ def test_a_full_fine_tune_exports_a_folder_its_pipeline_loads(family, request, t
     x = case.inputs(dict(loaded.config), 8, 8, 5, seed=4)
     with torch.no_grad():
         torch.testing.assert_close(case.theirs(loaded, x), ours(model, x), rtol=0, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------- edits
+
+
+EDIT_FAMILIES = [family for family, case in CASES.items() if case.edit]
+
+
+def test_the_edit_families_are_the_records_and_the_cases():
+    assert EDIT_FAMILIES == [name for name, family in FAMILIES.items() if family.edits]
+    assert all(FAMILIES[f].edit_pipelines == CASES[f].edit.pipelines for f in EDIT_FAMILIES)
+
+
+@pytest.mark.parametrize("family", EDIT_FAMILIES)
+def test_an_edit_run_compiled_checkpointed_and_sharded_trains_the_eager_runs_weights(family, tmp_path):
+    """The edit shapes (data.name=shapes_edit: the reference's tokens after the target's) on two FSDP ranks, each
+    kind of block compiled to one graph with full activation checkpointing, train one process's eager weights
+    (fp32 summation order apart)."""
+    edit = ("data.name=shapes_edit", "training.max_steps=2")
+    assert main(run(family, *edit, f"logging.output_dir={tmp_path / 'eager'}")) == 0
+    sharded = run(family, *edit, "training.train_batch_size=4", "parallel.strategy=fsdp", "compile.enabled=true",
+                  "compile.backend=aot_eager", "training.activation_checkpointing=full",
+                  f"logging.output_dir={tmp_path / 'sharded'}")
+    assert spawn(2, train, sharded, tmp_path=tmp_path) == [{"status": 0}] * 2
+    assert_close(final_weights(tmp_path / "sharded"), final_weights(tmp_path / "eager"), atol=1e-5)
+
+
+@pytest.mark.parametrize("family", EDIT_FAMILIES)
+def test_precompute_of_pairs_stores_what_the_edit_pipeline_computes(family, request):
+    """Each pair's reference latents (sized as the family's edit pipeline sizes a reference, at the dataset's
+    resolution: other sizes than the results') and its instruction's embeddings (Qwen-Image-Edit's with the
+    reference seen by Qwen2.5-VL) are what the edit pipeline computes."""
+    from PIL import Image
+
+    from data.latents import LatentDataset
+    edit = CASES[family].edit
+    folder, data = request.getfixturevalue(edit.folder), request.getfixturevalue(edit.data)
+    pipe = edit.load(folder)
+    dataset = LatentDataset(data, aspect_buckets=True)
+    assert dataset.references == 1 and any(target != refs[0] for target, refs in dataset.buckets)
+    by_caption = {dataset.caption(i): i for i in range(len(dataset))}
+    root = data.parent
+    with torch.no_grad():
+        for image in sorted((root / "images").glob("*.png")):
+            item = dataset[by_caption[image.with_suffix(".txt").read_text()]]
+            reference = Image.open(root / "references" / image.name).convert("RGB")
+            torch.testing.assert_close(item["references"][0], edit.reference(pipe, reference, dataset.index[
+                "resolution"])[0], rtol=1e-5, atol=1e-5)
+            for name, values in edit.encode(pipe, item["caption"], [reference]).items():
+                length = values.shape[1] if name != "pooled_prompt_embeds" else None
+                torch.testing.assert_close(item[name][:length], values[0].float(), rtol=0, atol=1e-5)
+                if length is not None:  # padded beyond: zero, and masked
+                    assert not item[name][length:].any()
+
+
+@pytest.mark.parametrize("family", EDIT_FAMILIES)
+def test_an_edit_lora_killed_resumes_bit_for_bit_and_loads_into_the_edit_pipeline(family, request, tmp_path,
+                                                                                  monkeypatch):
+    """pairs -> a LoRA run from the family's shipped edit config, SIGKILLed after step 2's checkpoint and resumed:
+    bit for bit the uninterrupted run -> export -> the family's edit pipeline loads the file, its transformer then
+    computes this project's adapted model's edit (1e-5), and its edited image changes; the family's ComfyUI layout
+    (--format kohya) loads into the edit pipeline with the same edit."""
+    import importlib
+
+    from PIL import Image
+
+    from sample_mmdit import load_trained
+    case, edit = CASES[family], CASES[family].edit
+    folder, data = request.getfixturevalue(edit.folder), request.getfixturevalue(edit.data)
+    steps = ("training.max_steps=4", "checkpoint.every=2", "data.holdout=0", "validation.every=0")
+    assert main(pipeline_lora(edit, folder, data, tmp_path / "straight", *steps)) == 0
+    killed = pipeline_lora(edit, folder, data, tmp_path / "killed", *steps)
+    sigkill_after(killed, "step_00000002 complete", tmp_path / "killed.log")
+    assert main(killed) == 0
+    for part in ("model", "ema"):
+        assert_close(final_weights(tmp_path / "killed", part), final_weights(tmp_path / "straight", part))
+    assert export_mmdit.main(["--checkpoint", str(tmp_path / "killed"), "--out", str(tmp_path / "lora")]) == 0
+
+    for module, constants in edit.areas.items():
+        for name, value in constants.items():
+            monkeypatch.setattr(importlib.import_module(module), name, value)
+    pipe = edit.load(folder)
+    pipe.set_progress_bar_config(disable=True)
+    x = with_references(case.inputs(dict(pipe.transformer.config), 8, 8, 5, seed=3), ((6, 10),), seed=4)
+    reference = Image.open(data.parent / "references" / "img00.png").convert("RGB").resize((64, 64))  # FLUX.2's least
+    image = lambda: pipe(image=reference, prompt="make it red", num_inference_steps=2, height=16, width=16,  # noqa
+                         output_type="pt", generator=torch.Generator().manual_seed(0), **edit.generate).images
+    with torch.no_grad():
+        base, base_image = edit.theirs(pipe.transformer, x), image()
+        pipe.load_lora_weights(tmp_path / "lora")
+        adapted, adapted_image = edit.theirs(pipe.transformer, x), image()
+        model = load_trained(checkpoints(tmp_path / "killed")[-1], True)[0].transformer
+        assert (adapted - base).abs().max() > 1e-3  # the adapters act
+        torch.testing.assert_close(adapted, ours(model, x), rtol=0, atol=1e-5)
+    assert torch.isfinite(adapted_image).all() and not torch.equal(adapted_image, base_image)
+    assert export_mmdit.main(["--checkpoint", str(tmp_path / "killed"), "--out", str(tmp_path / "comfy"),
+                              "--format", "kohya"]) == 0
+    comfy = edit.load(folder)
+    edit.comfy(monkeypatch)
+    comfy.load_lora_weights(tmp_path / "comfy" / "comfy.safetensors")
+    with torch.no_grad():
+        torch.testing.assert_close(edit.theirs(comfy.transformer, x), adapted, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", EDIT_FAMILIES)
+def test_an_edit_lora_on_an_nf4_base_validates_by_editing_held_out_pairs(family, request, tmp_path):
+    """The edit config's validation on an nf4 base: the held-out pairs' references edited by their instructions,
+    each shown beside its reference, and their held-out loss."""
+    edit = CASES[family].edit
+    folder, data = request.getfixturevalue(edit.folder), request.getfixturevalue(edit.data)
+    assert main(pipeline_lora(edit, folder, data, tmp_path / "run", "training.max_steps=2", "checkpoint.every=0",
+                              "lora.base_quantization=nf4", "training.train_batch_size=2", "data.holdout=2",
+                              "validation.every=2", "validation.at_end=true", "sampling.steps=2")) == 0
+    captions = (tmp_path / "run" / "samples" / "step_00000002.txt").read_text().splitlines()
+    assert captions[0] == "reference 1" and captions[1] not in ("", "reference 1") and len(captions) >= 2
+    assert [r["step"] for r in metric_rows(tmp_path / "run") if "val/loss" in r] == [2]

@@ -88,7 +88,8 @@ def test_a_damaged_dataset_stops_training_before_the_run_directory(latent_run, t
 
 
 def test_bucketed_batches_are_one_size_deterministic_and_rank_independent():
-    buckets = {(8, 8): list(range(0, 13)), (8, 12): list(range(13, 20)), (12, 8): list(range(20, 40))}
+    buckets = {((8, 8), ()): list(range(0, 13)), ((8, 12), ()): list(range(13, 20)),
+               ((12, 8), ()): list(range(20, 40))}
     size_of = {i: size for size, items in buckets.items() for i in items}
     items = list(range(40))
     one = list(StepBatchSampler(items, 4, seed=0, rank=0, world_size=1, start_step=0, end_step=24, buckets=buckets))
@@ -106,13 +107,13 @@ def test_bucketed_batches_are_one_size_deterministic_and_rank_independent():
     assert resumed == one[17:]
     with pytest.raises(ValueError, match="no latent size has enough items for one global batch of 16"):
         StepBatchSampler(items, 16, seed=0, rank=0, world_size=1, start_step=0, end_step=1,
-                         buckets={(8, 8): [0, 1], (8, 12): [2]})
+                         buckets={((8, 8), ()): [0, 1], ((8, 12), ()): [2]})
 
 
 def test_a_size_too_small_for_a_batch_is_skipped_with_a_warning(caplog):
     """A rare aspect ratio with fewer items than the global batch: its items are never drawn (a warning counts
     them); every step still gets a whole batch of one size."""
-    buckets = {(8, 8): list(range(38)), (4, 16): [38, 39]}
+    buckets = {((8, 8), ()): list(range(38)), ((4, 16), ()): [38, 39]}
     batches = list(StepBatchSampler(list(range(40)), 4, seed=0, rank=0, world_size=1, start_step=0, end_step=30,
                                     buckets=buckets))
     assert all(len(b) == 4 for b in batches) and not {38, 39} & {i for b in batches for _, _, i, _ in b}

@@ -48,7 +48,7 @@ def test_mixed_batches_depend_on_seed_step_and_global_batch_only():
     first_epoch_of_small = [i for i in drawn if i in parts[1]][:3]
     assert sorted(first_epoch_of_small) == [10, 11, 12]  # a small dataset repeats in epochs, not at random
     # aspect buckets: each global batch is one dataset's and one size's
-    buckets = [{(8, 8): np.arange(0, 10)}, {(8, 12): np.arange(10, 22), (12, 8): np.arange(22, 30)}]
+    buckets = [{((8, 8), ()): np.arange(0, 10)}, {((8, 12), ()): np.arange(10, 22), ((12, 8), ()): np.arange(22, 30)}]
     bucketed = list(StepBatchSampler([np.arange(0, 10), np.arange(10, 30)], 4, 0, 0, 1, 0, 40, buckets, [1, 1]))
     size_of = {int(i): size for b in buckets for size, items in b.items() for i in items}
     assert all(len({size_of[i] for _, _, i, _ in batch}) == 1 for batch in bucketed)

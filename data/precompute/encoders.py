@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from data.precompute.images import to_unit_range
+from data.precompute.images import pixels_of, to_unit_range
 from data.precompute.inputs import PrecomputeError
 from models.diffusers_io import save_safetensors
 from models.families import Family
@@ -62,32 +62,53 @@ class PipelineEncoders:
     their linears' quantization: `text_storage`) unless text embeddings are not stored (`text` None)."""
 
     def __init__(self, model_dir: Path, family: Family, device: torch.device, dtype: torch.dtype,
-                 max_sequence_length: int, text: tuple[torch.dtype, str] | None):
+                 max_sequence_length: int, text: tuple[torch.dtype, str] | None, resolution: int = 1024,
+                 multiple: int = 16, references: int = 0):
         self.device, self.family = device, family
+        self.resolution, self.multiple = resolution, multiple  # of reference images
         self.vae = load_vae(model_dir / "vae", device, dtype)
+        # an edit pipeline's instruction encoder that sees the references (Qwen-Image-Edit) encodes every text
+        # (in the text encoders' dtype; unquantized: it is the whole Qwen2.5-VL, loaded by transformers)
+        self.edit_text = family.edit_text(model_dir, max_sequence_length, device, text[0]) \
+            if references and text is not None and family.edit_text else None
         self.tokenizers = family.tokenizers(model_dir, max_sequence_length)
         with torch.device("meta"):
             self.text = family.text_encoders(model_dir, max_sequence_length)
         self.text_dims, self.text_mask = (self.text.joint_dim, self.text.pooled_dim), self.text.MASKED
-        if text is not None:
+        if text is not None and self.edit_text is None:
             self.text.check("--model")
             self.text.load(device, *text)
-        else:
+        elif text is None:
             self.text = None
         self.truncated = 0
 
+    def reference(self, image) -> tuple[torch.Tensor, object]:
+        """An edit's reference image (PIL) -> (its pixels as the family's edit pipeline sizes them for its VAE, what
+        its instruction encoder sees of it: None where the instruction is encoded alone)."""
+        pixels = pixels_of(self.family.reference_image(image, self.resolution, self.multiple))
+        return pixels, self.edit_text.condition_image(image) if self.edit_text else None
+
     @torch.no_grad()
-    def encode_text(self, captions: list[str]) -> dict[str, torch.Tensor]:
+    def encode_text(self, captions: list[str], references: list[tuple] = ()) -> dict[str, torch.Tensor]:
+        """The captions' embeddings; an edit pipeline's instruction encoder sees each sample's references (none: the
+        prompts of caption dropout and validation's unconditional input, the edit template without pictures)."""
+        if self.edit_text is not None:
+            rows = [self.edit_text(caption, [condition for _, condition in refs])
+                    for caption, refs in zip(captions, references or [()] * len(captions))]
+            return {name: torch.stack([row[name] for row in rows]) for name in rows[0]}
         self.truncated += self.tokenizers.truncated(captions)
         return self.text(**{k: v.to(self.device) for k, v in self.tokenizers(captions).items()})
 
-    def encode(self, pixels: torch.Tensor, captions: list[str], flip: bool, store: torch.dtype) -> dict:
-        """A batch's stored fields, in the storage dtype, on the host."""
+    def encode(self, pixels: torch.Tensor, captions: list[str], flip: bool, store: torch.dtype,
+               references: list[tuple] = ()) -> dict:
+        """A batch's stored fields, in the storage dtype, on the host; `references`: each sample's `reference`s."""
         rows = {"latents": self.vae.encode(to_unit_range(pixels))}
         if flip:
             rows["latents_flipped"] = self.vae.encode(to_unit_range(pixels.flip(-1)))
+        for i, images in enumerate(zip(*references)):  # reference i of every sample: one size in a bucket
+            rows[f"reference_latents_{i}"] = self.vae.encode(to_unit_range(torch.stack([p for p, _ in images])))
         if self.text is not None:
-            rows.update(self.encode_text(captions))
+            rows.update(self.encode_text(captions, references))
         return {name: values.cpu() for name, values in stored(rows, store).items()}
 
 

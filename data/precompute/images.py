@@ -82,22 +82,31 @@ def to_unit_range(pixels: torch.Tensor) -> torch.Tensor:
     return pixels.float() / 127.5 - 1
 
 
-def prepare(sample: Sample, buckets: list[tuple[int, int]]) -> tuple[Sample, tuple[int, int] | None,
-                                                                     torch.Tensor | None, torch.Tensor | None]:
-    """A sample with its target size, pixels and mask pixels (None without a mask), cropped alike, or with the
-    `problem` that makes it unusable (runs in the decoding threads). A mask that is black wherever the crop
-    keeps would train nothing: the sample is bad ("empty mask")."""
+def pixels_of(image: Image.Image) -> torch.Tensor:
+    """[3, H, W] uint8 of an RGB image."""
+    return torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(image.height, image.width, 3) \
+        .permute(2, 0, 1)
+
+
+def prepare(sample: Sample, buckets: list[tuple[int, int]], reference=None) -> tuple:
+    """(sample, target size, pixels, mask pixels (None without a mask), references), cropped alike, or the sample
+    with the `problem` that makes it unusable (runs in the decoding threads). A mask that is black wherever the
+    crop keeps would train nothing: the sample is bad ("empty mask"). An edit's references are each
+    `reference(image)`: (its pixels as the family's edit pipeline sizes them, what its text encoder sees of it)."""
+    def bad(problem: str) -> tuple:
+        return dataclasses.replace(sample, problem=problem), None, None, None, ()
     if sample.problem:
-        return sample, None, None, None
+        return sample, None, None, None, ()
     try:
         image, mask = open_with_mask(sample)
+        references = tuple(reference(open_image(r, what="reference")) for r in sample.references)
     except BadSample as e:
-        return dataclasses.replace(sample, problem=str(e)), None, None, None
+        return bad(str(e))
     size = target_size(image.size, buckets)
     mask = resize_crop(mask, size) if mask is not None else None
     if mask is not None and not mask.any():
-        return dataclasses.replace(sample, problem="empty mask: black everywhere in the crop"), None, None, None
-    return sample, size, resize_crop(image, size), mask
+        return bad("empty mask: black everywhere in the crop")
+    return sample, size, resize_crop(image, size), mask, references
 
 
 def ordered_map(fn, items: Iterator, workers: int) -> Iterator:

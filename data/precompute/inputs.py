@@ -6,6 +6,7 @@ import json
 import logging
 from collections import Counter
 from dataclasses import dataclass
+from itertools import count, takewhile
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable, Iterator
@@ -78,29 +79,66 @@ def read_image_folder(directory: Path) -> tuple[list[tuple[Path, str | None]], l
     return items, bad
 
 
-def read_manifest(path: Path) -> tuple[list[tuple[Path, str]], list[tuple[str, str]]]:
-    """The manifest's images with their captions, and its bad lines and missing images as (where, why), for
-    `check_items`."""
+def read_manifest(path: Path) -> tuple[list[tuple[Path, str]], list[tuple[str, str]], dict[Path, tuple[Path, ...]]]:
+    """The manifest's images with their captions, its bad lines and missing images as (where, why), for
+    `check_items`, and the reference images of the lines that list them (`"references": [path, ...]`, relative to
+    the manifest: an edit's)."""
     if not path.is_file():
         raise PrecomputeError(f"--manifest {path} does not exist")
-    items, bad = [], []
+    items, bad, references = [], [], {}
     for number, line in enumerate(read_text(path, "--manifest").splitlines(), 1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
             image, caption = path.parent / record["image"], record["caption"]
+            listed = tuple(path.parent / name for name in record.get("references", ()))
         except (ValueError, KeyError, TypeError) as e:
             bad.append((f"--manifest {path} line {number}", f'not an {{"image": ..., "caption": ...}} line '
                         f"({type(e).__name__}: {e})"))
             continue
-        if image.is_file():
-            items.append((image, str(caption)))
-        else:
+        missing = [str(r) for r in listed if not r.is_file()]
+        if not image.is_file():
             bad.append((str(image), f"does not exist (--manifest line {number})"))
+        elif missing:
+            bad.append((str(image), f"{REFERENCE_MISSING}: {', '.join(missing)} (--manifest line {number})"))
+        else:
+            items.append((image, str(caption)))
+            if listed:
+                references[image] = listed
     if not items and not bad:
         raise PrecomputeError(f"--manifest {path} lists no images")
-    return items, bad
+    return items, bad, references
+
+
+REFERENCE_MISSING, REFERENCE_ORPHAN = "reference missing", "reference without a target"
+
+
+def folder_references(items: list[tuple[Path, str | None]], images: Path, folder: Path
+                      ) -> tuple[dict[Path, tuple[Path, ...]], list[tuple[str, str]]]:
+    """Each image's reference images in `folder` (--references): the file of its stem at the same relative path
+    (`cat.png` -> `folder/cat.png`, any image suffix), or several, `cat_0.png`, `cat_1.png`, ...; and the
+    problems as (file, why): a target without one, a reference of no target."""
+    if not folder.is_dir():
+        raise PrecomputeError(f"--references {folder} is not a directory")
+    files = {p.relative_to(folder).with_suffix(""): p for p in sorted(folder.rglob("*"))
+             if p.suffix.lower() in IMAGE_SUFFIXES}
+    references, bad, claimed = {}, [], set()
+    for image, _ in items:
+        stem = image.relative_to(images).with_suffix("")
+        several = list(takewhile(lambda name: name in files, (stem.with_name(f"{stem.name}_{i}") for i in count())))
+        names = [stem] if stem in files else several
+        if not names or (stem in files and several):
+            bad.append((str(image), f"{REFERENCE_MISSING}: expected {folder / stem}.png, or {stem.name}_0.png, "
+                        f"{stem.name}_1.png, ... beside it" if not names else
+                        f"{REFERENCE_MISSING}: both {files[stem].name} and {files[several[0]].name} (one, or "
+                        f"numbered ones)"))
+            continue
+        references[image] = tuple(files[name] for name in names)
+        claimed |= set(names)
+    bad += [(str(files[name]), f"{REFERENCE_ORPHAN}: no image {images / name}.* in --images")
+            for name in files if name not in claimed]
+    return references, bad
 
 
 def image_size(path: Path) -> tuple[int, int]:
@@ -116,16 +154,21 @@ def image_size(path: Path) -> tuple[int, int]:
         raise BadSample(f"not a readable image ({e})") from None
 
 
-def check_items(items: list[tuple[Path, str | None]], bad: list[tuple[str, str]], source: str) -> None:
-    """Folder and JSONL inputs: one error naming every bad input (the readers' `bad`, and unreadable images), so
-    that one round of fixes is enough; a warning for empty captions."""
+def check_items(items: list[tuple[Path, str | None]], bad: list[tuple[str, str]], source: str,
+                references: dict[Path, tuple[Path, ...]] | None = None) -> None:
+    """Folder and JSONL inputs: one error naming every bad input (the readers' `bad`, and unreadable images and
+    reference images), so that one round of fixes is enough; an edit dataset's targets all have references, the
+    same number; a warning for empty captions."""
+    references = references or {}
     unreadable = []
     for path, _ in items:
-        try:
-            image_size(path)
-        except BadSample as e:
-            unreadable.append((str(path), str(e)))
+        for file in (path, *references.get(path, ())):
+            try:
+                image_size(file)
+            except BadSample as e:
+                unreadable.append((str(path), str(e) if file == path else f"reference {file}: {e}"))
     bad = bad + unreadable
+    bad += reference_counts(items, references, {where for where, _ in bad})
     if bad:
         kinds = Counter(why.partition(" (")[0] for _, why in bad)
         raise PrecomputeError(
@@ -139,10 +182,26 @@ def check_items(items: list[tuple[Path, str | None]], bad: list[tuple[str, str]]
                     len(items), empty[:3])
 
 
-def item_units(items: list[tuple[Path, str]], size: int, source: str) -> list[Unit]:
+def reference_counts(items: list[tuple[Path, str | None]], references: dict[Path, tuple[Path, ...]],
+                     reported: set[str]) -> list[tuple[str, str]]:
+    """Of an edit dataset (some item has references): each item not `reported` yet with another number of
+    references than the most common (none counted), as (image, why)."""
+    if not references:
+        return []
+    common = Counter(len(r) for r in references.values()).most_common(1)[0][0]
+    found = {path: len(references.get(path, ())) for path, _ in items if str(path) not in reported}
+    return [(str(path), f"{REFERENCE_MISSING}: none listed, the other images have {common}" if not n else
+             f"{n} reference(s), the other images {common}") for path, n in found.items() if n != common]
+
+
+def item_units(items: list[tuple[Path, str]], size: int, source: str,
+               references: dict[Path, tuple[Path, ...]] | None = None) -> list[Unit]:
     """Folder and JSONL inputs in units of `size` items."""
+    references = references or {}
+
     def samples(chunk):
-        return lambda: (Sample(str(path), path, caption, mask=mask_beside(path)) for path, caption in chunk)
+        return lambda: (Sample(str(path), path, caption, mask=mask_beside(path), references=references.get(path, ()))
+                        for path, caption in chunk)
     return [Unit(f"{source} items {start}-{min(start + size, len(items)) - 1}", samples(items[start : start + size]))
             for start in range(0, len(items), size)]
 
@@ -157,17 +216,19 @@ def shard_units(sources: list[str], caption_field: str | None) -> list[Unit]:
     return [Unit(source, lambda source=source: read_samples(source, caption_field)) for source in sources]
 
 
-def fingerprint(units: list[Unit], items: list[tuple[Path, str]] | None) -> str:
+def fingerprint(units: list[Unit], items: list[tuple[Path, str]] | None,
+                references: dict[Path, tuple[Path, ...]] | None = None) -> str:
     """Of the inputs: for folders and manifests each file's path, caption, size and modification time (a
-    replaced image counts); for shards their names (a shard that failed is replaced, then the job rerun)."""
+    replaced image counts; its mask and references too); for shards their names (a shard that failed is replaced,
+    then the job rerun)."""
     digest = hashlib.sha256()
     if items is not None:
         for path, caption in items:
             stat = path.stat()
             digest.update(f"{path}\0{caption}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
             mask = mask_beside(path)
-            if mask is not None:  # an added or replaced mask counts too
-                digest.update(f"{mask}\0{mask.stat().st_size}\0{mask.stat().st_mtime_ns}\0".encode())
+            for extra in ([mask] if mask is not None else []) + list((references or {}).get(path, ())):
+                digest.update(f"{extra}\0{extra.stat().st_size}\0{extra.stat().st_mtime_ns}\0".encode())
     else:
         for unit in units:
             digest.update(f"{unit.name}\0".encode())

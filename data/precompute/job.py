@@ -169,6 +169,7 @@ def write_dataset(reports: list[dict], encoders: PipelineEncoders, out: Path, se
             "vae": {**vae.record(), "folder": str(Path(settings["model"]) / "vae")},
             "validation_prompts": validation_prompts if encoders.text is None else None,
             "masks": any(s.get("masks") for s in shards),  # a loss mask per item (items of other shards: all 1)
+            "references": settings.get("references", 0),  # an edit dataset's reference images per item
             "skipped": sum(len(r["skipped"]) for r in reports)}
     write_index(out, shards, (captions for r in reports for captions in r["captions"]), info)
     if encoders.truncated:

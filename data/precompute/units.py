@@ -19,8 +19,9 @@ REPORTS, PROGRESS = "reports", ".progress"
 
 
 class UnitWriter:
-    """One unit's output: samples wait per target size for a batch, encoded rows wait for a shard. A shard
-    stores `loss_mask` when any of its samples has a mask; its samples without one weigh 1 everywhere."""
+    """One unit's output: samples wait per bucket (target size, and an edit's reference sizes) for a batch,
+    encoded rows wait for a shard. A shard stores `loss_mask` when any of its samples has a mask; its samples
+    without one weigh 1 everywhere."""
 
     def __init__(self, number: int, encoders: PipelineEncoders, settings: dict, out: Path, progress):
         self.number, self.encoders, self.out, self.progress = number, encoders, out, progress
@@ -31,35 +32,41 @@ class UnitWriter:
         self.parts = Counter()
         self.shards, self.captions = [], []
 
-    def add(self, size: tuple[int, int], pixels: torch.Tensor, caption: str, mask: torch.Tensor | None) -> None:
-        self.waiting.setdefault(size, []).append((pixels, caption, mask))
-        if len(self.waiting[size]) == self.batch_size:
-            self.encode(size)
+    def add(self, size: tuple[int, int], pixels: torch.Tensor, caption: str, mask: torch.Tensor | None,
+            references: tuple = ()) -> None:
+        bucket = (size, tuple(tuple(r[0].shape[-2:]) for r in references))
+        self.waiting.setdefault(bucket, []).append((pixels, caption, mask, references))
+        if len(self.waiting[bucket]) == self.batch_size:
+            self.encode(bucket)
 
-    def encode(self, size: tuple[int, int]) -> None:
-        batch = self.waiting.pop(size)
-        captions = [caption for _, caption, _ in batch]
-        rows, done = self.encoded.setdefault(size, ([], []))
-        rows.append(self.encoders.encode(torch.stack([p for p, _, _ in batch]), captions, self.flip, self.store))
-        if any(mask is not None for _, _, mask in batch):
-            masks = torch.stack([torch.full_like(p[:1], 255) if m is None else m for p, _, m in batch])
+    def encode(self, bucket: tuple) -> None:
+        batch = self.waiting.pop(bucket)
+        captions = [caption for _, caption, _, _ in batch]
+        rows, done = self.encoded.setdefault(bucket, ([], []))
+        rows.append(self.encoders.encode(torch.stack([p for p, _, _, _ in batch]), captions, self.flip, self.store,
+                                         [references for *_, references in batch]))
+        if any(mask is not None for _, _, mask, _ in batch):
+            masks = torch.stack([torch.full_like(p[:1], 255) if m is None else m for p, _, m, _ in batch])
             rows[-1]["loss_mask"] = latent_weights(masks, rows[-1]["latents"].shape[-2:]).to(self.store)
         done += captions
         self.progress(len(batch))
         if len(done) >= self.shard_size:
-            self.write(size)
+            self.write(bucket)
 
-    def write(self, size: tuple[int, int]) -> None:
-        rows, captions = self.encoded.pop(size)
+    def write(self, bucket: tuple) -> None:
+        rows, captions = self.encoded.pop(bucket)
         if any("loss_mask" in r for r in rows):
             for r in rows:
                 r.setdefault("loss_mask", torch.ones_like(r["latents"][:, :1]))
         tensors = {name: torch.cat([r[name] for r in rows]) for name in rows[0]}
         h, w = tensors["latents"].shape[-2:]
-        name = f"shard-{self.number:05d}-{h}x{w}-{self.parts[size]:03d}.safetensors"
-        self.parts[size] += 1
+        references = [tuple(tensors[f"reference_latents_{i}"].shape[-2:]) for i in range(len(bucket[1]))]
+        sizes = "".join(f"-r{a}x{b}" for a, b in references)
+        name = f"shard-{self.number:05d}-{h}x{w}{sizes}-{self.parts[bucket]:03d}.safetensors"
+        self.parts[bucket] += 1
         save_safetensors(tensors, self.out / name, {"captions": json.dumps(captions)})
-        self.shards.append({**shard_record(self.out, name, len(captions), (h, w)), "masks": "loss_mask" in tensors})
+        self.shards.append({**shard_record(self.out, name, len(captions), (h, w), references),
+                            "masks": "loss_mask" in tensors})
         self.captions.append(captions)
 
     def finish(self) -> None:
@@ -74,12 +81,13 @@ def encode_unit(number: int, unit: Unit, encoders: PipelineEncoders, settings: d
     buckets = (aspect_buckets(settings["resolution"], settings["bucket_step"]) if settings["aspect_buckets"]
                else [(settings["resolution"], settings["resolution"])])
     writer, skipped, samples = UnitWriter(number, encoders, settings, out, progress), [], 0
-    for sample, size, pixels, mask in ordered_map(lambda s: prepare(s, buckets), unit.samples(), settings["workers"]):
+    prepared = ordered_map(lambda s: prepare(s, buckets, encoders.reference), unit.samples(), settings["workers"])
+    for sample, size, pixels, mask, references in prepared:
         samples += 1
         if sample.problem:
             skipped.append({"key": sample.key, "why": sample.problem})
         else:
-            writer.add(size, pixels, sample.caption, mask)
+            writer.add(size, pixels, sample.caption, mask, references)
     writer.finish()
     report = {"input": unit.name, "samples": samples, "encoded": samples - len(skipped), "skipped": skipped,
               "shards": writer.shards, "captions": writer.captions}

@@ -4,6 +4,8 @@ single-stream blocks over latents packed 2 x 2 into tokens, conditioned on T5 to
 
 import logging
 
+from PIL import Image
+
 from models.family import Family, ReleasedText, ResolutionShift, check_qk_norm, check_rotary_axes
 from models.flux.bfl import BFLReader
 from models.flux.kohya import export_kohya_lora, outside_the_blocks
@@ -54,6 +56,22 @@ def export_kohya(adapters: dict, config: FluxConfig, out, dtype, source: str):
     return written
 
 
+# FluxKontextPipeline's PREFERRED_KONTEXT_RESOLUTIONS (width, height): the sizes Kontext was trained at, about 1 MP
+KONTEXT_RESOLUTIONS = [(672, 1568), (688, 1504), (720, 1456), (752, 1392), (800, 1328), (832, 1248), (880, 1184),
+                       (944, 1104), (1024, 1024), (1104, 944), (1184, 880), (1248, 832), (1328, 800), (1392, 752),
+                       (1456, 720), (1504, 688), (1568, 672)]
+
+
+def kontext_reference(image: Image.Image, resolution: int, multiple: int) -> Image.Image:
+    """As FluxKontextPipeline resizes its reference (`_auto_resize`): to the preferred resolution nearest its aspect
+    ratio (of its sides floored to `multiple`), scaled by resolution / 1024, floored to `multiple`; stretched
+    (Lanczos)."""
+    width, height = (side - side % multiple for side in image.size)
+    _, w, h = min((abs(width / height - w / h), w, h) for w, h in KONTEXT_RESOLUTIONS)
+    w, h = (max(multiple, side * resolution // 1024 // multiple * multiple) for side in (w, h))
+    return image.resize((w, h), Image.LANCZOS)
+
+
 # diffusers' train_dreambooth_lora_flux.py: the attention projections of both block kinds (a name matches in every
 # block that has it) and the double blocks' feed-forwards. Adding "proj_mlp" adapts the single blocks' MLPs too;
 # "proj_out" would also adapt the final projection, outside the blocks
@@ -72,8 +90,11 @@ FAMILY = Family(
     # 3 double- and 4 single-stream blocks train in about sd3's time and read position from the caption (FLUX.1's
     # ratio, 2 + 4, learned it in one run of three: docs/flux.md)
     demo={"num_layers": 3, "num_single_layers": 4},
-    released={"flux-dev": {**RELEASED, "guidance_embeds": True}, "flux-schnell": {**RELEASED, "guidance_embeds": False}},
+    # FLUX.1 Kontext [dev] is FLUX.1-dev's transformer (its configs: configs/flux_kontext_*.yaml)
+    released={"flux-dev": {**RELEASED, "guidance_embeds": True}, "flux-schnell": {**RELEASED, "guidance_embeds": False},
+              "flux-kontext": {**RELEASED, "guidance_embeds": True}},
     # T5 tokens, CLIP-L's pooled output; 16-channel latents at 1/8
     released_text=ReleasedText(joint=4096, pooled=768, latent_channels=16, vae_factor=8),
     settings=settings, build_config=build_config, check=check, fill_defaults=fill_defaults,
-    schedule=ResolutionShift(), single_file=BFLReader, packing=PACKING, kohya=export_kohya)
+    schedule=ResolutionShift(), single_file=BFLReader, packing=PACKING, kohya=export_kohya,
+    edit_pipelines=("FluxKontextPipeline",), reference_image=kontext_reference)

@@ -8,6 +8,11 @@ into tokens of p x p latent pixels, p = 2 for FLUX.1's 16-channel latents: `in_c
 pooled text and timestep = sigma * 1000, plus `guidance` [B] on the pipeline's scale (dev: 3.5) when the model has
 a guidance embedding. The rotary tables are computed once per latent size and text length and reused by every
 block and every step.
+
+FLUX.1 Kontext (the edit model, the same transformer) is given the reference image's latents
+(`reference_latents`, one [B, C, h, w] of its own size): packed like the target and appended after it, at the
+positions of a target of its size with the first axis 1 (`FluxKontextPipeline.prepare_latents`); the velocity is
+the target's alone. Its pipeline takes one reference, and so does this module.
 """
 
 from dataclasses import dataclass, field
@@ -16,9 +21,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.blocks import (JOINT_MODULATIONS, JOINT_TEXT_ONLY, AdaLNContinuous, AdaLNZero, JointTransformerBlock, SelfAttention, TimeTextEmbed,
-                           check_rotary_split, gated, initial_value, initialize, layer_norm, modulate, pack,
-                           packing, rope_tables, unpack)
+from models.blocks import (JOINT_MODULATIONS, JOINT_TEXT_ONLY, AdaLNContinuous, AdaLNZero, JointTransformerBlock,
+                           SelfAttention, TimeTextEmbed, check_rotary_split, gated, initial_value, initialize,
+                           layer_norm, modulate, pack, pack_references, packing, rope_tables, unpack)
 
 
 @dataclass
@@ -47,13 +52,20 @@ class FluxConfig:  # diffusers' config.json keys and defaults (FLUX.1-dev / -sch
 # ----------------------------------------------------------------------------------------------- positions
 
 
-def position_ids(text_tokens: int, rows: int, columns: int, device: torch.device) -> torch.Tensor:
-    """[text + rows * columns, 3] ids of the joint sequence [text, image]: text all zero, each image token
-    (0, row, column) on the packed grid."""
-    grid = torch.zeros(rows, columns, 3, device=device)
+def grid_ids(first: int, rows: int, columns: int, device: torch.device) -> torch.Tensor:
+    """[rows * columns, 3] ids (first, row, column) of an image's tokens on its packed grid."""
+    grid = torch.full((rows, columns, 3), float(first), device=device)
     grid[..., 1] = torch.arange(rows, device=device)[:, None]
     grid[..., 2] = torch.arange(columns, device=device)[None, :]
-    return torch.cat([torch.zeros(text_tokens, 3, device=device), grid.reshape(-1, 3)])
+    return grid.reshape(-1, 3)
+
+
+def position_ids(text_tokens: int, rows: int, columns: int, device: torch.device,
+                 references: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
+    """[text + image tokens, 3] ids of the joint sequence [text, image, references]: text all zero, each image
+    token (0, row, column) on the packed grid, a reference's tokens (1, row, column) on theirs (Kontext)."""
+    return torch.cat([torch.zeros(text_tokens, 3, device=device), grid_ids(0, rows, columns, device),
+                      *(grid_ids(1, *grid, device) for grid in references)])
 
 
 # ----------------------------------------------------------------------------------------------- blocks
@@ -85,6 +97,7 @@ class Flux(nn.Module):
     TEXT_INPUTS = {"prompt_embeds": "encoder_hidden_states", "pooled_prompt_embeds": "pooled_projections"}
     # its blocks' linears over the text tokens alone, and their modulations (by first name; float8 leaves them)
     TEXT_ONLY_LINEARS, MODULATION_LINEARS = JOINT_TEXT_ONLY, JOINT_MODULATIONS
+    MAX_REFERENCES = 1  # FluxKontextPipeline's one reference image
 
     def __init__(self, cfg: FluxConfig):
         super().__init__()
@@ -120,35 +133,41 @@ class Flux(nn.Module):
         """A function of (seed, name) alone: models/blocks.py's rule."""
         return initial_value(self, name, seed)
 
-    def rope(self, text_tokens: int, rows: int, columns: int, device: torch.device):
-        """cos and sin [text + rows * columns, head_dim] of the joint sequence, computed once per shape."""
-        key = (text_tokens, rows, columns, device)
+    def rope(self, text_tokens: int, rows: int, columns: int, device: torch.device,
+             references: tuple[tuple[int, int], ...] = ()):
+        """cos and sin [text + image tokens, head_dim] of the joint sequence, computed once per shape."""
+        key = (text_tokens, rows, columns, references, device)
         if key not in self.rope_cache:
-            ids = position_ids(text_tokens, rows, columns, device)
+            ids = position_ids(text_tokens, rows, columns, device, references)
             self.rope_cache[key] = rope_tables(list(self.cfg.axes_dims_rope), ids)
         return self.rope_cache[key]
 
     def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
-                pooled_projections: torch.Tensor, timestep: torch.Tensor,
-                guidance: torch.Tensor | None = None) -> torch.Tensor:
+                pooled_projections: torch.Tensor, timestep: torch.Tensor, guidance: torch.Tensor | None = None,
+                reference_latents: list[torch.Tensor] | None = None) -> torch.Tensor:
         """[B,C,H,W] latents, [B,L,joint_dim] text tokens, [B,pooled_dim] pooled text, timestep = sigma*1000, and
-        with a guidance embedding `guidance` [B] (the pipeline's scale, e.g. 3.5) -> velocity [B,C,H,W]."""
+        with a guidance embedding `guidance` [B] (the pipeline's scale, e.g. 3.5); Kontext: `reference_latents`,
+        a list of one [B,C,h,w] -> velocity [B,C,H,W] of the target."""
         if (guidance is None) == self.cfg.guidance_embeds:
             raise ValueError("this FLUX transformer has a guidance embedding: pass guidance [B]" if guidance is None
                              else "this FLUX transformer has no guidance embedding (schnell): pass no guidance")
+        if len(reference_latents or ()) > self.MAX_REFERENCES:
+            raise ValueError(f"{len(reference_latents)} reference images: FLUX.1 Kontext takes one")
         h, w = hidden_states.shape[-2:]
         p = packing(self.cfg.in_channels, hidden_states.shape[1])
         if h % p or w % p:
             raise ValueError(f"latents of {h}x{w} do not pack into {p}x{p} patches: both sides must divide by {p}")
-        x = self.x_embedder(pack(hidden_states, p))
+        references, grids = pack_references(reference_latents, p, hidden_states.shape[1])
+        x = self.x_embedder(torch.cat([pack(hidden_states, p), *references], dim=1))
+        target = (h // p) * (w // p)
         temb = self.time_text_embed(timestep, pooled_projections,
                                     None if guidance is None else guidance.to(timestep.dtype) * 1000)
         c = self.context_embedder(encoder_hidden_states)
-        rope = self.rope(c.shape[1], h // p, w // p, x.device)
+        rope = self.rope(c.shape[1], h // p, w // p, x.device, grids)
         for block in self.transformer_blocks:
             x, c = block(x, c, temb, rope)
         joint = torch.cat([c, x], dim=1)
         for block in self.single_transformer_blocks:
             joint = block(joint, temb, rope)
-        x = joint[:, c.shape[1]:]
+        x = joint[:, c.shape[1]:c.shape[1] + target]  # the target's tokens: the references' are conditioning
         return unpack(self.proj_out(self.norm_out(x, temb)), h, w, p)

@@ -5,6 +5,8 @@ Mistral-Small-3 for dev (models/flux2/text.py). Its original single file (BFL's 
 models/flux2/bfl.py, its LoRA written for ComfyUI by models/flux2/comfyui.py. docs/flux2-architecture.md has the
 facts and their sources."""
 
+from PIL import Image
+
 from models.family import Family, ReleasedText, ResolutionShift, check_qk_norm, check_rotary_axes
 from models.flux2.bfl import Flux2BFLReader
 from models.flux2.comfyui import export_comfyui_lora
@@ -55,6 +57,19 @@ def empirical_mu(image_tokens: int, steps: int) -> float:
     return slope * steps + m200 - 200.0 * slope
 
 
+def pipeline_reference(image: Image.Image, resolution: int, multiple: int) -> Image.Image:
+    """As Flux2KleinPipeline and Flux2Pipeline resize a reference image: down to resolution^2 pixels where larger
+    (Lanczos; 1024^2 theirs), then centre-cropped to its sides floored to `multiple` (Flux2ImageProcessor's
+    `_resize_and_crop` crops only)."""
+    width, height = image.size
+    if width * height > resolution * resolution:
+        scale = (resolution * resolution / (width * height)) ** 0.5
+        image = image.resize((int(width * scale), int(height * scale)), Image.LANCZOS)
+    width, height = (max(multiple, side // multiple * multiple) for side in image.size)
+    left, top = (image.width - width) // 2, (image.height - height) // 2
+    return image.crop((left, top, left + width, top + height))
+
+
 # diffusers' train_dreambooth_lora_flux2.py and _klein.py: the double blocks' image attention (to_q, to_k, to_v,
 # to_out.0) and the single blocks' fused projections (to_qkv_mlp_proj, to_out: the latter by full name, since
 # `attn.to_out` is a ModuleList in the double blocks). The text stream and the double blocks' feed-forwards are
@@ -103,4 +118,6 @@ FAMILY = Family(
     # training sigmas (flow.resolution_shift): FLUX.1's e^mu, mu 0.5 at 256 tokens to 1.15 at 4096, over FLUX.2's
     # tokens, as musubi-tuner's `flux2_shift` (docs/flux2-architecture.md: schedule); sampling: its pipelines' own mu
     schedule=ResolutionShift(), sampling_mu=empirical_mu,
-    single_file=Flux2BFLReader, packing=PACKING, kohya=export_comfyui_lora)
+    single_file=Flux2BFLReader, packing=PACKING, kohya=export_comfyui_lora,
+    # its pipelines take reference images natively (`image=`)
+    edit_pipelines=("Flux2KleinPipeline", "Flux2Pipeline"), reference_image=pipeline_reference)

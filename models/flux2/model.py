@@ -20,6 +20,11 @@ pixel (in_channels = C; a model trained from scratch on other data may pack p x 
 takes the text tokens, timestep = sigma x 1000 and, with a guidance embedding, `guidance` [B] on the pipeline's
 scale (dev: 4.0), and returns the velocity [B, C, H, W]. The rotary tables are computed once per latent size and
 text length and reused by every block and step.
+
+Reference images (both pipelines take them natively, `image=`) come as `reference_latents`, a list of [B, C, h, w]
+latents (patchified and normalised as the target), each of its own size: its tokens are appended after the
+target's at (10 + 10 i, row, column, 0) for reference i (`_prepare_image_ids`), and the velocity is the target's
+alone.
 """
 
 from dataclasses import dataclass, field
@@ -30,8 +35,8 @@ import torch.nn.functional as F
 
 from models.attention import sdpa_attention
 from models.blocks import (JOINT_TEXT_ONLY, AdaLNContinuous, JointAttention, MLPEmbedder, RMSNorm, apply_rope,
-                           check_rotary_split, gated, initial_value, initialize, layer_norm, merge_heads,
-                           modulate, modulation, pack, packing, rope_tables, split_heads, timestep_features,
+                           check_rotary_split, gated, initial_value, initialize, layer_norm, merge_heads, modulate,
+                           modulation, pack, pack_references, packing, rope_tables, split_heads, timestep_features,
                            unpack)
 
 EPS = 1e-6  # every norm's (diffusers' config key `eps`)
@@ -79,16 +84,25 @@ def rotary_axes(head_dim: int) -> list[int]:
     return [quarter, quarter, quarter, head_dim - 3 * quarter]
 
 
-def position_ids(text_tokens: int, rows: int, columns: int, device: torch.device) -> torch.Tensor:
-    """[text + rows * columns, 4] ids (t, h, w, l) of the joint sequence [text, image]: text token l at
-    (0, 0, 0, l), image token (row, column) at (0, row, column, 0), as Flux2KleinPipeline and Flux2Pipeline make
-    them (`_prepare_text_ids`, `_prepare_latent_ids`)."""
-    text = torch.zeros(text_tokens, 4, device=device)
-    text[:, 3] = torch.arange(text_tokens, device=device)
+def grid_ids(time: int, rows: int, columns: int, device: torch.device) -> torch.Tensor:
+    """[rows * columns, 4] ids (time, row, column, 0) of an image's tokens."""
     grid = torch.zeros(rows, columns, 4, device=device)
+    grid[..., 0] = time
     grid[..., 1] = torch.arange(rows, device=device)[:, None]
     grid[..., 2] = torch.arange(columns, device=device)[None, :]
-    return torch.cat([text, grid.reshape(-1, 4)])
+    return grid.reshape(-1, 4)
+
+
+def position_ids(text_tokens: int, rows: int, columns: int, device: torch.device,
+                 references: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
+    """[text + image tokens, 4] ids (t, h, w, l) of the joint sequence [text, image, references]: text token l at
+    (0, 0, 0, l), image token (row, column) at (0, row, column, 0), reference i's at (10 + 10 i, row, column, 0),
+    as Flux2KleinPipeline and Flux2Pipeline make them (`_prepare_text_ids`, `_prepare_latent_ids`,
+    `_prepare_image_ids`)."""
+    text = torch.zeros(text_tokens, 4, device=device)
+    text[:, 3] = torch.arange(text_tokens, device=device)
+    return torch.cat([text, grid_ids(0, rows, columns, device),
+                      *(grid_ids(10 + 10 * i, *grid, device) for i, grid in enumerate(references))])
 
 
 # ----------------------------------------------------------------------------------------------- pieces
@@ -211,6 +225,7 @@ class Flux2(nn.Module):
     # its double blocks' linears over the text tokens alone (by first name; float8 leaves them); its modulations are
     # shared, outside the blocks
     TEXT_ONLY_LINEARS, MODULATION_LINEARS = JOINT_TEXT_ONLY, ()
+    MAX_REFERENCES = None  # its pipelines take several reference images
 
     def __init__(self, cfg: Flux2Config):
         super().__init__()
@@ -256,18 +271,21 @@ class Flux2(nn.Module):
             return torch.zeros(self.get_parameter(name).shape)
         return initial_value(self, name, seed)
 
-    def rope(self, text_tokens: int, rows: int, columns: int, device: torch.device):
-        """cos and sin [text + rows * columns, head_dim] of the joint sequence, computed once per shape."""
-        key = (text_tokens, rows, columns, device)
+    def rope(self, text_tokens: int, rows: int, columns: int, device: torch.device,
+             references: tuple[tuple[int, int], ...] = ()):
+        """cos and sin [text + image tokens, head_dim] of the joint sequence, computed once per shape."""
+        key = (text_tokens, rows, columns, references, device)
         if key not in self.rope_cache:
-            ids = position_ids(text_tokens, rows, columns, device)
+            ids = position_ids(text_tokens, rows, columns, device, references)
             self.rope_cache[key] = rope_tables(list(self.cfg.axes_dims_rope), ids, self.cfg.rope_theta)
         return self.rope_cache[key]
 
     def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, timestep: torch.Tensor,
-                guidance: torch.Tensor | None = None) -> torch.Tensor:
-        """[B,C,H,W] latents, [B,L,joint_dim] text tokens, timestep = sigma*1000, and with a guidance embedding
-        `guidance` [B] (the pipeline's scale, e.g. 4.0) -> velocity [B,C,H,W]."""
+                guidance: torch.Tensor | None = None,
+                reference_latents: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """[B,C,H,W] latents, [B,L,joint_dim] text tokens, timestep = sigma*1000, with a guidance embedding
+        `guidance` [B] (the pipeline's scale, e.g. 4.0), reference images' `reference_latents` (a list of
+        [B,C,h,w]) -> velocity [B,C,H,W] of the target."""
         if (guidance is None) == self.cfg.guidance_embeds:
             raise ValueError("this FLUX.2 transformer has a guidance embedding (dev): pass guidance [B]"
                              if guidance is None else "this FLUX.2 transformer has no guidance embedding (klein): "
@@ -276,17 +294,19 @@ class Flux2(nn.Module):
         p = packing(self.cfg.in_channels, hidden_states.shape[1])
         if h % p or w % p:
             raise ValueError(f"latents of {h}x{w} do not pack into {p}x{p} patches: both sides must divide by {p}")
-        x = self.x_embedder(pack(hidden_states, p))
+        references, grids = pack_references(reference_latents, p, hidden_states.shape[1])
+        x = self.x_embedder(torch.cat([pack(hidden_states, p), *references], dim=1))
+        target = (h // p) * (w // p)
         c = self.context_embedder(encoder_hidden_states)
         temb = self.time_guidance_embed(timestep, None if guidance is None else guidance.to(timestep.dtype) * 1000,
                                         x.dtype)
         mod_img, mod_txt = self.double_stream_modulation_img(temb), self.double_stream_modulation_txt(temb)
         mod_single = self.single_stream_modulation(temb)
-        rope = self.rope(c.shape[1], h // p, w // p, x.device)
+        rope = self.rope(c.shape[1], h // p, w // p, x.device, grids)
         for block in self.transformer_blocks:
             x, c = block(x, c, mod_img, mod_txt, rope)
         joint = torch.cat([c, x], dim=1)
         for block in self.single_transformer_blocks:
             joint = block(joint, mod_single, rope)
-        x = joint[:, c.shape[1]:]
+        x = joint[:, c.shape[1]:c.shape[1] + target]  # the target's tokens: the references' are conditioning
         return unpack(self.proj_out(self.norm_out(x, temb)), h, w, p)

@@ -4,14 +4,17 @@ latents packed 2 x 2 into tokens, conditioned on Qwen2.5-VL's hidden states with
 its single file of the transformer is read by models/qwen_image/single_file.py, its LoRA layout written by
 models/qwen_image/comfyui.py."""
 
+from PIL import Image
+
 from models.blocks import rotary_axes
 from models.family import Family, ReleasedText, ResolutionShift, check_qk_norm, check_rotary_axes
 from models.qwen_image.comfyui import export_comfyui_lora
 from models.qwen_image.model import QwenImage, QwenImageConfig
 from models.qwen_image.single_file import QwenSingleFileReader
-from models.qwen_image.text import MAX_SEQUENCE_LENGTH, QwenTextEncoders, QwenTokenizers
+from models.qwen_image.text import MAX_SEQUENCE_LENGTH, QwenEditText, QwenTextEncoders, QwenTokenizers, area_size
 
-ARCHITECTURE = ("patch_size", "num_layers", "num_attention_heads", "attention_head_dim", "axes_dims_rope")
+ARCHITECTURE = ("patch_size", "num_layers", "num_attention_heads", "attention_head_dim", "axes_dims_rope",
+                "zero_cond_t")
 
 
 def settings(config: QwenImageConfig) -> dict:
@@ -22,7 +25,8 @@ def build_config(model, latent_channels: int, text_dims: tuple[int, int]) -> Qwe
     return QwenImageConfig(patch_size=model.patch_size, in_channels=latent_channels * model.patch_size**2,
                            out_channels=latent_channels, num_layers=model.num_layers,
                            attention_head_dim=model.attention_head_dim, num_attention_heads=model.num_attention_heads,
-                           joint_attention_dim=text_dims[0], axes_dims_rope=list(model.axes_dims_rope))
+                           joint_attention_dim=text_dims[0], axes_dims_rope=list(model.axes_dims_rope),
+                           zero_cond_t=model.zero_cond_t)
 
 
 def check(model) -> None:
@@ -33,6 +37,12 @@ def check(model) -> None:
 def fill_defaults(model) -> None:
     if model.axes_dims_rope is None:
         model.axes_dims_rope = rotary_axes(model.attention_head_dim)
+
+
+def edit_reference(image: Image.Image, resolution: int, multiple: int) -> Image.Image:
+    """As QwenImageEditPlusPipeline resizes a reference for its VAE: about resolution^2 pixels (its VAE_IMAGE_SIZE,
+    1024^2) at its aspect ratio, sides multiples of 32; stretched (Lanczos)."""
+    return image.resize(area_size(*image.size, resolution * resolution), Image.LANCZOS)
 
 
 # Both streams' attention projections and feed-forwards, as diffusers' FLUX.1 script adapts them and musubi-tuner's
@@ -46,7 +56,7 @@ FAMILY = Family(
     name="qwen_image", title="Qwen-Image", transformer=QwenImage, config=QwenImageConfig,
     pipelines=("QwenImagePipeline",), lora_targets=TARGETS, text_encoders=QwenTextEncoders, tokenizers=QwenTokenizers,
     max_sequence_length=512, max_text_tokens=MAX_SEQUENCE_LENGTH,  # QwenImagePipeline.__call__'s default; its most
-    options=("axes_dims_rope",), architecture=ARCHITECTURE,
+    options=("axes_dims_rope", "zero_cond_t"), architecture=ARCHITECTURE,
     # 6 dual-stream blocks: sd3's demo in blocks and width
     demo={"num_layers": 6},
     # docs/qwen-image-architecture.md: Qwen/Qwen-Image's transformer/config.json
@@ -59,6 +69,7 @@ FAMILY = Family(
     schedule=ResolutionShift(base_tokens=256, max_tokens=8192, base_shift=0.5, max_shift=0.9, terminal=0.02),
     single_file=QwenSingleFileReader, kohya=export_comfyui_lora, packing=2,
     cfg_renorm=True, negative_prompt=" ",  # true CFG, as the model card's true_cfg_scale=4.0, negative_prompt=" "
-    # the edit model Edit-2511's reference modulation, Qwen-Image-Layered's extra conditioning and layered rotary
-    # positions: not implemented, accepted off
-    neutral_values={"zero_cond_t": False, "use_additional_t_cond": False, "use_layer3d_rope": False})
+    edit_pipelines=("QwenImageEditPlusPipeline", "QwenImageEditPipeline"), reference_image=edit_reference,
+    edit_text=QwenEditText,
+    # Qwen-Image-Layered's extra conditioning and layered rotary positions: not implemented, accepted off
+    neutral_values={"use_additional_t_cond": False, "use_layer3d_rope": False})

@@ -12,6 +12,12 @@ Positions (`QwenEmbedRope` with `scale_rope=True`): an image token's rotary angl
 rows and columns centred on the image (h rows: -(h - h//2) ... h//2 - 1), the frame the image's index (0 for the
 target); the text's tokens follow on every axis from the largest image half-side on (max(h//2, w//2), + 1, ...).
 The tables are computed once per shape and reused by every block and step.
+
+Qwen-Image-Edit (-2509, -2511: the same transformer) is given reference images' latents (`reference_latents`, a
+list of [B, C, h, w], each of its own size): packed like the target and appended after it, image i + 1 of the
+rotary shapes (frame i + 1), as `QwenImageEditPipeline` and `QwenImageEditPlusPipeline` pass them (`img_shapes`);
+the velocity is the target's alone. With `zero_cond_t` (Edit-2511's config) the references' tokens are modulated at
+timestep 0 (the image stream's modulation of t = 0), the target's, the text's and the output norm's at t.
 """
 
 from dataclasses import dataclass, field
@@ -19,9 +25,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from models.blocks import (AdaLNContinuous, FeedForward, JointAttention, RMSNorm, TimeTextEmbed,
-                           check_rotary_split, gated, initial_value, initialize, layer_norm, modulate,
-                           modulation, pack, packing, rope_tables, unpack)
+from models.blocks import (AdaLNContinuous, FeedForward, JointAttention, RMSNorm, TimeTextEmbed, check_rotary_split,
+                           gated, initial_value, initialize, layer_norm, modulate, modulation, pack, pack_references,
+                           packing, rope_tables, unpack)
 
 ROPE_THETA = 10000
 
@@ -37,6 +43,7 @@ class QwenImageConfig:  # diffusers' config.json keys and defaults (Qwen-Image)
     joint_attention_dim: int = 3584  # Qwen2.5-VL-7B's width
     guidance_embeds: bool = False  # diffusers' key; no released Qwen-Image has one
     axes_dims_rope: list = field(default_factory=lambda: [16, 56, 56])  # rotary channels of (frame, row, column)
+    zero_cond_t: bool = False  # Edit-2511: reference images' tokens modulated at timestep 0
 
     def __post_init__(self):
         self.axes_dims_rope = list(self.axes_dims_rope)
@@ -84,6 +91,27 @@ class Modulation(nn.Sequential):
         return modulation(self[1], c).chunk(6, dim=-1)
 
 
+class ImageModulation:
+    """The image stream's (shift, scale, gate) of the attention (0) and the feed-forward (1): one set for every
+    token, or with `reference` (zero_cond_t) the target's for the first `target` tokens and the references' for
+    the rest, each applied to its own part of the sequence."""
+
+    def __init__(self, target: tuple[torch.Tensor, ...], reference: tuple[torch.Tensor, ...] | None, tokens: int):
+        self.sets = [target] if reference is None else [target, reference]
+        self.tokens = tokens
+
+    def parts(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [x] if len(self.sets) == 1 else list(x.split([self.tokens, x.shape[1] - self.tokens], dim=1))
+
+    def modulate(self, x: torch.Tensor, which: int) -> torch.Tensor:
+        return torch.cat([modulate(part, *chunks[3 * which:3 * which + 2])
+                          for part, chunks in zip(self.parts(x), self.sets)], dim=1)
+
+    def gated(self, x: torch.Tensor, which: int, y: torch.Tensor) -> torch.Tensor:
+        return torch.cat([gated(part, chunks[3 * which + 2], update) for part, update, chunks in
+                          zip(self.parts(x), self.parts(y), self.sets)], dim=1)
+
+
 class QwenImageBlock(nn.Module):
     """A dual-stream block: each stream modulated by its own projection of the timestep embedding, one joint
     attention over [text, image], a feed-forward per stream, gated residuals. Returns (image, text; None after the
@@ -110,13 +138,17 @@ class QwenImageBlock(nn.Module):
         return [self.attn.to_add_out, *(m for m in self.txt_mlp.modules() if isinstance(m, nn.Linear))]
 
     def forward(self, x: torch.Tensor, c: torch.Tensor, temb: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.img_mod(temb)
+                mask: torch.Tensor | None = None, reference_temb: torch.Tensor | None = None,
+                target_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`reference_temb` (zero_cond_t): the embedding that modulates the image tokens after the first
+        `target_tokens` (the references)."""
+        img = ImageModulation(self.img_mod(temb), None if reference_temb is None else self.img_mod(reference_temb),
+                              target_tokens)
         c_shift_msa, c_scale_msa, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.txt_mod(temb)
-        attn_x, attn_c = self.attn(modulate(layer_norm(x), shift_msa, scale_msa),
-                                   modulate(layer_norm(c), c_shift_msa, c_scale_msa), rope, mask)
-        x = gated(x, gate_msa, attn_x)
-        x = gated(x, gate_mlp, self.img_mlp(modulate(layer_norm(x), shift_mlp, scale_mlp)))
+        attn_x, attn_c = self.attn(img.modulate(layer_norm(x), 0), modulate(layer_norm(c), c_shift_msa, c_scale_msa),
+                                   rope, mask)
+        x = img.gated(x, 0, attn_x)
+        x = img.gated(x, 1, self.img_mlp(img.modulate(layer_norm(x), 1)))
         if not self.attn.text_output:
             return x, None
         c = gated(c, c_gate_msa, attn_c)
@@ -134,6 +166,7 @@ class QwenImage(nn.Module):
     # its blocks' linears over the text tokens alone, and their modulations (by first name; float8 leaves them)
     TEXT_ONLY_LINEARS = ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out", "txt_mlp")
     MODULATION_LINEARS = ("img_mod", "txt_mod")
+    MAX_REFERENCES = None  # QwenImageEditPlusPipeline takes several reference images
 
     def __init__(self, cfg: QwenImageConfig):
         super().__init__()
@@ -182,21 +215,27 @@ class QwenImage(nn.Module):
         return self.rope_cache[key]
 
     def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
-                encoder_hidden_states_mask: torch.Tensor | None, timestep: torch.Tensor) -> torch.Tensor:
+                encoder_hidden_states_mask: torch.Tensor | None, timestep: torch.Tensor,
+                reference_latents: list[torch.Tensor] | None = None) -> torch.Tensor:
         """[B,C,H,W] latents, [B,L,joint_dim] text tokens, [B,L] text mask (1: token, 0: padding; None: no padding),
-        timestep = sigma*1000 -> velocity [B,C,H,W]."""
+        timestep = sigma*1000; edit models: `reference_latents`, a list of [B,C,h,w] -> velocity [B,C,H,W] of the
+        target."""
         h, w = hidden_states.shape[-2:]
         p = packing(self.cfg.in_channels, hidden_states.shape[1])
         if h % p or w % p:
             raise ValueError(f"latents of {h}x{w} do not pack into {p}x{p} patches: both sides must divide by {p}")
-        x = self.img_in(pack(hidden_states, p))
+        references, grids = pack_references(reference_latents, p, hidden_states.shape[1])
+        x = self.img_in(torch.cat([pack(hidden_states, p), *references], dim=1))
+        target = (h // p) * (w // p)
         c = self.txt_in(self.txt_norm(encoder_hidden_states))
         temb = self.time_text_embed(timestep, dtype=x.dtype)
-        rope = self.rope(c.shape[1], ((h // p, w // p),), x.device)
+        reference_temb = self.time_text_embed(torch.zeros_like(timestep), dtype=x.dtype) \
+            if self.cfg.zero_cond_t and references else None
+        rope = self.rope(c.shape[1], ((h // p, w // p), *grids), x.device)
         mask = None
         if encoder_hidden_states_mask is not None:  # a key mask over [text, image]: images are never padding
             image = encoder_hidden_states_mask.new_ones(len(x), x.shape[1])
             mask = torch.cat([encoder_hidden_states_mask, image], dim=1).bool()[:, None, None, :]
         for block in self.transformer_blocks:
-            x, c = block(x, c, temb, rope, mask)
-        return unpack(self.proj_out(self.norm_out(x, temb)), h, w, p)
+            x, c = block(x, c, temb, rope, mask, reference_temb, target)
+        return unpack(self.proj_out(self.norm_out(x[:, :target], temb)), h, w, p)

@@ -86,6 +86,7 @@ class MMDiT(nn.Module):
     TEXT_INPUTS = {"prompt_embeds": "encoder_hidden_states", "pooled_prompt_embeds": "pooled_projections"}
     # its blocks' linears over the text tokens alone, and their modulations (by first name; float8 leaves them)
     TEXT_ONLY_LINEARS, MODULATION_LINEARS = JOINT_TEXT_ONLY, JOINT_MODULATIONS
+    MAX_REFERENCES = 0  # no edit model of SD3: it takes no reference images
 
     def __init__(self, cfg: MMDiTConfig):
         super().__init__()
