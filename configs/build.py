@@ -291,16 +291,18 @@ def build_collate(cfg: DictConfig, dataset, tokenizer: WordTokenizer | None) -> 
 def build_validation(cfg: DictConfig, dataset, tokenizer: WordTokenizer | PipelineTokenizers | None, holdout: list[int],
                      world: World, device: torch.device) -> Validation:
     """What validation runs for this config: the dataset's prompts (scored for the shapes data, decoded by a VAE
-    loaded on rank 0 for latents) and the held-out loss. Nothing is built when it would not run; a VAE that
-    cannot be found is an error here, before any training."""
+    loaded on rank 0 for latents) and the held-out loss, every validation.every steps and at the end
+    (validation.at_end, also with validation.every=0). Nothing is built when it would not run; a VAE that cannot be
+    found is an error here, before any training."""
     v, on = cfg.validation, cfg.validation.every > 0
+    wanted = on or v.at_end
     images = None
-    if isinstance(dataset, ShapesDataset) and (on or v.at_end):  # scored at the end even with validation off
+    if isinstance(dataset, ShapesDataset) and wanted:
         captions = dataset.validation_captions()
         shown = torch.linspace(0, len(captions) - 1, cfg.sampling.grid_size).long().tolist()
         images = prompt_images(cfg, dataset, captions, tokenizer(captions), tokenizer([""]), to_unit,
                                dataset.score_images, shown)
-    elif on and dataset.validation_captions is not None:
+    elif wanted and dataset.validation_captions is not None:
         captions = dataset.validation_captions
         if tokenizer is not None:  # encoded by the model
             text, uncond = tokenizer(captions), tokenizer([""])
@@ -313,7 +315,7 @@ def build_validation(cfg: DictConfig, dataset, tokenizer: WordTokenizer | Pipeli
         log.warning("%s holds no validation prompts (precompute_latents.py --validation-prompts FILE): no "
                     "validation images", cfg.data.path or "no dataset of data.datasets")
     losses = []
-    if on and holdout:
+    if wanted and holdout:
         groups = [("val/", holdout)]
         if isinstance(dataset, MixedDataset):
             groups = [(f"val/{name}/", [i for i in holdout if dataset.sources(i) == d])

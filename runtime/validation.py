@@ -134,9 +134,8 @@ def final_step(run_dir: Path) -> int | None:
 
 
 class Validation:
-    """`every` > 0: at every `every`-th step and, with `at_end`, at the end. Images that are scored (the shapes
-    data) are also made at the end of a run with validation off: the run's final score is what `make train`
-    reports."""
+    """At every `every`-th step (`every` > 0) and, with `at_end`, at the end of the run (also with `every` 0: a
+    run's final grid and scores are what its user looks at first)."""
 
     def __init__(self, every: int, at_end: bool, max_steps: int, images: PromptImages | None,
                  losses: list[HeldOutLoss], world: World, device: torch.device):
@@ -150,7 +149,7 @@ class Validation:
 
     @property
     def runs_at_end(self) -> bool:
-        return self.final and (self.every > 0 or bool(self.images and self.images.score))
+        return self.final and (self.every > 0 or self.images is not None or bool(self.losses))
 
     def finished(self, run_dir: Path, step: int) -> bool:
         """Whether a run at its last step has nothing left to do: no final validation, or one recorded for this
