@@ -73,8 +73,11 @@ class Family:
     packing: int | None = None  # latent pixels its pipeline packs into a token (None: patches inside the transformer)
     cfg_renorm: bool = False  # its pipeline rescales guided velocities per token (Qwen-Image's true CFG)
     negative_prompt: str = ""  # the negative prompt its pipelines are used with (the unconditional input of CFG)
-    # (adapters, config, out, dtype, source) -> the file of a LoRA in the kohya / ComfyUI layout (None: no such layout)
+    # (adapters, config, source) -> the tensors of a LoRA in the kohya / ComfyUI layout (None: no such layout)
     kohya: Callable | None = None
+    # that file's ss_base_model_version and ss_network_module, as the trainers that write its layout name them (model
+    # sites and ComfyUI's LoRA browsers read them)
+    kohya_names: tuple[str, str] | None = None
     # the default max_sequence_length for a transformer of these model.* settings (FLUX.1: dev's or schnell's)
     sequence_length: Callable | None = None
     extra_text_tokens: int = 0  # text tokens beside those max_sequence_length counts (SD3: CLIP's 77)

@@ -343,6 +343,40 @@ def test_a_lora_run_stopped_twice_resumes_bit_for_bit_and_loads_into_the_pipelin
 
 
 @pytest.mark.parametrize("family", CASES)
+def test_a_lora_run_shows_grids_and_writes_the_lora_file_of_each_checkpoint(family, request, tmp_path):
+    """A LoRA run from the family's shipped config on its pipeline's data, whose precompute stored validation prompts:
+    sample grids at the planned steps and at the end (the family's sampler; the pipeline's VAE decodes them), and
+    beside each complete checkpoint, pruned with it, the LoRA file the family's pipeline loads
+    (`load_lora_weights(FILE)`), which then computes this project's model of that checkpoint (1e-5); where the family
+    has a kohya / ComfyUI layout, that file too, with kohya's metadata."""
+    from safetensors import safe_open
+    from sample_mmdit import load_trained
+    case, record = CASES[family], FAMILIES[family]
+    folder, data = request.getfixturevalue(case.pipeline.folder), request.getfixturevalue(case.pipeline.data)
+    run = tmp_path / "run"
+    assert main(pipeline_lora(case.pipeline, folder, data, run, "training.max_steps=4", "checkpoint.every=1",
+                              "validation.every=2", "validation.at_end=true", "sampling.steps=2")) == 0
+    assert sorted(p.name for p in (run / "samples").glob("*.png")) == ["step_00000002.png", "step_00000004.png"]
+    kept = [f"step_0000000{step}{kind}.safetensors" for step in (3, 4)
+            for kind in ("", *(["_kohya"] if record.kohya else []))]
+    assert sorted(p.name for p in (run / "loras").iterdir()) == kept  # checkpoint.keep_last=2
+    pipe = getattr(diffusers, record.pipeline_class).from_pretrained(folder)
+    pipe.load_lora_weights(run / "loras" / "step_00000004.safetensors")
+    x = case.inputs(dict(pipe.transformer.config), 8, 8, 5, seed=5)
+    model = load_trained(checkpoints(run)[-1])[0].transformer
+    with torch.no_grad():
+        torch.testing.assert_close(case.theirs(pipe.transformer, x), ours(model, x), rtol=0, atol=1e-5)
+    if record.kohya:
+        with safe_open(run / "loras" / "step_00000004_kohya.safetensors", "pt") as f:
+            header = f.metadata()
+        assert {k: header[k] for k in ("ss_base_model_version", "ss_network_module", "ss_network_dim", "ss_steps",
+                                       "ss_epoch", "ss_num_train_images", "ss_resolution")} == {
+            "ss_base_model_version": record.kohya_names[0], "ss_network_module": record.kohya_names[1],
+            "ss_network_dim": "4", "ss_steps": "4", "ss_epoch": "2", "ss_num_train_images": "8",
+            "ss_resolution": "(16, 16)"}
+
+
+@pytest.mark.parametrize("family", CASES)
 def test_text_encoded_in_the_step_under_fsdp_trains_like_precomputed_text(family, request, tmp_path):
     """The pipeline's text encoders run in the step (data.text_encoding=on_the_fly), sharded layer by layer over 2
     FSDP ranks with the transformer: the weights of one process trained on the precomputed embeddings (fp32

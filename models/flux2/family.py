@@ -9,7 +9,7 @@ import logging
 
 from models.family import Family, ReleasedText, ResolutionShift, check_qk_norm, check_rotary_axes
 from models.flux2.bfl import Flux2BFLReader
-from models.flux2.comfyui import export_comfyui_lora
+from models.flux2.comfyui import comfyui_tensors
 from models.flux2.model import Flux2, Flux2Config, rotary_axes
 from models.flux2.text import Flux2TextEncoders, Flux2Tokenizers
 
@@ -106,4 +106,5 @@ FAMILY = Family(
     # training sigmas (flow.resolution_shift): FLUX.1's e^mu, mu 0.5 at 256 tokens to 1.15 at 4096, over FLUX.2's
     # tokens, as musubi-tuner's `flux2_shift` (docs/flux2-architecture.md: schedule); sampling: its pipelines' own mu
     schedule=ResolutionShift(), sampling_mu=empirical_mu,
-    single_file=Flux2BFLReader, packing=PACKING, kohya=export_comfyui_lora)
+    single_file=Flux2BFLReader, packing=PACKING, kohya=comfyui_tensors,
+    kohya_names=("flux2", "networks.lora_flux_2"))

@@ -6,7 +6,7 @@ models/qwen_image/comfyui.py."""
 
 from models.blocks import rotary_axes
 from models.family import Family, ReleasedText, ResolutionShift, check_qk_norm, check_rotary_axes
-from models.qwen_image.comfyui import export_comfyui_lora
+from models.qwen_image.comfyui import comfyui_tensors
 from models.qwen_image.model import QwenImage, QwenImageConfig
 from models.qwen_image.single_file import QwenSingleFileReader
 from models.qwen_image.text import MAX_SEQUENCE_LENGTH, QwenTextEncoders, QwenTokenizers
@@ -57,7 +57,8 @@ FAMILY = Family(
     settings=settings, build_config=build_config, check=check, fill_defaults=fill_defaults,
     # Qwen/Qwen-Image's scheduler/scheduler_config.json
     schedule=ResolutionShift(base_tokens=256, max_tokens=8192, base_shift=0.5, max_shift=0.9, terminal=0.02),
-    single_file=QwenSingleFileReader, kohya=export_comfyui_lora, packing=2, cfg_renorm=True, negative_prompt=" ",
+    single_file=QwenSingleFileReader, kohya=comfyui_tensors, kohya_names=("qwen_image", "networks.lora_qwen_image"),
+    packing=2, cfg_renorm=True, negative_prompt=" ",
     # the edit model Edit-2511's reference modulation, Qwen-Image-Layered's extra conditioning and layered rotary
     # positions: not implemented, accepted off
     neutral_values={"zero_cond_t": False, "use_additional_t_cond": False, "use_layer3d_rope": False})  # the model card's true_cfg_scale=4.0, negative_prompt=" "
