@@ -357,13 +357,13 @@ def prompt_images(cfg: DictConfig, dataset, captions, text, uncond, decode, scor
                         cfg.training.seed, cfg.training.dtype, cfg.training.train_batch_size)
 
 
-def latent_decoder(cfg: DictConfig, dataset, world: World, device: torch.device):
-    """Latents -> images through the dataset's VAE, one at a time (a 1024-px decode holds gigabytes of
-    activations), on rank 0 only (the others never decode), undoing the scale and shift the dataset
-    recorded."""
+def latent_decoder(cfg: DictConfig, dataset, world: World, device: torch.device, key: str = "validation.vae_from"):
+    """Latents -> images through the dataset's VAE (cfg.validation.vae_from, which `key` names in errors), one at a
+    time (a 1024-px decode holds gigabytes of activations), on rank 0 only (the others never decode), undoing the
+    scale and shift the dataset recorded."""
     recorded = {k: v for k, v in dataset.index.get("vae", {}).items() if k != "folder"}
     try:
-        folder = vae_folder(dataset, cfg.validation.vae_from)
+        folder = vae_folder(dataset, cfg.validation.vae_from, key)
         vae = load_vae(folder, device, DTYPES[cfg.training.dtype], **recorded) if world.is_main else None
     except InputError as e:
         raise ConfigError(str(e)) from None

@@ -308,7 +308,7 @@ def test_a_lora_run_stopped_twice_resumes_bit_for_bit_and_loads_into_the_pipelin
     """precompute -> a LoRA run from the family's shipped config on its pipeline's transformer, stopped by SIGINT
     at its first step and by SIGKILL after step 3's checkpoint, resumed each time: bit for bit the uninterrupted
     run -> export -> the family's pipeline loads the file (`load_lora_weights`), and its transformer then computes
-    this project's adapted model's output (1e-5); its image changes."""
+    this project's adapted model's output (1e-5); its image changes. (sample_mmdit.py on such a run: below.)"""
     from sample_mmdit import load_trained
     case = CASES[family]
     folder, data = request.getfixturevalue(case.pipeline.folder), request.getfixturevalue(case.pipeline.data)
@@ -323,10 +323,6 @@ def test_a_lora_run_stopped_twice_resumes_bit_for_bit_and_loads_into_the_pipelin
 
     out = tmp_path / "lora"
     assert export_mmdit.main(["--checkpoint", str(tmp_path / "interrupted"), "--out", str(out)]) == 0
-    (tmp_path / "prompts.txt").write_text("a cat\n")  # sampling a LoRA run here: refused, with the family's pipeline
-    assert sample_mmdit.main(["--checkpoint", str(tmp_path / "interrupted"), "--prompts", str(tmp_path / "prompts.txt"),
-                              "--out", str(tmp_path / "samples")]) == 2
-    assert f"sample with diffusers' {FAMILIES[family].pipeline_class}" in caplog.text
     pipe = getattr(diffusers, FAMILIES[family].pipeline_class).from_pretrained(folder)
     pipe.set_progress_bar_config(disable=True)
     x = case.inputs(dict(pipe.transformer.config), 8, 8, 5, seed=3)
@@ -374,6 +370,28 @@ def test_a_lora_run_shows_grids_and_writes_the_lora_file_of_each_checkpoint(fami
             "ss_base_model_version": record.kohya_names[0], "ss_network_module": record.kohya_names[1],
             "ss_network_dim": "4", "ss_steps": "4", "ss_epoch": "2", "ss_num_train_images": "8",
             "ss_resolution": "(16, 16)"}
+
+
+@pytest.mark.parametrize("family", CASES)
+def test_sample_mmdit_samples_a_lora_run_from_its_stored_prompts_or_new_ones(family, request, tmp_path, monkeypatch):
+    """sample_mmdit.py on a LoRA run of the family, from the pipeline its precompute recorded: the validation prompts
+    stored with the data, and the same prompts given as new ones (encoded by the pipeline's text encoders), give the
+    same images; --lora-scale 0 (the base model) others."""
+    case = CASES[family].pipeline
+    folder, data = request.getfixturevalue(case.folder), request.getfixturevalue(case.data)
+    assert main(pipeline_lora(case, folder, data, tmp_path / "run", "training.max_steps=2", "checkpoint.every=0")) == 0
+    (tmp_path / "prompts.txt").write_text((data.parent / "prompts.txt").read_text())  # precompute's
+    written, save_pngs = {}, sample_mmdit.save_pngs
+    monkeypatch.setattr(sample_mmdit, "save_pngs", lambda images, tmp: (written.setdefault(len(written), images),
+                                                                        save_pngs(images, tmp)))
+    sample = ["--checkpoint", str(tmp_path / "run"), "--steps", "2"]
+    assert sample_mmdit.main([*sample, "--out", str(tmp_path / "stored")]) == 0
+    assert sample_mmdit.main([*sample, "--prompts", str(tmp_path / "prompts.txt"), "--out", str(tmp_path / "new")]) == 0
+    assert sample_mmdit.main([*sample, "--lora-scale", "0", "--out", str(tmp_path / "base")]) == 0
+    stored, new, base = written.values()
+    assert len(stored) == 2 and len(list((tmp_path / "stored").glob("*.png"))) == 2
+    torch.testing.assert_close(new, stored, rtol=0, atol=1e-5)
+    assert (base - stored).abs().amax(dim=(1, 2, 3)).min() > 1e-4  # 10x what equal ones may differ by
 
 
 @pytest.mark.parametrize("family", CASES)
