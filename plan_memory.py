@@ -31,7 +31,7 @@ from errors import ConfigError, InputError
 from models.families import FAMILIES, read_config
 from models.lora import apply_lora
 from models.quantized import quantize_linears
-from runtime.memory_plan import GIB, cheapest_checkpointing, count_model, plan
+from runtime.memory_plan import GIB, cheapest_checkpointing, count_model, plan, vae_count
 from runtime.quiet_imports import torchao_only_if
 
 # The released transformers' sizes (each family's record: models/<family>/family.py)
@@ -110,7 +110,21 @@ def count(cfg, dataset, tokenizer, quantization: str):
         text = example_text(dataset, tokenizer)
         inputs = (torch.empty(1, *shape), torch.empty(1), text)
     compute = 4 if cfg.training.dtype == "fp32" else 2
-    return count_model(model, inputs, activation_bytes=compute, frozen_bytes=compute)  # frozen: the compute dtype
+    counted = count_model(model, inputs, activation_bytes=compute, frozen_bytes=compute)  # frozen: the compute dtype
+    if cfg.data.name == "shapes" or not validation_rows(cfg, 1):  # pixels, or no validation: no VAE
+        return counted
+    family = FAMILIES[cfg.model.family]
+    side = max(dataset.latent_sizes[-1]) * family.text_of(cfg.model).vae_factor  # the largest image, in pixels
+    return dataclasses.replace(counted, vae=vae_count(family.released_vae, side, compute))
+
+
+def validation_rows(cfg, micro_batch: int) -> int:
+    """The rows of validation's forwards without autograd (0: none): sampling micro-batch prompts (twice, with
+    classifier-free guidance), the held-out loss an item's validation.loss_sigmas noise levels."""
+    if not (cfg.validation.every or cfg.validation.at_end):
+        return 0
+    sampling = micro_batch * (2 if cfg.sampling.cfg_scale != 1 else 1)
+    return max(sampling, cfg.validation.loss_sigmas if cfg.data.holdout else 0)
 
 
 def choices(cfg, gpus: int) -> list[tuple[str, dict]]:
@@ -139,7 +153,7 @@ def settings(cfg, choice: dict, gpus: int) -> dict:
     shard_group = (cfg.parallel.shard_size or gpus) if choice["strategy"] == "hsdp" else gpus
     return {"strategy": choice["strategy"], "ranks": shard_group, "micro_batch": choice["micro_batch"],
             "dtype": cfg.training.dtype, "reshard_after_forward": cfg.parallel.reshard_after_forward,
-            "cpu_offload": choice["cpu_offload"]}
+            "cpu_offload": choice["cpu_offload"], "validation_rows": validation_rows(cfg, choice["micro_batch"])}
 
 
 def counter(cfg, dataset, tokenizer):
@@ -154,7 +168,7 @@ def plan_rows(cfg, counts, gpus: int, gpu_gib: float) -> list[dict]:
                       **settings(cfg, choice, gpus))
         rows.append({"choice": name, **{k: getattr(result, k) / GIB for k in
                                         ("weights", "gradients", "optimizer", "ema", "in_flight", "activations",
-                                         "workspace", "overhead", "host")},
+                                         "workspace", "validation", "overhead", "host")},
                      "total": result.peak / GIB, "fits": result.peak / GIB <= gpu_gib,
                      "recompute": 100 * result.recompute})
     return rows
@@ -173,8 +187,8 @@ def cheapest_line(cfg, counts, gpus: int, gpu_gib: float) -> str:
 
 
 def print_rows(rows: list[dict], gpu_gib: float) -> None:
-    columns = ("weights", "gradients", "optimizer", "ema", "in_flight", "activations", "workspace", "overhead", "total",
-               "host")
+    columns = ("weights", "gradients", "optimizer", "ema", "in_flight", "activations", "workspace", "validation",
+               "overhead", "total", "host")
     print(f"{'per rank, GiB':<36}" + "".join(f"{c:>12}" for c in columns) + f"{'+time %':>12}"
           + f"{'fits ' + format(gpu_gib, 'g') + ' GiB':>14}")
     for r in rows:

@@ -95,7 +95,7 @@ def scale_adapters(model: TextToImage, scale: float) -> None:
 @dataclasses.dataclass
 class Job:
     """What one sampling call needs: the model, the text rows (and the one unconditional row), the shape of a sample,
-    and how one sample becomes an image in [0, 1]."""
+    and how samples become images in [0, 1]."""
     model: TextToImage
     cfg: DictConfig
     prompts: list[str]
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     noise = initial_noise(args.seed, list(range(len(job.prompts))), job.shape)
     with autocast(device, job.cfg.training.dtype):
         x = generate(job.model.to(device), job.text, job.uncond, noise, sampler, job.cfg.training.train_batch_size)
-        images = torch.stack([job.decode(sample) for sample in x])
+        images = job.decode(x)
     write_new_directory(args.out, lambda tmp: save_pngs(images, tmp))  # whole or not at all
     log.info("wrote %d images to %s from %s (%d steps, cfg %g, %s weights%s)", len(images), args.out, checkpoint,
              steps, sampler.cfg_scale, "raw" if args.no_ema else "EMA",

@@ -358,19 +358,25 @@ def prompt_images(cfg: DictConfig, dataset, captions, text, uncond, decode, scor
 
 
 def latent_decoder(cfg: DictConfig, dataset, world: World, device: torch.device, key: str = "validation.vae_from"):
-    """Latents -> images through the dataset's VAE (cfg.validation.vae_from, which `key` names in errors), one at a
-    time (a 1024-px decode holds gigabytes of activations), on rank 0 only (the others never decode), undoing the
-    scale and shift the dataset recorded."""
+    """Latents [N, C, h, w] -> images [N, 3, H, W] in [0, 1] through the dataset's VAE (cfg.validation.vae_from, which
+    `key` names in errors), undoing the scale and shift the dataset recorded; on rank 0 only (the others never
+    decode). The VAE is loaded now (a missing one stops the run before training) into host memory, and is on
+    `device` only while it decodes, one image at a time: a 1024-px decode holds gigabytes of activations, which
+    training's steps then have back (runtime/memory_plan.py counts them as validation's)."""
     recorded = {k: v for k, v in dataset.index.get("vae", {}).items() if k != "folder"}
     try:
         folder = vae_folder(dataset, cfg.validation.vae_from, key)
-        vae = load_vae(folder, device, DTYPES[cfg.training.dtype], **recorded) if world.is_main else None
+        vae = load_vae(folder, torch.device("cpu"), DTYPES[cfg.training.dtype], **recorded) if world.is_main else None
     except InputError as e:
         raise ConfigError(str(e)) from None
     log.info("latents decoded by the VAE in %s", folder)
 
     def decode(latents: torch.Tensor) -> torch.Tensor:
-        return to_unit(vae.decode(latents[None])[0].float()).cpu()
+        vae.autoencoder.to(device)
+        try:
+            return torch.stack([to_unit(vae.decode(x[None])[0].float()).cpu() for x in latents])
+        finally:
+            vae.autoencoder.to("cpu")
     return decode
 
 

@@ -70,7 +70,7 @@ def evaluating(model, ema: EMA):
 
 class PromptImages:
     """Samples of fixed prompts from fixed noise: `text` is the model's text input for `captions` (one row
-    each) and `uncond` the one-row unconditional input; `decode` turns the model's output into [3, H, W] images
+    each) and `uncond` the one-row unconditional input; `decode` turns the model's outputs into [N, 3, H, W] images
     in [0, 1] (on rank 0), `score` (if any) rates them, and the grid shows `shown` of them."""
 
     def __init__(self, captions: list[str], text: dict, uncond: dict, shape: tuple, decode, score, shown: list[int],
@@ -87,7 +87,7 @@ class PromptImages:
         samples = gather_to_main(list(samples[:real]), world)
         if not world.is_main:
             return None, [], {}
-        images = torch.stack([self.decode(x) for x in samples])
+        images = self.decode(torch.stack(samples))
         scores = self.score(images, self.captions) if self.score else {}
         return images[self.shown], [self.captions[i] for i in self.shown], scores
 

@@ -4,7 +4,7 @@ single-stream blocks over latents packed 2 x 2 into tokens, conditioned on T5 to
 
 import logging
 
-from models.family import Family, ReleasedText, ResolutionShift, check_qk_norm, check_rotary_axes
+from models.family import KL_VAE, Family, ReleasedText, ResolutionShift, check_qk_norm, check_rotary_axes
 from models.flux.bfl import BFLReader
 from models.flux.kohya import kohya_lora, outside_the_blocks
 from models.blocks import rotary_axes
@@ -74,6 +74,7 @@ FAMILY = Family(
     released={"flux-dev": {**RELEASED, "guidance_embeds": True}, "flux-schnell": {**RELEASED, "guidance_embeds": False}},
     # T5 tokens, CLIP-L's pooled output; 16-channel latents at 1/8
     released_text=ReleasedText(joint=4096, pooled=768, latent_channels=16, vae_factor=8),
+    released_vae=KL_VAE,
     settings=settings, build_config=build_config, check=check, fill_defaults=fill_defaults,
     schedule=ResolutionShift(), single_file=BFLReader, packing=PACKING, kohya=kohya_tensors,
     kohya_names=("flux1", "networks.lora_flux"))

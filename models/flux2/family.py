@@ -101,7 +101,8 @@ FAMILY = Family(
                                  "guidance_embeds": False},
               "flux2-dev": {**RELEASED, "num_layers": 8, "num_single_layers": 48, "num_attention_heads": 48,
                             "guidance_embeds": True}},
-    released_text=released_text, settings=settings, build_config=build_config, check=check,
+    released_text=released_text, released_vae=("AutoencoderKLFlux2", {}),  # its defaults: the releases' vae/
+    settings=settings, build_config=build_config, check=check,
     fill_defaults=fill_defaults,
     # training sigmas (flow.resolution_shift): FLUX.1's e^mu, mu 0.5 at 256 tokens to 1.15 at 4096, over FLUX.2's
     # tokens, as musubi-tuner's `flux2_shift` (docs/flux2-architecture.md: schedule); sampling: its pipelines' own mu

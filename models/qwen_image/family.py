@@ -54,6 +54,7 @@ FAMILY = Family(
                              "qk_norm": "rms_norm", "axes_dims_rope": [16, 56, 56]}},
     # Qwen2.5-VL-7B's last hidden states, padded, with a mask; 16-channel latents at 1/8
     released_text=ReleasedText(joint=3584, pooled=0, latent_channels=16, vae_factor=8, masked=True),
+    released_vae=("AutoencoderKLQwenImage", {}),  # its defaults are Qwen/Qwen-Image's vae/config.json
     settings=settings, build_config=build_config, check=check, fill_defaults=fill_defaults,
     # Qwen/Qwen-Image's scheduler/scheduler_config.json
     schedule=ResolutionShift(base_tokens=256, max_tokens=8192, base_shift=0.5, max_shift=0.9, terminal=0.02),
