@@ -19,7 +19,11 @@ A full fine-tune becomes a transformer directory of the run's family (`SD3Transf
                   peft file. Qwen-Image: diffusers' module names under `diffusion_model.` (lora_A / lora_B / alpha),
                   which QwenImagePipeline.load_lora_weights loads too (models/qwen_image/comfyui.py). FLUX.2: BFL's
                   module names under `diffusion_model.` (lora_A / lora_B, the q/k/v adapters fused, no alpha), which
-                  the FLUX.2 pipelines' load_lora_weights loads too (models/flux2/comfyui.py).
+                  the FLUX.2 pipelines' load_lora_weights loads too (models/flux2/comfyui.py). Its header has
+                  kohya's ss_* metadata (`kohya_metadata`: what ComfyUI's LoRA browsers and model sites read).
+
+A LoRA run writes both files beside each complete checkpoint, with this module's code (`CheckpointLoras`):
+loras/step_XXXXXXXX.safetensors and, where the family has the kohya layout, loras/step_XXXXXXXX_kohya.safetensors.
 """
 
 import argparse
