@@ -32,7 +32,7 @@ from errors import ConfigError, InputError
 from models.families import FAMILIES, read_config
 from models.lora import apply_lora
 from models.quantized import quantize_linears
-from runtime.memory_plan import GIB, cheapest_checkpointing, count_model, plan, smallest_swap
+from runtime.memory_plan import GIB, cheapest_checkpointing, count_model, plan, smallest_swap, vae_count
 from runtime.quiet_imports import torchao_only_if
 
 # The released transformers' sizes (each family's record: models/<family>/family.py)
@@ -125,7 +125,21 @@ def count(cfg, dataset, tokenizer, quantization: str):
         inputs = (latents(target), torch.empty(1), example_text(dataset, tokenizer), None,
                   tuple(map(latents, references)))  # an edit's references: more tokens in every block
     compute = 4 if cfg.training.dtype == "fp32" else 2
-    return count_model(model, inputs, activation_bytes=compute, frozen_bytes=compute)  # frozen: the compute dtype
+    counted = count_model(model, inputs, activation_bytes=compute, frozen_bytes=compute)  # frozen: the compute dtype
+    if cfg.data.name in SHAPES or not validation_rows(cfg, 1):  # pixels, or no validation: no VAE
+        return counted
+    family = FAMILIES[cfg.model.family]
+    side = max(dataset.latent_sizes[-1]) * family.text_of(cfg.model).vae_factor  # the largest image, in pixels
+    return dataclasses.replace(counted, vae=vae_count(family.released_vae, side, compute))
+
+
+def validation_rows(cfg, micro_batch: int) -> int:
+    """The rows of validation's forwards without autograd (0: none): sampling micro-batch prompts (twice, with
+    classifier-free guidance), the held-out loss an item's validation.loss_sigmas noise levels."""
+    if not (cfg.validation.every or cfg.validation.at_end):
+        return 0
+    sampling = micro_batch * (2 if cfg.sampling.cfg_scale != 1 else 1)
+    return max(sampling, cfg.validation.loss_sigmas if cfg.data.holdout else 0)
 
 
 def choices(cfg, gpus: int) -> list[tuple[str, dict]]:
@@ -155,7 +169,8 @@ def settings(cfg, choice: dict, gpus: int) -> dict:
     shard_group = (cfg.parallel.shard_size or gpus) if choice["strategy"] == "hsdp" else gpus
     return {"strategy": choice["strategy"], "ranks": shard_group, "micro_batch": choice["micro_batch"],
             "dtype": cfg.training.dtype, "reshard_after_forward": cfg.parallel.reshard_after_forward,
-            "cpu_offload": choice["cpu_offload"], "swapped": choice["swapped"]}
+            "cpu_offload": choice["cpu_offload"], "swapped": choice["swapped"],
+            "validation_rows": validation_rows(cfg, choice["micro_batch"])}
 
 
 def unswapped(settings: dict) -> dict:
@@ -185,7 +200,7 @@ def plan_rows(cfg, counts, gpus: int, gpu_gib: float) -> list[dict]:
                       **settings(cfg, choice, gpus))
         rows.append({"choice": name, **{k: getattr(result, k) / GIB for k in
                                         ("weights", "gradients", "optimizer", "ema", "in_flight", "activations",
-                                         "workspace", "overhead", "host")},
+                                         "workspace", "validation", "overhead", "host")},
                      "total": result.peak / GIB, "fits": result.peak / GIB <= gpu_gib,
                      "recompute": 100 * result.recompute})
     return rows
@@ -225,8 +240,8 @@ def swap_line(cfg, counts, gpus: int, gpu_gib: float) -> str | None:
 
 
 def print_rows(rows: list[dict], gpu_gib: float) -> None:
-    columns = ("weights", "gradients", "optimizer", "ema", "in_flight", "activations", "workspace", "overhead", "total",
-               "host")
+    columns = ("weights", "gradients", "optimizer", "ema", "in_flight", "activations", "workspace", "validation",
+               "overhead", "total", "host")
     print(f"{'per rank, GiB':<36}" + "".join(f"{c:>12}" for c in columns) + f"{'+time %':>12}"
           + f"{'fits ' + format(gpu_gib, 'g') + ' GiB':>14}")
     for r in rows:

@@ -22,6 +22,7 @@ from configs.run_dir import global_batch, prepare_run_dir, save_run_config
 from configs.schema import DEFAULT_CONFIG, load_config
 from data.loader import check_batches, micro_batches, step_batches, to_device
 from errors import ConfigError, InputError
+from export_mmdit import CheckpointLoras
 from models.lora import apply_lora, text_encoder_settings, transformer_settings
 from models.rectified_flow import interpolate, per_sample_loss, sample_key
 from optim.adamw import build_adamw
@@ -124,8 +125,9 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
     states = {"model": TrainedWeights(model, adapters_only=cfg.lora.enabled), "ema": ema,
               "optimizer": OptimizerState(model, optimizer), "scaler": scaler, "batch_sizer": sizer,
               "nonfinite_guard": guard}
-    checkpointer = Checkpointer(run_dir, cfg.checkpoint, states, checkpoint_meta(cfg, model, world),
-                                {"config.yaml": OmegaConf.to_yaml(cfg)}, device, cfg.parallel.timeout_s)
+    checkpointer = Checkpointer(run_dir, cfg.checkpoint, states, checkpoint_meta(cfg, model, world, dataset, items),
+                                {"config.yaml": OmegaConf.to_yaml(cfg)}, device, cfg.parallel.timeout_s,
+                                CheckpointLoras(run_dir, cfg) if cfg.lora.enabled else None)
     optimizer.register_step_pre_hook(checkpointer.wait_for_staging)  # weights change only once staged
     with stop_together(), checkpointer.closed_on_error():  # a failed start leaves no thread of it running
         start_step = checkpointer.resume()
@@ -255,12 +257,16 @@ def lr_scales(cfg: DictConfig) -> dict[str, float]:
     return {f"text_encoder.{part}.": scale for part in lora.text_encoders}
 
 
-def checkpoint_meta(cfg: DictConfig, model, world: World) -> dict:
-    """What a checkpoint records beside the state: what export needs, without the data or the config."""
+def checkpoint_meta(cfg: DictConfig, model, world: World, dataset, items) -> dict:
+    """What a checkpoint records beside the state: what export needs, without the data or the config (of the data,
+    what a LoRA file's metadata says: the training items and the precompute resolution)."""
+    parts = getattr(dataset, "datasets", [dataset])  # a mixture's
+    resolution = max((p.index["resolution"] for p in parts if "resolution" in getattr(p, "index", {})), default=None)
     return {"family": cfg.model.family, "mmdit": dataclasses.asdict(unwrap(model).transformer.cfg),
             "lora": transformer_settings(cfg.lora, unwrap(model).transformer) if cfg.lora.enabled else None,
             "text_encoder_lora": text_encoder_settings(cfg.lora) if cfg.lora.enabled else {},
-            "world_size": world.world_size, "strategy": cfg.parallel.strategy}
+            "world_size": world.world_size, "strategy": cfg.parallel.strategy,
+            "data": {"items": len(items), "resolution": resolution}}
 
 
 def throughput(cfg: DictConfig, dataset, tokenizer, batch_size: int, world: World, device: torch.device) -> Throughput:

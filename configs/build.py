@@ -312,19 +312,21 @@ def build_collate(cfg: DictConfig, dataset, tokenizer: WordTokenizer | None) -> 
 def build_validation(cfg: DictConfig, dataset, tokenizer: WordTokenizer | PipelineTokenizers | None, holdout: list[int],
                      world: World, device: torch.device) -> Validation:
     """What validation runs for this config: the dataset's prompts (scored for the shapes data, decoded by a VAE
-    loaded on rank 0 for latents) and the held-out loss. Nothing is built when it would not run; a VAE that
-    cannot be found is an error here, before any training."""
+    loaded on rank 0 for latents) and the held-out loss, every validation.every steps and at the end
+    (validation.at_end, also with validation.every=0). Nothing is built when it would not run; a VAE that cannot be
+    found is an error here, before any training."""
     v, on = cfg.validation, cfg.validation.every > 0
+    wanted = on or v.at_end
     images = None
-    if isinstance(dataset, ShapesDataset) and (on or v.at_end):  # scored at the end even with validation off
+    if isinstance(dataset, ShapesDataset) and wanted:
         captions = dataset.validation_captions()
         shown = torch.linspace(0, len(captions) - 1, cfg.sampling.grid_size).long().tolist()
         references = dataset.validation_references() if dataset.references else ()
         images = prompt_images(cfg, dataset, captions, tokenizer(captions), tokenizer([""]), to_unit,
                                dataset.score_images, shown, references)
-    elif on and dataset.references:  # an edit dataset: its held-out items' references and instructions
+    elif wanted and dataset.references:  # an edit dataset: its held-out items' references and instructions
         images = held_out_edits(cfg, dataset, tokenizer, holdout, world, device)
-    elif on and dataset.validation_captions is not None:
+    elif wanted and dataset.validation_captions is not None:
         captions = dataset.validation_captions
         if tokenizer is not None:  # encoded by the model; the unconditional input as precompute stores it
             text, uncond = tokenizer(captions), tokenizer([FAMILIES[cfg.model.family].negative_prompt])
@@ -337,7 +339,7 @@ def build_validation(cfg: DictConfig, dataset, tokenizer: WordTokenizer | Pipeli
         log.warning("%s holds no validation prompts (precompute_latents.py --validation-prompts FILE): no "
                     "validation images", cfg.data.path or "no dataset of data.datasets")
     losses = []
-    if on and holdout:
+    if wanted and holdout:
         groups = [("val/", holdout)]
         if isinstance(dataset, MixedDataset):
             groups = [(f"val/{name}/", [i for i in holdout if dataset.sources(i) == d])
@@ -394,7 +396,7 @@ def held_out_edits(cfg: DictConfig, dataset, tokenizer, holdout: list[int], worl
     captions = [row["caption"] for row in rows]
     references = tuple(torch.stack(images) for images in zip(*(row["references"] for row in rows)))
     if tokenizer is not None:
-        text, uncond = tokenizer(captions), tokenizer([""])
+        text, uncond = tokenizer(captions), tokenizer([FAMILIES[cfg.model.family].negative_prompt])
     else:
         text = {k: torch.stack([row[k] for row in rows]) for k in TEXT_FIELDS if k in rows[0]}
         uncond = dataset.negative_prompt or {k: torch.zeros_like(t[:1]) for k, t in text.items()}
@@ -402,20 +404,26 @@ def held_out_edits(cfg: DictConfig, dataset, tokenizer, holdout: list[int], worl
                          list(range(len(captions))), references, bucket[0])
 
 
-def latent_decoder(cfg: DictConfig, dataset, world: World, device: torch.device):
-    """Latents -> images through the dataset's VAE, one at a time (a 1024-px decode holds gigabytes of
-    activations), on rank 0 only (the others never decode), undoing the scale and shift the dataset
-    recorded."""
+def latent_decoder(cfg: DictConfig, dataset, world: World, device: torch.device, key: str = "validation.vae_from"):
+    """Latents [N, C, h, w] -> images [N, 3, H, W] in [0, 1] through the dataset's VAE (cfg.validation.vae_from, which
+    `key` names in errors), undoing the scale and shift the dataset recorded; on rank 0 only (the others never
+    decode). The VAE is loaded now (a missing one stops the run before training) into host memory, and is on
+    `device` only while it decodes, one image at a time: a 1024-px decode holds gigabytes of activations, which
+    training's steps then have back (runtime/memory_plan.py counts them as validation's)."""
     recorded = {k: v for k, v in dataset.index.get("vae", {}).items() if k != "folder"}
     try:
-        folder = vae_folder(dataset, cfg.validation.vae_from)
-        vae = load_vae(folder, device, DTYPES[cfg.training.dtype], **recorded) if world.is_main else None
+        folder = vae_folder(dataset, cfg.validation.vae_from, key)
+        vae = load_vae(folder, torch.device("cpu"), DTYPES[cfg.training.dtype], **recorded) if world.is_main else None
     except InputError as e:
         raise ConfigError(str(e)) from None
     log.info("latents decoded by the VAE in %s", folder)
 
     def decode(latents: torch.Tensor) -> torch.Tensor:
-        return to_unit(vae.decode(latents[None])[0].float()).cpu()
+        vae.autoencoder.to(device)
+        try:
+            return torch.stack([to_unit(vae.decode(x[None])[0].float()).cpu() for x in latents])
+        finally:
+            vae.autoencoder.to("cpu")
     return decode
 
 

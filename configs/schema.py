@@ -263,8 +263,9 @@ class FluxGuidanceConfig:  # what only a guidance embedding needs (model.guidanc
 
 @dataclass
 class ValidationConfig:
-    every: int = 0  # images and held-out loss every N steps and at the end; 0: off (shapes still score at the end)
-    at_end: bool = True  # validate after the last step too: the run's final samples and scores, against its time
+    every: int = 0  # images and held-out loss every N steps: how training goes, against their time; 0: only at_end
+    # validate after the last step too (with every=0 as well): the run's final samples and scores, against its time
+    at_end: bool = True
     vae_from: Optional[str] = None  # latents: pipeline (or vae/) folder that decodes images; None: the precompute's
     loss_sigmas: int = 8  # held-out loss at this many fixed noise levels: a finer curve against more compute
 

@@ -338,22 +338,22 @@ class LatentDataset(torch.utils.data.Dataset):
         return {**item, "caption": self.caption(index)}
 
 
-def vae_folder(dataset: "LatentDataset", override: str | None) -> Path:
-    """The VAE that decodes the dataset's latents: `override` (a pipeline or its vae/ folder), else the one its
+def vae_folder(dataset: "LatentDataset", override: str | None, key: str = "validation.vae_from") -> Path:
+    """The VAE that decodes the dataset's latents: `override` (a pipeline or its vae/ folder: `key`), else the one its
     precompute recorded in dataset.json."""
     if override:
-        folder, source = Path(override), "validation.vae_from"
+        folder, source = Path(override), key
     else:
         recorded = dataset.index.get("vae", {}).get("folder") or (dataset.index.get("model") and
                                                                  f"{dataset.index['model']}/vae")
         if not recorded:
-            raise DataFormatError(f"{dataset.directory}/{INDEX} records no VAE; set validation.vae_from to the "
-                                  f"pipeline (or its vae/ folder) that encoded the dataset")
+            raise DataFormatError(f"{dataset.directory}/{INDEX} records no VAE; set {key} to the pipeline (or its "
+                                  f"vae/ folder) that encoded the dataset")
         folder, source = Path(recorded), f"the VAE recorded in {dataset.directory}/{INDEX}"
     if (folder / "vae" / "config.json").is_file():
         folder = folder / "vae"
     if not (folder / "config.json").is_file():
-        raise DataFormatError(f"{source}: {folder} is not a diffusers VAE folder (no config.json); set "
-                              f"validation.vae_from to the pipeline (or its vae/ folder) that encoded the data")
+        raise DataFormatError(f"{source}: {folder} is not a diffusers VAE folder (no config.json); set {key} to the "
+                              f"pipeline (or its vae/ folder) that encoded the data")
     return folder
 

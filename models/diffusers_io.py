@@ -222,10 +222,18 @@ def transformer_adapters(adapters: dict[str, tuple[dict[str, torch.Tensor], dict
 
 def export_diffusers_lora(adapters: dict[str, tuple[dict[str, torch.Tensor], dict]], directory: Path,
                           dtype: torch.dtype = torch.float32) -> Path:
-    """Write `pytorch_lora_weights.safetensors` as `StableDiffusion3Pipeline.save_lora_weights` does, for
-    `pipe.load_lora_weights(directory)` (or `transformer.load_lora_adapter(directory, prefix="transformer",
-    weight_name="pytorch_lora_weights.safetensors")`). `adapters`: pipeline component ("transformer",
-    "text_encoder", "text_encoder_2") -> (its adapter weights under peft's names, their LoraConfig fields).
+    """Write `pytorch_lora_weights.safetensors` (`peft_lora_file`) into the new `directory`, for
+    `pipe.load_lora_weights(directory)`."""
+    tensors, metadata = peft_lora_file(adapters)
+    return write_new_directory(directory, lambda tmp: save_safetensors(
+        cpu_tensors(tensors, dtype), tmp / LORA_WEIGHTS, metadata=metadata))
+
+
+def peft_lora_file(adapters: dict[str, tuple[dict[str, torch.Tensor], dict]]) -> tuple[dict[str, torch.Tensor], dict]:
+    """The tensors and header of a LoRA file as `StableDiffusion3Pipeline.save_lora_weights` writes it, for
+    `pipe.load_lora_weights(file or its folder)` (or `transformer.load_lora_adapter(directory, prefix="transformer",
+    weight_name=...)`). `adapters`: pipeline component ("transformer", "text_encoder", "text_encoder_2") -> (its
+    adapter weights under peft's names, their LoraConfig fields).
 
     The scale (alpha / rank, or alpha / sqrt(rank) with rsLoRA) is folded into lora_B and the header says
     alpha = rank without rsLoRA: diffusers has no rank-stabilised flag outside the header, and loaders that ignore
@@ -238,9 +246,7 @@ def export_diffusers_lora(adapters: dict[str, tuple[dict[str, torch.Tensor], dic
         tensors.update(diffusers_lora_state(folded, prefix))
         header.update({f"{prefix}.{k}": v for k, v in {**header_settings(weights, settings), "lora_alpha": settings["r"],
                                                        "use_rslora": False}.items()})
-    metadata = {"format": "pt", LORA_METADATA_KEY: json.dumps(header)}
-    return write_new_directory(directory, lambda tmp: save_safetensors(
-        cpu_tensors(tensors, dtype), tmp / LORA_WEIGHTS, metadata=metadata))
+    return tensors, {"format": "pt", LORA_METADATA_KEY: json.dumps(header)}
 
 
 def adapter_pairs(weights: dict[str, torch.Tensor], scale: float, source: str) -> dict[str, tuple]:
@@ -258,14 +264,20 @@ def adapter_pairs(weights: dict[str, torch.Tensor], scale: float, source: str) -
     return {module: (ab["A"], ab["B"]) for module, ab in pairs.items()}
 
 
-def save_named_lora_file(tensors: dict[str, torch.Tensor], directory: Path, dtype: torch.dtype) -> Path:
+def save_named_lora_file(tensors: dict[str, torch.Tensor], directory: Path, dtype: torch.dtype,
+                         metadata: dict[str, str] | None = None) -> Path:
     """Write `directory/<its name>.safetensors` (a name that tells the file apart once copied into ComfyUI's
-    models/loras) with the weights in `dtype` and the `.alpha` scalars in fp32 (a bf16 alpha would round some ranks
-    above 256). Returns the file."""
+    models/loras) into the new `directory` (`save_lora_file`). Returns the file."""
     directory = Path(directory)
+    file = directory / f"{directory.name}.safetensors"
+    write_new_directory(directory, lambda tmp: save_lora_file(tensors, tmp / file.name, dtype, metadata))
+    return file
+
+
+def save_lora_file(tensors: dict[str, torch.Tensor], path: Path, dtype: torch.dtype,
+                   metadata: dict[str, str] | None = None) -> None:
+    """A LoRA file of another tool's layout, whole or not at all: the weights in `dtype`, the `.alpha` scalars in
+    fp32 (a bf16 alpha would round some ranks above 256), `metadata` in its header."""
     alphas = {k: v for k, v in tensors.items() if k.endswith(".alpha")}
     weights = cpu_tensors({k: v for k, v in tensors.items() if k not in alphas}, dtype)
-    file = directory / f"{directory.name}.safetensors"
-    write_new_directory(directory, lambda tmp: save_safetensors({**weights, **alphas}, tmp / file.name,
-                                                                metadata={"format": "pt"}))
-    return file
+    save_safetensors({**weights, **alphas}, path, metadata={"format": "pt", **(metadata or {})})

@@ -28,6 +28,13 @@ class ReleasedText:
     masked: bool = False  # the text is padded, with a mask
 
 
+# SD3's and FLUX.1's VAE (stabilityai/stable-diffusion-3-medium-diffusers' and black-forest-labs/FLUX.1-dev's
+# vae/config.json): 16 latent channels at 1/8, four stages of 128 to 512 channels, no quant convs
+KL_VAE = ("AutoencoderKL", {"down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
+                            "block_out_channels": [128, 256, 512, 512], "layers_per_block": 2, "latent_channels": 16,
+                            "use_quant_conv": False, "use_post_quant_conv": False})
+
+
 @dataclass(frozen=True)
 class ResolutionShift:
     """The pipeline's shift of the sigma schedule by image size (diffusers' `calculate_shift`): mu is linear in the
@@ -60,6 +67,9 @@ class Family:
     # what its released pipeline gives the transformer; or a function of the model.* settings giving it, where its
     # released transformers take different text (FLUX.2's klein-4B, klein-9B and dev: three language models)
     released_text: ReleasedText | Callable
+    # its released pipeline's VAE: diffusers' class and the config.json values beside that class's defaults (the memory
+    # plan builds it on the meta device to count validation's decoding)
+    released_vae: tuple[str, dict]
     settings: Callable  # its config -> the model.* values it means (model.init_from)
     build_config: Callable  # (model section, latent channels, (joint, pooled) text widths) -> its config
     check: Callable = lambda model: None  # the model section's values, with the family's rules (FieldError)
@@ -74,8 +84,11 @@ class Family:
     packing: int | None = None  # latent pixels its pipeline packs into a token (None: patches inside the transformer)
     cfg_renorm: bool = False  # its pipeline rescales guided velocities per token (Qwen-Image's true CFG)
     negative_prompt: str = ""  # the negative prompt its pipelines are used with (the unconditional input of CFG)
-    # (adapters, config, out, dtype, source) -> the file of a LoRA in the kohya / ComfyUI layout (None: no such layout)
+    # (adapters, config, source) -> the tensors of a LoRA in the kohya / ComfyUI layout (None: no such layout)
     kohya: Callable | None = None
+    # that file's ss_base_model_version and ss_network_module, as the trainers that write its layout name them (model
+    # sites and ComfyUI's LoRA browsers read them)
+    kohya_names: tuple[str, str] | None = None
     # the default max_sequence_length for a transformer of these model.* settings (FLUX.1: dev's or schnell's)
     sequence_length: Callable | None = None
     extra_text_tokens: int = 0  # text tokens beside those max_sequence_length counts (SD3: CLIP's 77)

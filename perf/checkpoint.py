@@ -281,9 +281,12 @@ def local_storage_bytes(tree) -> int:
     return sum(storages.values())
 
 
-def prune_checkpoints(run_dir: Path, keep_last: int, newest: int) -> None:
-    """Keep the `keep_last` checkpoints up to step `newest` (just completed); delete older ones."""
+def prune_checkpoints(run_dir: Path, keep_last: int, newest: int, companion=None) -> None:
+    """Keep the `keep_last` checkpoints up to step `newest` (just completed); delete older ones, and the files of
+    `companion` beside them."""
     for old in [p for p in checkpoints(run_dir) if step_of(p) <= newest][:-keep_last]:
+        if companion is not None:
+            companion.remove(step_of(old))
         trash = old.with_name(f".trash-{old.name}")
         os.rename(old, trash)  # atomic: a kill mid-delete never leaves a half-deleted step_ directory
         shutil.rmtree(trash)
@@ -376,15 +379,18 @@ class Checkpointer:
     """Cadence, staging, background writing, publishing, verification and resumption of a run's checkpoints.
 
     `states`: name -> object with `state_dict()` / `load_state_dict()`; `meta`: JSON written to state.json
-    (with the step); `files`: name -> text written beside (config.yaml). Every rank of the run constructs one
-    and calls every method at the same steps."""
+    (with the step); `files`: name -> text written beside (config.yaml); `companion`: files made from each complete
+    checkpoint outside it (a LoRA run's LoRA files): rank 0 calls its `write(path)` once the checkpoint is
+    published (in the writer thread with async saves), `ensure(path)` for the checkpoint a run resumes from, and
+    `remove(step)` when that checkpoint is pruned. Every rank of the run constructs one and calls every method at
+    the same steps."""
 
     def __init__(self, run_dir: Path, cfg, states: dict, meta: dict, files: dict[str, str], device: torch.device,
-                 timeout_s: int = 1800):
+                 timeout_s: int = 1800, companion=None):
         self.run_dir, self.every, self.keep_last, self.fail_on_error = (Path(run_dir), cfg.every, cfg.keep_last,
                                                                         cfg.fail_on_error)
         self.states = {name: PlainTensors(part) for name, part in states.items()}
-        self.meta, self.files, self.device = meta, files, device
+        self.meta, self.files, self.device, self.companion = meta, files, device, companion
         self.group = host_group(timeout_s) if is_distributed() else None  # the writer thread's own collectives
         self.rank = group_rank(self.group)
         cuda = device.type == "cuda"  # pinned buffers and a side stream need an accelerator
@@ -392,6 +398,8 @@ class Checkpointer:
                                                    use_async_staging=True, use_non_blocking_copy=cuda))
         single_threaded(self.stager._staging_executor)  # its copy thread (torch gives no public handle to it)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint") if cfg.async_save else None
+        if self.executor is not None:  # the companion's tensors are made there
+            single_threaded(self.executor)
         self.pending: Future | None = None
         self.pending_step = -1
         self.staging: Future | None = None
@@ -426,6 +434,8 @@ class Checkpointer:
         load_checkpoint(parts, path, self.group)
         meta = read_meta(path)
         self.last_complete = path
+        if self.rank == 0:
+            self.write_companion(path, self.companion.ensure if self.companion else None)
         log.info("resumed from %s%s", path, f" (written by {meta['strategy']} over {meta['world_size']} process(es))"
                  if "strategy" in meta else "")
         return meta["step"]
@@ -591,10 +601,21 @@ class Checkpointer:
             shutil.rmtree(final)
         os.rename(tmp, final)
         fsync_path(tmp.parent)
+        self.write_companion(final, self.companion.write if self.companion else None)
         try:
-            prune_checkpoints(self.run_dir, self.keep_last, newest=step)
+            prune_checkpoints(self.run_dir, self.keep_last, newest=step, companion=self.companion)
         except OSError as e:  # the new checkpoint is complete; old ones linger until the next save
             log.warning("could not delete old checkpoints in %s: %s", tmp.parent, e)
+
+    @staticmethod
+    def write_companion(path: Path, write) -> None:
+        """`write(path)` (if any) for a complete checkpoint: whatever fails there, the checkpoint stays complete."""
+        if write is None:
+            return
+        try:
+            write(path)
+        except Exception:
+            log.exception("the files made from %s were not written (the checkpoint is complete)", path)
 
     def report_errors(self) -> None:
         """Take the outcome of a finished save, once: raise a failure when checkpoint.fail_on_error, else log it.

@@ -24,16 +24,25 @@ micro-batch 1. The rest follows stated rules:
   (the block running and the one being copied in); a micro-step copies 2N - 1 blocks to the GPU (`swap_bytes`).
 - workspace: dequantizing a quantized layer holds its 4-byte level indices and two weight-sized temporaries in
   the compute dtype (int8: three), for the largest such layer.
+- validation (validation.every or validation.at_end): the EMA swapped into the model keeps a copy of the trained
+  weights; sampling runs the model without autograd on 2 x micro-batch rows with classifier-free guidance (else the
+  micro-batch), the held-out loss on validation.loss_sigmas rows, their working set counted on the meta device as
+  the largest sum of the tensors alive at once (attention as a flash kernel: its output); then the VAE, brought
+  from host memory, decodes one image at a time (the family's released VAE: its weights, and the working set at
+  the resolution, counted the same way). A pipeline's text encoders are not loaded for validation when its
+  prompts were precomputed.
 - peak: everything that persists, plus the larger of the activations and the gradients (the backward frees
-  activations as it makes gradients), plus the workspace.
+  activations as it makes gradients) with the workspace, or of validation's.
 - on a GPU: the CUDA context and kernels (0.6 GiB), and 10 % of the rest for the caching allocator's
   fragmentation.
 """
 
-from contextlib import contextmanager
+import weakref
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -62,6 +71,7 @@ class Plan:
     in_flight: float = 0.0
     activations: float = 0.0
     workspace: float = 0.0
+    validation: float = 0.0  # held while validation runs instead of activations and gradients
     overhead: float = 0.0
     host: float = 0.0
     recompute: float = 0.0  # activation checkpointing's extra time, as a share of the step's (roofline)
@@ -71,8 +81,8 @@ class Plan:
 
     @property
     def peak(self) -> float:
-        return self.weights + self.optimizer + self.ema + self.in_flight + max(self.activations, self.gradients) \
-            + self.workspace + self.overhead
+        return self.weights + self.optimizer + self.ema + self.in_flight + self.overhead \
+            + max(max(self.activations, self.gradients) + self.workspace, self.validation)
 
 
 @dataclass
@@ -94,6 +104,8 @@ class ModelCount:
     block_traffic: list[int]  # bytes each block's other ops read and write in its forward, per sample
     block_weight_traffic: list[int]  # of those ops, the bytes of those on weights alone (dequantization), per step
     forward_flops: int  # of the whole model, per sample
+    sampling: int = 0  # the most bytes a forward without autograd holds at once (validation), per sample
+    vae: tuple[int, int] = (0, 0)  # validation's VAE on the device: its weights, and one image's decode working set
 
 
 def count_model(model, example_inputs, activation_bytes: int, frozen_bytes: int) -> ModelCount:
@@ -178,7 +190,81 @@ def count_model(model, example_inputs, activation_bytes: int, frozen_bytes: int)
         root_bytes=stored(model) - sum(stored(b) for b in blocks),
         saved_per_block=saved, block_inputs=inputs, saved_outside=outside[0],
         dequantized=largest_quantized(model), selective_kept=kept, block_flops=block_flops, block_traffic=traffic,
-        block_weight_traffic=weight_traffic, forward_flops=flops.get_total_flops())
+        block_weight_traffic=weight_traffic, forward_flops=flops.get_total_flops(),
+        sampling=working_set(lambda: model(*example_inputs), activation_bytes, model))
+
+
+class LiveBytes(TorchDispatchMode):
+    """The most bytes that the tensors ops make hold at once, each until it is freed (a view holds its base): the
+    working set of code without autograd, beside what existed before. Floating tensors counted at
+    `activation_bytes` per element (the meta device has no autocast)."""
+
+    def __init__(self, activation_bytes: int):
+        super().__init__()
+        self.activation_bytes, self.live, self.peak, self.counting = activation_bytes, 0, 0, True
+
+    def release(self, size: int) -> None:
+        self.live -= size
+
+    @contextmanager
+    def paused(self):
+        counting, self.counting = self.counting, False
+        try:
+            yield
+        finally:
+            self.counting = counting
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.counting or func.is_view:
+            return out
+        inputs = {id(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and id(t) not in inputs and t._base is None:  # in-place: nothing new
+                size = t.numel() * (self.activation_bytes if t.is_floating_point() else t.element_size())
+                self.live += size
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(t, self.release, size)
+        return out
+
+
+def working_set(run, activation_bytes: int, model=None) -> int:
+    """LiveBytes' peak of `run()` without autograd, attention (in `model`, and torch's scaled_dot_product_attention,
+    which diffusers' VAEs call) held as a flash kernel holds it: its output, not the scores."""
+    counter = LiveBytes(activation_bytes)
+
+    def as_flash(exact):
+        def kernel(q, k, v, *args, **kwargs):
+            with counter.paused():
+                out = exact(q, k, v, *args, **kwargs)
+            return out.clone()  # what a flash kernel allocates
+        return kernel
+
+    sdpa = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = as_flash(sdpa)
+    try:
+        kernel = attention.attention_kernel(model, as_flash(attention.math_attention)) if model else nullcontext()
+        with torch.no_grad(), kernel, counter:
+            run()
+    finally:
+        F.scaled_dot_product_attention = sdpa
+    return counter.peak
+
+
+def vae_count(vae: tuple[str, dict], resolution: int, activation_bytes: int) -> tuple[int, int]:
+    """(weights, working set of decoding one image of `resolution` a side) of a VAE (diffusers' class, its config)
+    in the compute dtype, built on the meta device."""
+    import diffusers
+    name, config = vae
+    with torch.device("meta"):
+        vae = getattr(diffusers, name)(**config).eval()
+        frames = hasattr(vae.config, "temperal_downsample")  # a video VAE (Qwen-Image's): an image is one frame
+        side = resolution // 2 ** (len(vae.config.temperal_downsample) if frames else
+                                   len(vae.config.block_out_channels) - 1)
+        latents = torch.empty(1, vae.config.z_dim, 1, side, side) if frames else \
+            torch.empty(1, vae.config.latent_channels, side, side)
+    weights = sum(p.numel() for p in vae.parameters()) * activation_bytes
+    return weights, working_set(lambda: vae.decode(latents), activation_bytes)
 
 
 class BlockOps(TorchDispatchMode):
@@ -239,9 +325,10 @@ def largest_quantized(model) -> dict[str, int]:
 
 def plan(count: ModelCount, *, strategy: str, ranks: int, micro_batch: int, dtype: str, checkpointing: str = "none",
          every: int = 1, reshard_after_forward: bool = True, cpu_offload: bool = False, gpu: bool = True,
-         swapped: int = 0) -> Plan:
+         swapped: int = 0, validation_rows: int = 0) -> Plan:
     """Bytes per rank for training with these settings (`ranks`: the shard group under FSDP/HSDP; `swapped`: the
-    blocks block swapping keeps in host memory, without sharding or CPU offload)."""
+    blocks block swapping keeps in host memory, without sharding or CPU offload), and validation's forwards of
+    `validation_rows` rows (0: no validation) and its VAE."""
     p = Plan()
     split = ranks if strategy in ("fsdp", "hsdp") else 1
     compute = DTYPES[dtype].itemsize
@@ -281,6 +368,9 @@ def plan(count: ModelCount, *, strategy: str, ranks: int, micro_batch: int, dtyp
     p.recompute = (flops / BF16_MATMUL_RATE + traffic / MEMORY_RATE) / (step_flops / BF16_MATMUL_RATE)
     p.workspace = max([n * (4 + 2 * compute) for s, n in count.dequantized.items() if s == "nf4"] +
                       [n * 3 * compute for s, n in count.dequantized.items() if s == "int8"] + [0])
+    if validation_rows:
+        swap = 0 if cpu_offload else 4 * count.trained / split  # the trained weights, while the EMA's stand in
+        p.validation = swap + max(validation_rows * count.sampling, sum(count.vae))
     if gpu:
         p.overhead = CUDA_CONTEXT + FRAGMENTATION * (p.peak - p.overhead)
     return p

@@ -70,7 +70,7 @@ def evaluating(model, ema: EMA):
 
 class PromptImages:
     """Samples of fixed prompts from fixed noise: `text` is the model's text input for `captions` (one row
-    each) and `uncond` the one-row unconditional input; `decode` turns the model's output into [3, H, W] images
+    each) and `uncond` the one-row unconditional input; `decode` turns the model's outputs into [N, 3, H, W] images
     in [0, 1] (on rank 0), `score` (if any) rates them, and the grid shows `shown` of them. An edit model's
     samples edit `references` (each [N, C, h, w], a row per caption; the unconditional branch edits them too), and
     the grid shows each beside its references."""
@@ -92,7 +92,7 @@ class PromptImages:
         samples = gather_to_main(list(samples[:real]), world)
         if not world.is_main:
             return None, [], {}
-        images = torch.stack([self.decode(x) for x in samples])
+        images = self.decode(torch.stack(samples))
         scores = self.score(images, self.captions) if self.score else {}
         if not self.references:
             return images[self.shown], [self.captions[i] for i in self.shown], scores
@@ -153,9 +153,8 @@ def final_step(run_dir: Path) -> int | None:
 
 
 class Validation:
-    """`every` > 0: at every `every`-th step and, with `at_end`, at the end. Images that are scored (the shapes
-    data) are also made at the end of a run with validation off: the run's final score is what `make train`
-    reports."""
+    """At every `every`-th step (`every` > 0) and, with `at_end`, at the end of the run (also with `every` 0: a
+    run's final grid and scores are what its user looks at first)."""
 
     def __init__(self, every: int, at_end: bool, max_steps: int, images: PromptImages | None,
                  losses: list[HeldOutLoss], world: World, device: torch.device):
@@ -169,7 +168,7 @@ class Validation:
 
     @property
     def runs_at_end(self) -> bool:
-        return self.final and (self.every > 0 or bool(self.images and self.images.score))
+        return self.final and (self.every > 0 or self.images is not None or bool(self.losses))
 
     def finished(self, run_dir: Path, step: int) -> bool:
         """Whether a run at its last step has nothing left to do: no final validation, or one recorded for this

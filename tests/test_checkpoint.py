@@ -161,6 +161,58 @@ def test_prune_keeps_the_newest_and_leftovers_are_cleaned(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000003"]
 
 
+class Companion:
+    """Files made from each complete checkpoint (a LoRA run's LoRA files): says where each was made."""
+
+    def __init__(self, run_dir):
+        self.folder, self.made = run_dir / "made", []
+
+    def write(self, path):
+        assert verify(path) is None  # complete
+        self.made.append((path.name, threading.current_thread().name, torch.get_num_threads()))
+        self.folder.mkdir(exist_ok=True)
+        (self.folder / path.name).write_text("made")
+
+    def ensure(self, path):
+        if not (self.folder / path.name).exists():
+            self.write(path)
+
+    def remove(self, step):
+        (self.folder / f"step_{step:08d}").unlink()
+
+
+def test_a_companion_is_made_from_each_complete_checkpoint_off_the_training_thread_and_pruned_with_it(tmp_path,
+                                                                                                   caplog):
+    """Made in the writer thread on one torch thread (as the stager's copies: tests below), deleted with its
+    checkpoint, made again for the checkpoint a run resumes from if it is missing; one that fails leaves its
+    checkpoint complete, and is said."""
+    suite_threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        companion = Companion(tmp_path)
+        cfg = SimpleNamespace(every=1, keep_last=2, async_save=True, fail_on_error=True)
+        ckpt = Checkpointer(tmp_path, cfg, {"model": Weights()}, {}, {}, torch.device("cpu"), companion=companion)
+        for step in (1, 2, 3):
+            ckpt.save(step)
+        ckpt.close()
+    finally:
+        torch.set_num_threads(suite_threads)
+    assert [(name, thread.split("_")[0], threads) for name, thread, threads in companion.made] == \
+        [(f"step_0000000{step}", "checkpoint", 1) for step in (1, 2, 3)]
+    assert sorted(p.name for p in companion.folder.iterdir()) == ["step_00000002", "step_00000003"]
+    (companion.folder / "step_00000003").unlink()  # killed between the checkpoint and its companion
+    ckpt = Checkpointer(tmp_path, cfg, {"model": Weights()}, {}, {}, torch.device("cpu"), companion=companion)
+    assert ckpt.resume() == 3 and (companion.folder / "step_00000003").is_file()
+
+    def fail(path):
+        raise RuntimeError("a bug")
+    companion.write = fail
+    ckpt.save(4)
+    ckpt.close()
+    assert ckpt.last_error is None and verify(checkpoints(tmp_path)[-1]) is None
+    assert f"the files made from {checkpoints(tmp_path)[-1]} were not written (the checkpoint is complete)" in caplog.text
+
+
 def test_resume_checks_every_part_and_a_missing_part_starts_fresh(tmp_path, caplog):
     write(tmp_path, 1)
     with pytest.raises(ConfigError, match=r"other model state than this run: missing \['x'\], unexpected \['b'\]"):

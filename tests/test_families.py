@@ -372,7 +372,7 @@ def test_a_lora_run_stopped_twice_resumes_bit_for_bit_and_loads_into_the_pipelin
     """precompute -> a LoRA run from the family's shipped config on its pipeline's transformer, stopped by SIGINT
     at its first step and by SIGKILL after step 3's checkpoint, resumed each time: bit for bit the uninterrupted
     run -> export -> the family's pipeline loads the file (`load_lora_weights`), and its transformer then computes
-    this project's adapted model's output (1e-5); its image changes."""
+    this project's adapted model's output (1e-5); its image changes. (sample_mmdit.py on such a run: below.)"""
     from sample_mmdit import load_trained
     case = CASES[family]
     folder, data = request.getfixturevalue(case.pipeline.folder), request.getfixturevalue(case.pipeline.data)
@@ -387,10 +387,6 @@ def test_a_lora_run_stopped_twice_resumes_bit_for_bit_and_loads_into_the_pipelin
 
     out = tmp_path / "lora"
     assert export_mmdit.main(["--checkpoint", str(tmp_path / "interrupted"), "--out", str(out)]) == 0
-    (tmp_path / "prompts.txt").write_text("a cat\n")  # sampling a LoRA run here: refused, with the family's pipeline
-    assert sample_mmdit.main(["--checkpoint", str(tmp_path / "interrupted"), "--prompts", str(tmp_path / "prompts.txt"),
-                              "--out", str(tmp_path / "samples")]) == 2
-    assert f"sample with diffusers' {FAMILIES[family].pipeline_class}" in caplog.text
     pipe = getattr(diffusers, FAMILIES[family].pipeline_class).from_pretrained(folder)
     pipe.set_progress_bar_config(disable=True)
     x = case.inputs(dict(pipe.transformer.config), 8, 8, 5, seed=3)
@@ -428,6 +424,62 @@ def test_a_lora_run_with_blocks_swapped_trains_bit_for_bit_like_without(family, 
     assert swap.loads == block_swap.planned_loads(swap.blocks, 2) * 2  # two steps of one micro-step
     for part in ("model", "ema"):
         assert_close(final_weights(tmp_path / "swapped", part), final_weights(tmp_path / "plain", part))
+
+
+@pytest.mark.parametrize("family", CASES)
+def test_a_lora_run_shows_grids_and_writes_the_lora_file_of_each_checkpoint(family, request, tmp_path):
+    """A LoRA run from the family's shipped config on its pipeline's data, whose precompute stored validation prompts:
+    sample grids at the planned steps and at the end (the family's sampler; the pipeline's VAE decodes them), and
+    beside each complete checkpoint, pruned with it, the LoRA file the family's pipeline loads
+    (`load_lora_weights(FILE)`), which then computes this project's model of that checkpoint (1e-5); where the family
+    has a kohya / ComfyUI layout, that file too, with kohya's metadata."""
+    from safetensors import safe_open
+    from sample_mmdit import load_trained
+    case, record = CASES[family], FAMILIES[family]
+    folder, data = request.getfixturevalue(case.pipeline.folder), request.getfixturevalue(case.pipeline.data)
+    run = tmp_path / "run"
+    assert main(pipeline_lora(case.pipeline, folder, data, run, "training.max_steps=4", "checkpoint.every=1",
+                              "validation.every=2", "validation.at_end=true", "sampling.steps=2")) == 0
+    assert sorted(p.name for p in (run / "samples").glob("*.png")) == ["step_00000002.png", "step_00000004.png"]
+    kept = [f"step_0000000{step}{kind}.safetensors" for step in (3, 4)
+            for kind in ("", *(["_kohya"] if record.kohya else []))]
+    assert sorted(p.name for p in (run / "loras").iterdir()) == kept  # checkpoint.keep_last=2
+    pipe = getattr(diffusers, record.pipeline_class).from_pretrained(folder)
+    pipe.load_lora_weights(run / "loras" / "step_00000004.safetensors")
+    x = case.inputs(dict(pipe.transformer.config), 8, 8, 5, seed=5)
+    model = load_trained(checkpoints(run)[-1])[0].transformer
+    with torch.no_grad():
+        torch.testing.assert_close(case.theirs(pipe.transformer, x), ours(model, x), rtol=0, atol=1e-5)
+    if record.kohya:
+        with safe_open(run / "loras" / "step_00000004_kohya.safetensors", "pt") as f:
+            header = f.metadata()
+        assert {k: header[k] for k in ("ss_base_model_version", "ss_network_module", "ss_network_dim", "ss_steps",
+                                       "ss_epoch", "ss_num_train_images", "ss_resolution")} == {
+            "ss_base_model_version": record.kohya_names[0], "ss_network_module": record.kohya_names[1],
+            "ss_network_dim": "4", "ss_steps": "4", "ss_epoch": "2", "ss_num_train_images": "8",
+            "ss_resolution": "(16, 16)"}
+
+
+@pytest.mark.parametrize("family", CASES)
+def test_sample_mmdit_samples_a_lora_run_from_its_stored_prompts_or_new_ones(family, request, tmp_path, monkeypatch):
+    """sample_mmdit.py on a LoRA run of the family, from the pipeline its precompute recorded: the validation prompts
+    stored with the data, and the same prompts given as new ones (encoded by the pipeline's text encoders), give the
+    same images; --lora-scale 0 (the base model) others."""
+    case = CASES[family].pipeline
+    folder, data = request.getfixturevalue(case.folder), request.getfixturevalue(case.data)
+    assert main(pipeline_lora(case, folder, data, tmp_path / "run", "training.max_steps=2", "checkpoint.every=0")) == 0
+    (tmp_path / "prompts.txt").write_text((data.parent / "prompts.txt").read_text())  # precompute's
+    written, save_pngs = {}, sample_mmdit.save_pngs
+    monkeypatch.setattr(sample_mmdit, "save_pngs", lambda images, tmp: (written.setdefault(len(written), images),
+                                                                        save_pngs(images, tmp)))
+    sample = ["--checkpoint", str(tmp_path / "run"), "--steps", "2"]
+    assert sample_mmdit.main([*sample, "--out", str(tmp_path / "stored")]) == 0
+    assert sample_mmdit.main([*sample, "--prompts", str(tmp_path / "prompts.txt"), "--out", str(tmp_path / "new")]) == 0
+    assert sample_mmdit.main([*sample, "--lora-scale", "0", "--out", str(tmp_path / "base")]) == 0
+    stored, new, base = written.values()
+    assert len(stored) == 2 and len(list((tmp_path / "stored").glob("*.png"))) == 2
+    torch.testing.assert_close(new, stored, rtol=0, atol=1e-5)
+    assert (base - stored).abs().amax(dim=(1, 2, 3)).min() > 1e-4  # 10x what equal ones may differ by
 
 
 @pytest.mark.parametrize("family", CASES)

@@ -131,6 +131,14 @@ def test_config_with_the_released_transformer_is_the_released_architecture_and_f
     assert result.peak / GIB <= gib, result
 
 
+@pytest.mark.parametrize("name", sorted(p.stem for p in CONFIGS.glob("*.yaml") if p.stem != "shapes"))
+def test_config_shows_sample_grids_a_few_times_per_run(name):
+    """Validation images of the dataset's prompts every validation.every steps (and at the end): a few per run."""
+    cfg = load_config(CONFIGS / f"{name}.yaml", ["data.path=unused", "model.init_from=null", "lora.enabled=false",
+                                                  "lora.base_quantization=none"], resolve=False)
+    assert cfg.validation.at_end and 3 <= cfg.training.max_steps // cfg.validation.every <= 8
+
+
 @pytest.mark.parametrize("name", ["sd3_medium_lora", "sd35_medium", "sd35_large_lora_24gb"])
 def test_config_runs_as_written_on_a_shrunken_model(name, tmp_path):
     """Every setting of the file (bf16, activation checkpointing, batch sizer, accumulation, buckets, LoRA)

@@ -8,13 +8,15 @@ import types
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 import export_mmdit
 from configs.build import build_data
-from models.flux.kohya import export_kohya_lora, kohya_lora
+from models.diffusers_io import save_named_lora_file
+from models.flux.kohya import kohya_lora
 from models.flux.model import pack, position_ids, unpack
-from perf.checkpoint import checkpoints
+from perf.checkpoint import checkpoints, step_of
 from sample_mmdit import load_trained
 from tests.conftest import assert_close, final_weights
 from tests.families import flux_inputs as inputs, flux_theirs, ours
@@ -203,6 +205,9 @@ def test_kohya_export_loads_through_diffusers_converter_as_the_peft_file(pipelin
     peft = load_file(tmp_path / "peft" / "pytorch_lora_weights.safetensors")
     assert "lora_unet_single_blocks_1_linear1.lora_up.weight" in kohya
     assert "lora_te1_text_model_encoder_layers_1_self_attn_out_proj.alpha" in kohya
+    with safe_open(tmp_path / "comfy" / "comfy.safetensors", "pt") as f:  # kohya_metadata's, as in a run's loras/
+        assert {k: f.metadata()[k] for k in ("ss_network_module", "ss_steps")} == {
+            "ss_network_module": "networks.lora_flux", "ss_steps": str(step_of(checkpoints(run)[-1]))}
 
     ours = fresh_pipeline(flux_dir, tmp_path / "peft")
     comfy = fresh_pipeline(flux_dir, tmp_path / "comfy", monkeypatch)
@@ -334,9 +339,30 @@ def test_kohya_file_keeps_alpha_exact_at_any_dtype(tmp_path):
     weights = {f"transformer_blocks.0.attn.to_{p}.lora_{ab}.default.weight": torch.randn(shape)
                for p in "qkv" for ab, shape in (("A", (87, 16)), ("B", (16, 87)))}
     settings = {"r": 87, "lora_alpha": 87, "use_rslora": False, "use_dora": False}
-    file = export_kohya_lora({"transformer": (weights, settings)}, (16, 1, 0), tmp_path / "bf16", torch.bfloat16)
+    tensors = kohya_lora({"transformer": (weights, settings)}, (16, 1, 0), "test")
+    file = save_named_lora_file(tensors, tmp_path / "bf16", torch.bfloat16)
     assert file == tmp_path / "bf16" / "bf16.safetensors"
     tensors = load_file(file)
     assert torch.tensor(261.0).bfloat16().item() == 260
     assert tensors["lora_unet_double_blocks_0_img_attn_qkv.alpha"].item() == 261
     assert tensors["lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight"].dtype == torch.bfloat16
+
+
+def test_kohya_metadata_says_what_model_sites_read_and_the_trigger_words_where_the_run_has_them():
+    """kohya's ss_* keys from the run's config and state.json (the epoch the last step is in: 500 steps of 8 over 20
+    images end in epoch 200); the trigger words (data.caption_prefix) as ss_tag_frequency's one tag and the SAI
+    model spec's trigger phrase, only where the config has them."""
+    from omegaconf import OmegaConf
+    from models.families import FAMILIES
+    cfg = OmegaConf.create({"model": {"init_from": "/m/FLUX.1-dev/transformer"}, "logging": {"output_dir": "/runs/me"},
+                            "data": {"path": "/latents/me"},
+                            "training": {"train_batch_size": 1, "gradient_accumulation_steps": 4}})
+    meta = {"lora": {"r": 16, "lora_alpha": 32}, "step": 500, "world_size": 2, "data": {"items": 20, "resolution": 1024}}
+    found = export_mmdit.kohya_metadata(cfg, meta, FAMILIES["flux"])
+    assert found == {"ss_base_model_version": "flux1", "ss_network_module": "networks.lora_flux",
+                     "ss_network_dim": "16", "ss_network_alpha": "16.0", "ss_steps": "500", "ss_output_name": "me",
+                     "ss_sd_model_name": "FLUX.1-dev", "ss_num_train_images": "20", "ss_epoch": "200",
+                     "ss_resolution": "(1024, 1024)"}
+    cfg.data.caption_prefix = "sks person"
+    assert export_mmdit.kohya_metadata(cfg, meta, FAMILIES["flux"]) == {
+        **found, "modelspec.trigger_phrase": "sks person", "ss_tag_frequency": '{"me": {"sks person": 20}}'}

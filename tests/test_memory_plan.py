@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_flatten
 
 import plan_memory
 import train_mmdit_stable
-from configs.build import InitialValues, build_collate, build_data, build_trained_model
+from configs.build import InitialValues, build_collate, build_data, build_trained_model, build_validation
 from configs.schema import load_config
 from data.loader import step_batches
 from optim.adamw import build_adamw
@@ -195,3 +195,45 @@ def test_block_swapping_plans_the_swapped_blocks_in_host_memory_and_two_of_them_
     row = next(line for line in out.splitlines() if line.startswith("offload.blocks_to_swap=3 (fewest)"))
     assert row.split()[-1] == "yes" and next(line for line in out.splitlines()
                                              if line.startswith("as configured")).split()[-1] == "NO"
+
+
+def test_validations_working_set_is_within_15_percent_of_its_measured_peak(tiny):
+    """Validation's sampling (classifier-free guidance: twice the micro-batch's rows) from the EMA weights swapped in,
+    measured as a training step is, against the plan's validation beside what persists."""
+    from models.pipeline import generate, initial_noise
+    from runtime.validation import evaluating
+    overrides = tiny(*SIZE, "model.patch_size=2", "validation.at_end=true", "training.train_batch_size=8")
+    cfg = load_config(overrides=overrides)
+    dataset, tokenizer = build_data(cfg)
+    model = build_trained_model(cfg, dataset, tokenizer)
+    model = apply_parallelism(model, cfg, World(), CPU, InitialValues(model, 0, cfg.model.init_from))
+    ema = EMA(model, 0.99)
+    captions = dataset.validation_captions()[:8]
+    text, uncond, noise = tokenizer(captions), tokenizer([""]), initial_noise(0, list(range(8)), (3, 32, 32))
+    sampler = build_validation(cfg, dataset, tokenizer, [], World(), CPU).images.sampler
+    state = [*model.parameters(), *model.buffers(), *ema.shadow.values(), *text.values(), *uncond.values(), noise]
+    with PeakMemory(state) as memory, evaluating(model, ema) as plain:
+        generate(plain, text, uncond, noise, sampler, batch_size=8)
+    measured = memory.peak - sum(t.untyped_storage().nbytes() for t in {id(t): t for t in state}.values())
+    dataset, tokenizer = plan_memory.data_like(cfg, 0)
+    count = plan_memory.count(cfg, dataset, tokenizer, "none")
+    planned = plan(count, strategy="ddp", ranks=1, micro_batch=8, dtype="fp32", gpu=False,
+                   validation_rows=plan_memory.validation_rows(cfg, 8)).validation
+    assert abs(planned - measured) <= 0.15 * measured, (planned / 2**20, measured / 2**20)
+
+
+def test_a_vaes_decode_is_counted_within_15_percent_of_its_measured_peak():
+    """The VAE that decodes validation images: its weights and one image's decode, counted on the meta device, against
+    a real decode (a small AutoencoderKL at 64 px, attention in its middle block)."""
+    import diffusers
+    from runtime.memory_plan import vae_count
+    config = dict(down_block_types=["DownEncoderBlock2D"] * 3, up_block_types=["UpDecoderBlock2D"] * 3,
+                  block_out_channels=[16, 32, 32], layers_per_block=1, latent_channels=4, norm_num_groups=8)
+    weights, planned = vae_count(("AutoencoderKL", config), 64, activation_bytes=4)
+    vae = diffusers.AutoencoderKL(**config).eval()
+    latents = torch.randn(1, 4, 16, 16)
+    with torch.no_grad(), PeakMemory([latents]) as memory:
+        vae.decode(latents)
+    assert weights == sum(p.numel() * 4 for p in vae.parameters())
+    measured = memory.peak - latents.untyped_storage().nbytes()
+    assert abs(planned - measured) <= 0.15 * measured, (planned / 2**20, measured / 2**20)

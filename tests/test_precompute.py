@@ -348,3 +348,30 @@ def test_lora_walkthrough_from_another_directory_validates_and_resumes(sd3_dir, 
     caplog.set_level(logging.INFO, logger="mmdit")
     assert train_mmdit_stable.main(command[1:]) == 0
     assert "resumed from" in caplog.text and "step_00000004" in caplog.text
+
+
+def test_sampling_a_run_whose_pipeline_moved_names_it_and_the_flag_that_points_at_a_copy(sd3_dir, tmp_path, caplog):
+    """sample_mmdit.py decodes with the VAE (and encodes new prompts with the text encoders) of the pipeline the
+    run's precompute recorded; moved away, the folder is named with the flag that points at another copy
+    (--pipeline), which then samples."""
+    import shutil
+
+    import sample_mmdit
+    from tests.conftest import LATENT_RUN
+    moved = tmp_path / "pipeline"
+    shutil.copytree(sd3_dir, moved)
+    (tmp_path / "prompts.txt").write_text("a red cat\n")
+    run_precompute(moved, image_folder(tmp_path / "images", [(16, 16)] * 4), tmp_path / "data",
+                   "--validation-prompts", str(tmp_path / "prompts.txt"))
+    latents = [*LATENT_RUN, f"data.path={tmp_path / 'data'}"]
+    base = export_random_base(latents, tmp_path / "base")
+    assert main([*latents, f"model.init_from={base}", "lora.enabled=true", "lora.rank=2", "training.max_steps=1",
+                 "training.train_batch_size=2", "validation.at_end=false", f"logging.output_dir={tmp_path / 'run'}"]) == 0
+    shutil.rmtree(moved)
+    sample = ["--checkpoint", str(tmp_path / "run"), "--steps", "1"]
+    assert sample_mmdit.main([*sample, "--out", str(tmp_path / "a")]) == 2
+    assert f"{moved / 'vae'} is not a diffusers VAE folder (no config.json); set --pipeline to the pipeline (or its " \
+           f"vae/ folder) that encoded the data" in caplog.text and not (tmp_path / "a").exists()
+    assert sample_mmdit.main([*sample, "--pipeline", str(sd3_dir), "--prompts", str(tmp_path / "prompts.txt"),
+                              "--out", str(tmp_path / "b")]) == 0
+    assert [p.name for p in (tmp_path / "b").iterdir()] == ["0000.png"]

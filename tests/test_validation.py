@@ -78,8 +78,21 @@ def test_validation_off_builds_and_runs_nothing(latent_run, tmp_path, monkeypatc
         monkeypatch.setattr(build, name, refuse)
     monkeypatch.setattr(validation.Validation, "__call__", refuse)
     data = write_latent_shards(tmp_path / "data", validation_prompts=2)
-    assert main(latent_run("training.max_steps=2", "data.holdout=2", data=data)) == 0
+    assert main(latent_run("training.max_steps=2", "data.holdout=2", "validation.at_end=false", data=data)) == 0
     assert not (tmp_path / "run" / "samples").exists()
+
+
+def test_at_end_alone_makes_the_final_grid_and_held_out_loss(latent_run, tmp_path, monkeypatch):
+    """validation.every=0 (no periodic validation) with validation.at_end: the validation prompts' grid and the
+    held-out loss of the last step, and validation.json."""
+    monkeypatch.setattr(build, "latent_decoder", lambda *args: lambda latents: torch.zeros(len(latents), 3, 8, 8))
+    data = write_latent_shards(tmp_path / "data", validation_prompts=2)
+    assert main(latent_run("training.max_steps=2", "data.holdout=2", "validation.every=0", "validation.at_end=true",
+                           "validation.loss_sigmas=2", "sampling.steps=1", data=data)) == 0
+    run = tmp_path / "run"
+    assert [p.name for p in (run / "samples").glob("*.png")] == ["step_00000002.png"]
+    assert [r["step"] for r in metric_rows(run) if "val/loss" in r] == [2]
+    assert json.loads((run / "validation.json").read_text())["step"] == 2
 
 
 def test_a_grid_of_two_prompts_has_two_columns_and_whole_captions(tmp_path):

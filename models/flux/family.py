@@ -6,9 +6,9 @@ import logging
 
 from PIL import Image
 
-from models.family import Family, ReleasedText, ResolutionShift, check_qk_norm, check_rotary_axes
+from models.family import KL_VAE, Family, ReleasedText, ResolutionShift, check_qk_norm, check_rotary_axes
 from models.flux.bfl import BFLReader
-from models.flux.kohya import export_kohya_lora, outside_the_blocks
+from models.flux.kohya import kohya_lora, outside_the_blocks
 from models.blocks import rotary_axes
 from models.flux.model import Flux, FluxConfig
 from models.flux.text import FluxTextEncoders, FluxTokenizers
@@ -45,15 +45,14 @@ def fill_defaults(model) -> None:
         model.axes_dims_rope = rotary_axes(model.attention_head_dim)
 
 
-def export_kohya(adapters: dict, config: FluxConfig, out, dtype, source: str):
-    """The kohya / ComfyUI file of a FLUX.1 LoRA (models/flux/kohya.py)."""
-    written = export_kohya_lora(adapters, (config.hidden_size, config.num_layers, config.num_single_layers), out,
-                                dtype, source=source)
+def kohya_tensors(adapters: dict, config: FluxConfig, source: str) -> dict:
+    """The tensors of a FLUX.1 LoRA's kohya / ComfyUI file (models/flux/kohya.py)."""
+    tensors = kohya_lora(adapters, (config.hidden_size, config.num_layers, config.num_single_layers), source)
     dropped = outside_the_blocks(adapters["transformer"][0])
     if dropped:
         log.warning("%s adapts %s outside the blocks: ComfyUI and Forge apply them, diffusers (0.42) drops them from "
                     "a kohya file; load the default --format peft in diffusers", source, dropped)
-    return written
+    return tensors
 
 
 # FluxKontextPipeline's PREFERRED_KONTEXT_RESOLUTIONS (width, height): the sizes Kontext was trained at, about 1 MP
@@ -95,6 +94,8 @@ FAMILY = Family(
               "flux-kontext": {**RELEASED, "guidance_embeds": True}},
     # T5 tokens, CLIP-L's pooled output; 16-channel latents at 1/8
     released_text=ReleasedText(joint=4096, pooled=768, latent_channels=16, vae_factor=8),
+    released_vae=KL_VAE,
     settings=settings, build_config=build_config, check=check, fill_defaults=fill_defaults,
-    schedule=ResolutionShift(), single_file=BFLReader, packing=PACKING, kohya=export_kohya,
-    edit_pipelines=("FluxKontextPipeline",), reference_image=kontext_reference)
+    schedule=ResolutionShift(), single_file=BFLReader, packing=PACKING, kohya=kohya_tensors,
+    kohya_names=("flux1", "networks.lora_flux"), edit_pipelines=("FluxKontextPipeline",),
+    reference_image=kontext_reference)

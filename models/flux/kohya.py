@@ -14,12 +14,10 @@ which recognises this block-diagonal form, splits it back into exactly the A and
 alpha / rank is then 1. DoRA cannot be carried (diffusers drops kohya files' `dora_scale` keys).
 """
 
-from pathlib import Path
-
 import torch
 
 from errors import InputError
-from models.diffusers_io import adapter_pairs, lora_scale, save_named_lora_file
+from models.diffusers_io import adapter_pairs, lora_scale
 from models.flux.bfl import DOUBLE, EMBEDDERS, SINGLE
 
 UNET, CLIP_L = "lora_unet_", "lora_te1_"  # sd-scripts' prefixes of the transformer's and CLIP-L's modules
@@ -107,9 +105,3 @@ def outside_the_blocks(weights: dict[str, torch.Tensor]) -> list[str]:
     return sorted({k.split(".lora_")[0] for k in weights
                    if not k.startswith(("transformer_blocks.", "single_transformer_blocks."))})
 
-
-def export_kohya_lora(adapters: dict[str, tuple[dict[str, torch.Tensor], dict]], dims: tuple[int, int, int],
-                      directory: Path, dtype: torch.dtype = torch.float32, source: str = "the checkpoint") -> Path:
-    """Write `directory/<its name>.safetensors` in the kohya layout (`save_named_lora_file`); every check runs before
-    the directory is made. Returns the file."""
-    return save_named_lora_file(kohya_lora(adapters, dims, source), directory, dtype)

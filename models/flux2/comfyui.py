@@ -22,12 +22,11 @@ diffusers' converter does not swap them back, which is said.
 """
 
 import logging
-from pathlib import Path
 
 import torch
 
 from errors import InputError
-from models.diffusers_io import adapter_pairs, lora_scale, save_named_lora_file, transformer_adapters
+from models.diffusers_io import adapter_pairs, lora_scale, transformer_adapters
 from models.flux.kohya import fused
 from models.flux2.bfl import DOUBLE, FINAL, QKV, SINGLE, TOP
 
@@ -71,7 +70,6 @@ def comfyui_lora(adapters: dict[str, tuple[dict[str, torch.Tensor], dict]], dims
     return tensors
 
 
-def export_comfyui_lora(adapters: dict, config, out: Path, dtype: torch.dtype, source: str) -> Path:
-    """The family's `kohya` export: `out/<out's name>.safetensors`, every check before `out` is made."""
-    dims = (config.hidden_size, config.num_layers, config.num_single_layers)
-    return save_named_lora_file(comfyui_lora(adapters, dims, source), out, dtype)
+def comfyui_tensors(adapters: dict, config, source: str) -> dict[str, torch.Tensor]:
+    """The family's `kohya` layout, for a transformer of `config`."""
+    return comfyui_lora(adapters, (config.hidden_size, config.num_layers, config.num_single_layers), source)

@@ -9,7 +9,7 @@ from PIL import Image
 
 from models.family import Family, ReleasedText, ResolutionShift, check_qk_norm, check_rotary_axes
 from models.flux2.bfl import Flux2BFLReader
-from models.flux2.comfyui import export_comfyui_lora
+from models.flux2.comfyui import comfyui_tensors
 from models.flux2.model import Flux2, Flux2Config, rotary_axes
 from models.flux2.text import Flux2TextEncoders, Flux2Tokenizers
 
@@ -113,11 +113,13 @@ FAMILY = Family(
                                  "guidance_embeds": False},
               "flux2-dev": {**RELEASED, "num_layers": 8, "num_single_layers": 48, "num_attention_heads": 48,
                             "guidance_embeds": True}},
-    released_text=released_text, settings=settings, build_config=build_config, check=check,
+    released_text=released_text, released_vae=("AutoencoderKLFlux2", {}),  # its defaults: the releases' vae/
+    settings=settings, build_config=build_config, check=check,
     fill_defaults=fill_defaults,
     # training sigmas (flow.resolution_shift): FLUX.1's e^mu, mu 0.5 at 256 tokens to 1.15 at 4096, over FLUX.2's
     # tokens, as musubi-tuner's `flux2_shift` (docs/flux2-architecture.md: schedule); sampling: its pipelines' own mu
     schedule=ResolutionShift(), sampling_mu=empirical_mu,
-    single_file=Flux2BFLReader, packing=PACKING, kohya=export_comfyui_lora,
+    single_file=Flux2BFLReader, packing=PACKING, kohya=comfyui_tensors,
+    kohya_names=("flux2", "networks.lora_flux_2"),
     # its pipelines take reference images natively (`image=`)
     edit_pipelines=("Flux2KleinPipeline", "Flux2Pipeline"), reference_image=pipeline_reference)

@@ -15,11 +15,9 @@ alpha / rank is 1, and the adapter applies at the strength it was trained with. 
 loader drops `dora_scale` keys (with a warning), so the one file would be another model there.
 """
 
-from pathlib import Path
-
 import torch
 
-from models.diffusers_io import adapter_pairs, lora_scale, save_named_lora_file, transformer_adapters
+from models.diffusers_io import adapter_pairs, lora_scale, transformer_adapters
 
 PREFIX = "diffusion_model."  # the transformer's place in ComfyUI's model
 
@@ -36,6 +34,6 @@ def comfyui_lora(adapters: dict[str, tuple[dict[str, torch.Tensor], dict]], sour
     return tensors
 
 
-def export_comfyui_lora(adapters: dict, config, out: Path, dtype: torch.dtype, source: str) -> Path:
-    """The family's `kohya` export: `out/<out's name>.safetensors`, every check before `out` is made."""
-    return save_named_lora_file(comfyui_lora(adapters, source), out, dtype)
+def comfyui_tensors(adapters: dict, config, source: str) -> dict[str, torch.Tensor]:
+    """The family's `kohya` layout (its config is not needed: the names are diffusers')."""
+    return comfyui_lora(adapters, source)

@@ -8,7 +8,7 @@ from PIL import Image
 
 from models.blocks import rotary_axes
 from models.family import Family, ReleasedText, ResolutionShift, check_qk_norm, check_rotary_axes
-from models.qwen_image.comfyui import export_comfyui_lora
+from models.qwen_image.comfyui import comfyui_tensors
 from models.qwen_image.model import QwenImage, QwenImageConfig
 from models.qwen_image.single_file import QwenSingleFileReader
 from models.qwen_image.text import MAX_SEQUENCE_LENGTH, QwenEditText, QwenTextEncoders, QwenTokenizers, area_size
@@ -64,11 +64,12 @@ FAMILY = Family(
                              "qk_norm": "rms_norm", "axes_dims_rope": [16, 56, 56]}},
     # Qwen2.5-VL-7B's last hidden states, padded, with a mask; 16-channel latents at 1/8
     released_text=ReleasedText(joint=3584, pooled=0, latent_channels=16, vae_factor=8, masked=True),
+    released_vae=("AutoencoderKLQwenImage", {}),  # its defaults are Qwen/Qwen-Image's vae/config.json
     settings=settings, build_config=build_config, check=check, fill_defaults=fill_defaults,
     # Qwen/Qwen-Image's scheduler/scheduler_config.json
     schedule=ResolutionShift(base_tokens=256, max_tokens=8192, base_shift=0.5, max_shift=0.9, terminal=0.02),
-    single_file=QwenSingleFileReader, kohya=export_comfyui_lora, packing=2,
-    cfg_renorm=True, negative_prompt=" ",  # true CFG, as the model card's true_cfg_scale=4.0, negative_prompt=" "
+    single_file=QwenSingleFileReader, kohya=comfyui_tensors, kohya_names=("qwen_image", "networks.lora_qwen_image"),
+    packing=2, cfg_renorm=True, negative_prompt=" ",  # true CFG, as the model card's true_cfg_scale=4.0
     edit_pipelines=("QwenImageEditPlusPipeline", "QwenImageEditPipeline"), reference_image=edit_reference,
     edit_text=QwenEditText,
     # Qwen-Image-Layered's extra conditioning and layered rotary positions: not implemented, accepted off

@@ -2,7 +2,7 @@
 inside the transformer, conditioned on CLIP-L + CLIP-G + T5 (models/sd3/text.py)."""
 
 from errors import FieldError
-from models.family import Family, ReleasedText
+from models.family import KL_VAE, Family, ReleasedText
 from models.sd3.model import MMDiT, MMDiTConfig
 from models.sd3.text import SD3TextEncoders, SD3Tokenizers
 
@@ -58,5 +58,6 @@ FAMILY = Family(
                              "dual_attention_layers": []}},
     # CLIP-L + CLIP-G (77 tokens) and T5 (256), pooled CLIP-L ++ CLIP-G; 16-channel latents at 1/8
     released_text=ReleasedText(joint=4096, pooled=2048, latent_channels=16, vae_factor=8), extra_text_tokens=77,
+    released_vae=KL_VAE,
     settings=settings, build_config=build_config, check=check,
     neutral_values={"pos_embed_type": "sincos", "use_pos_embed": True, "context_pre_only": None, "qk_norm_eps": 1e-6})
