@@ -21,6 +21,7 @@ from errors import ConfigError, FieldError
 from models.diffusers_io import CheckpointFormatError
 from models.families import FAMILIES, is_single_file, read_config
 from models.lora import TEXT_ENCODER_PARTS
+from optim.optimizers import check_optimizer
 
 DEFAULT_CONFIG = Path(__file__).parent / "shapes.yaml"
 
@@ -323,6 +324,15 @@ class Float8Config:
 
 @dataclass
 class OptimizerConfig:
+    # adamw: torch's fused AdamW, 8 bytes of state per trained parameter; adamw8bit: torchao's, its moments in 8 bits
+    # (about 2 bytes), at a small rounding of the update; prodigy: prodigyopt's, which estimates its own step size
+    # (optimizer.lr=1.0 scales the estimate), 16 bytes; adafactor: torch's, factored second moment and no momentum
+    # (bytes per row and column, not per value), steps relative to each weight's size. Under FSDP only adamw
+    # (optim/optimizers.py says why)
+    name: Literal["adamw", "adamw8bit", "prodigy", "adafactor"] = "adamw"
+    # cosine: warmup, then down to lr * min_lr_ratio along a cosine; linear: warmup, then a straight line to it;
+    # constant_with_warmup: warmup, then the peak; constant: the peak from the first step (no warmup)
+    schedule: Literal["cosine", "constant", "constant_with_warmup", "linear"] = "cosine"
     lr: float = 2e-3  # peak learning rate after warmup
     beta1: float = 0.9  # momentum: smoother updates against slower reaction
     beta2: float = 0.99  # lower adapts faster to changing gradient scale, noisier
@@ -331,7 +341,7 @@ class OptimizerConfig:
     weight_decay: float = 0.0  # on matmul/conv weights only; regularises, slows fitting
     grad_clip_norm: float = 1.0  # global gradient norm cap; 0 disables; guards against spikes
     warmup_steps: int = 200  # linear warmup: stability early against slower start
-    min_lr_ratio: float = 0.02  # cosine decays to lr * this at max_steps
+    min_lr_ratio: float = 0.02  # cosine and linear decay to lr * this at max_steps
     ema_decay: float = 0.999  # EMA of weights for sampling; higher is smoother but lags longer
 
     def __post_init__(self):
@@ -502,6 +512,7 @@ def check_combinations(cfg: DictConfig) -> None:
     if cfg.float8.enabled and lora.base_quantization != "none":
         raise ConfigError(f"float8.enabled=true converts the frozen base's linears, which "
                           f"lora.base_quantization={lora.base_quantization} already replaced; choose one of them")
+    check_optimizer(cfg.optimizer, cfg.parallel.strategy, lora.enabled and lora.text_encoder_lr is not None)
     if cfg.training.dtype == "fp16" and cfg.parallel.strategy != "ddp":
         raise ConfigError(f"training.dtype=fp16 is not supported with parallel.strategy={cfg.parallel.strategy} "
                           f"(its gradient scaler does not handle sharded gradients); use training.dtype=bf16")

@@ -4,8 +4,9 @@ Counted on the meta device for the real model (which allocates nothing): its par
 (trained, frozen, quantized) and the tensors autograd saves for the backward in one training forward at
 micro-batch 1. The rest follows stated rules:
 
-- trained weights: fp32 master (4 B), gradients fp32 (4 B), AdamW's two moments (8 B), EMA (4 B) per parameter;
-  frozen weights at their stored size (the compute dtype, or nf4 / int8 codes and scales). Under FSDP/HSDP all
+- trained weights: fp32 master (4 B), gradients fp32 (4 B), EMA (4 B) per parameter, and the optimizer's state by
+  the shapes of the trained parameters (optim/optimizers.py: AdamW's two moments 8 B per parameter, 8-bit AdamW's
+  about 2 B, prodigy's 16 B, Adafactor's a row and a column mean per matrix); frozen weights at their stored size (the compute dtype, or nf4 / int8 codes and scales). Under FSDP/HSDP all
   of it is split over the shard group; with parallel.cpu_offload it lives in host memory instead.
 - DDP keeps a second copy of the gradients in its all-reduce buckets.
 - FSDP in flight: the root's weights gathered (it keeps them between forward and backward), two blocks'
@@ -40,6 +41,7 @@ from torch.utils._pytree import tree_leaves
 from formats import DTYPES
 from models import attention
 from models.quantized import QuantizedLinear
+from optim.optimizers import state_bytes
 from perf.activation_checkpointing import keeps
 from perf.float8 import BF16_MATMUL_RATE, MEMORY_RATE
 
@@ -74,6 +76,7 @@ class Plan:
 class ModelCount:
     """What the meta-device pass found."""
     trained: int  # parameters
+    trained_shapes: list[tuple[int, ...]]  # their shapes, for the optimizer's state
     frozen_bytes: int
     buffer_bytes: int
     block_bytes: list[int]  # each block's parameters at their stored size
@@ -164,6 +167,7 @@ def count_model(model, example_inputs, activation_bytes: int, frozen_bytes: int)
 
     return ModelCount(
         trained=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        trained_shapes=[tuple(p.shape) for p in model.parameters() if p.requires_grad],
         frozen_bytes=sum(stored_size(p) for p in model.parameters() if not p.requires_grad),
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         block_bytes=[stored(b) for b in blocks],
@@ -231,14 +235,16 @@ def largest_quantized(model) -> dict[str, int]:
 
 
 def plan(count: ModelCount, *, strategy: str, ranks: int, micro_batch: int, dtype: str, checkpointing: str = "none",
-         every: int = 1, reshard_after_forward: bool = True, cpu_offload: bool = False, gpu: bool = True) -> Plan:
-    """Bytes per rank for training with these settings (`ranks`: the shard group under FSDP/HSDP)."""
+         every: int = 1, reshard_after_forward: bool = True, cpu_offload: bool = False, gpu: bool = True,
+         optimizer: str = "adamw") -> Plan:
+    """Bytes per rank for training with these settings (`ranks`: the shard group under FSDP/HSDP; `optimizer`:
+    optimizer.name)."""
     p = Plan()
     split = ranks if strategy in ("fsdp", "hsdp") else 1
     compute = DTYPES[dtype].itemsize
     p.weights = (4 * count.trained + count.frozen_bytes) / split + count.buffer_bytes
     p.gradients = 4 * count.trained / split
-    p.optimizer = 8 * count.trained / split
+    p.optimizer = state_bytes(optimizer, count.trained_shapes) / split
     p.ema = 4 * count.trained / split
     if strategy == "ddp" and ranks > 1:
         p.in_flight = 4 * count.trained  # DDP's all-reduce buckets
@@ -251,7 +257,7 @@ def plan(count: ModelCount, *, strategy: str, ranks: int, micro_batch: int, dtyp
     if cpu_offload:
         p.host = p.weights - count.buffer_bytes + p.gradients + p.optimizer + p.ema
         p.weights, p.gradients, p.optimizer, p.ema = count.buffer_bytes, 0.0, 0.0, 0.0
-        p.notes.append("weights, gradients, AdamW state and EMA in host memory; the optimizer step runs there")
+        p.notes.append("weights, gradients, optimizer state and EMA in host memory; the optimizer step runs there")
     checkpointed = range(0, len(count.saved_per_block), every) if checkpointing != "none" else range(0)
     p.activations = micro_batch * (held_in_backward(count, checkpointing, set(checkpointed)) + count.saved_outside)
     flops = micro_batch * sum(count.block_flops[i] for i in checkpointed) if checkpointing == "full" else 0
