@@ -20,6 +20,10 @@ A full fine-tune becomes a transformer directory of the run's family (`SD3Transf
                   which QwenImagePipeline.load_lora_weights loads too (models/qwen_image/comfyui.py). FLUX.2: BFL's
                   module names under `diffusion_model.` (lora_A / lora_B, the q/k/v adapters fused, no alpha), which
                   the FLUX.2 pipelines' load_lora_weights loads too (models/flux2/comfyui.py).
+A LoKr or LoHa run (lora.type) of any family (models/lycoris.py): kohya writes DIR/<DIR's name>.safetensors in
+ComfyUI's layout (`transformer.<diffusers module>.lokr_w1`, `….hada_w1_a`, ...); peft writes
+DIR/pytorch_lora_weights.safetensors for diffusers where its pipeline loads the kind (LoKr: FLUX.2), and is refused
+with the reason elsewhere.
 """
 
 import argparse
@@ -35,6 +39,7 @@ from formats import DTYPES
 from models.diffusers_io import (CheckpointFormatError, check_state_dict, export_diffusers_lora,
                                  export_diffusers_transformer, transformers4_clip_names)
 from models.families import FAMILIES, transformer_of_record
+from models.lycoris import adapter_kind, export_lycoris
 from perf.checkpoint import find_checkpoint, read_checkpoint
 from runtime.directory_lock import writable_directory
 from runtime.quiet_imports import torchao_only_if
@@ -52,14 +57,17 @@ def export(checkpoint: Path, out: Path, use_ema: bool = True, dtype: torch.dtype
         raise CheckpointFormatError(f"{checkpoint} predates export support (no 'mmdit' in state.json); "
                                     f"resume it for one step to write a new checkpoint")
     family = FAMILIES[meta.get("family", "sd3")]  # recorded since FLUX.1
+    weights = {**tensors["model"], **(tensors["ema"] if use_ema else {})}  # the EMA covers trained parameters
+    part = lambda prefix: {k.removeprefix(prefix): v for k, v in weights.items() if k.startswith(prefix)}
+    transformer = part(PREFIX)
+    if meta["lora"] and adapter_kind(transformer) != "lora":  # LoKr, LoHa: every family, both formats
+        return export_lycoris(family, {"transformer": (transformer, meta["lora"])}, out, dtype, lora_format,
+                              str(checkpoint))
     if lora_format == "kohya" and (family.kohya is None or not meta["lora"]):
         what = "a full fine-tune (no adapters)" if family.kohya else f"of model.family={family.name}"
         kinds = " or ".join(f.title for f in FAMILIES.values() if f.kohya)
         raise InputError(f"--format kohya writes a {kinds} LoRA, and {checkpoint} is {what}: export it in the "
                          f"default format (--format peft)")
-    weights = {**tensors["model"], **(tensors["ema"] if use_ema else {})}  # the EMA covers trained parameters
-    part = lambda prefix: {k.removeprefix(prefix): v for k, v in weights.items() if k.startswith(prefix)}
-    transformer = part(PREFIX)
     if meta["lora"]:
         adapters = {"transformer": (transformer, meta["lora"])}
         for encoder, settings in meta.get("text_encoder_lora", {}).items():  # lora.text_encoders
@@ -88,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the EMA of the weights (smoother) or the last trained weights")
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="dtype of the written weights")
     parser.add_argument("--format", choices=FORMATS, default="peft",
-                        help="a LoRA's layout: diffusers' (peft) or, for FLUX.1, Qwen-Image and FLUX.2, "
-                             "ComfyUI's (kohya)")
+                        help="a LoRA's layout: diffusers' (peft) or, for FLUX.1, Qwen-Image and FLUX.2 (a LoKr or "
+                             "LoHa: any family), ComfyUI's (kohya)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     try:

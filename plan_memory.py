@@ -141,7 +141,7 @@ def settings(cfg, choice: dict, gpus: int) -> dict:
     shard_group = (cfg.parallel.shard_size or gpus) if choice["strategy"] == "hsdp" else gpus
     return {"strategy": choice["strategy"], "ranks": shard_group, "micro_batch": choice["micro_batch"],
             "dtype": cfg.training.dtype, "reshard_after_forward": cfg.parallel.reshard_after_forward,
-            "cpu_offload": choice["cpu_offload"], "optimizer": cfg.optimizer.name}
+            "cpu_offload": choice["cpu_offload"], "optimizer": cfg.optimizer.name, "adapter": cfg.lora.type}
 
 
 def counter(cfg, dataset, tokenizer):

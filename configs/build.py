@@ -23,7 +23,7 @@ from formats import DTYPES
 from models.diffusers_io import CheckpointFormatError
 from models.families import FAMILIES, family_of_pipeline, open_weights, read_config
 from models.family import ResolutionShift
-from models.lora import apply_lora
+from models.lora import adapter_part, apply_lora
 from models.quantized import QuantizedLinear, dequantize, quantize, quantize_linears
 from models.pipeline import Sampler
 from models.rectified_flow import batch_sigmas, resolution_shift
@@ -241,7 +241,7 @@ class InitialValues:
         if ".lora_magnitude_vector." in name:
             return self.dora_magnitude(name, offsets, sizes)
         block = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
-        if ".lora_" in name:
+        if adapter_part(name) is not None:
             return self.model.initial_value(name, self.seed)[block]
         if name.startswith("text_encoder.") and isinstance(self.model.text_encoder, PipelineTextEncoders):
             return self.model.text_encoder.read(name.removeprefix("text_encoder."), offsets, sizes)

@@ -164,6 +164,11 @@ class DataConfig:
 @dataclass
 class LoraConfig:
     enabled: bool = False  # train low-rank adapters on a frozen model: far less optimizer memory, tiny files
+    # lora: W + B A of rank `rank`; lokr: a Kronecker product of two small factors (a full-rank update from few
+    # parameters); loha: the elementwise product of two rank-`rank` products (rank up to rank^2 for twice LoRA's
+    # parameters). LoKr and LoHa form each layer's dense update in every forward and keep it for the backward (more
+    # memory and time than LoRA); they take none of dropout, use_dora, use_rslora, text_encoders (peft's LoKr / LoHa)
+    type: Literal["lora", "lokr", "loha"] = "lora"
     rank: int = 16  # adapter rank: capacity against parameters and memory
     alpha: float = 16.0  # adapter output is scaled by alpha / rank; higher moves further from the base per step
     dropout: float = 0.0  # dropout on the adapter input: regularises small datasets, adds noise to the step
@@ -196,6 +201,13 @@ class LoraConfig:
             raise FieldError("text_encoders", list(self.text_encoders), f"distinct names of {list(TEXT_ENCODER_PARTS)}")
         if self.text_encoder_lr is not None:
             positive(self, "text_encoder_lr")
+        if self.type != "lora":  # what only peft's LoRA has
+            for name, off, shown in (("use_dora", False, "false"), ("use_rslora", False, "false"),
+                                     ("dropout", 0.0, "0"), ("text_encoders", [], "[]")):
+                if getattr(self, name) != off:
+                    raise FieldError(name, getattr(self, name), f"{shown} with type={self.type} (a setting of peft's "
+                                     f"LoRA, which its {self.type.replace('loha', 'LoHa').replace('lokr', 'LoKr')} "
+                                     f"does not have)")
 
 
 @dataclass

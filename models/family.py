@@ -75,6 +75,10 @@ class Family:
     negative_prompt: str = ""  # the negative prompt its pipelines are used with (the unconditional input of CFG)
     # (adapters, config, out, dtype, source) -> the file of a LoRA in the kohya / ComfyUI layout (None: no such layout)
     kohya: Callable | None = None
+    # LoKr / LoHa files (models/lycoris.py): the kinds its diffusers pipeline loads (lora.type values), and the
+    # modules whose stem in ComfyUI's LoRA key map is not `transformer.<diffusers name>` (diffusers name -> stem)
+    diffusers_lycoris: tuple[str, ...] = ()
+    comfyui_names: dict = field(default_factory=dict)
     # the default max_sequence_length for a transformer of these model.* settings (FLUX.1: dev's or schnell's)
     sequence_length: Callable | None = None
     extra_text_tokens: int = 0  # text tokens beside those max_sequence_length counts (SD3: CLIP's 77)

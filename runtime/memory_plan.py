@@ -21,7 +21,8 @@ micro-batch 1. The rest follows stated rules:
   bytes they read and write as eager kernels, at 3 TB/s), `selective` the other ops only. Both are counted on the
   meta device like the bytes; compiled blocks fuse the other ops, so their part is an upper bound.
 - workspace: dequantizing a quantized layer holds its 4-byte level indices and two weight-sized temporaries in
-  the compute dtype (int8: three), for the largest such layer.
+  the compute dtype (int8: three), for the largest such layer; in fp32 under LoKr / LoHa (lora.type), whose peft
+  layers read the base weight (its shape) in every forward, which a quantized layer gives dequantized in fp32.
 - peak: everything that persists, plus the larger of the activations and the gradients (the backward frees
   activations as it makes gradients), plus the workspace.
 - on a GPU: the CUDA context and kernels (0.6 GiB), and 10 % of the rest for the caching allocator's
@@ -236,9 +237,9 @@ def largest_quantized(model) -> dict[str, int]:
 
 def plan(count: ModelCount, *, strategy: str, ranks: int, micro_batch: int, dtype: str, checkpointing: str = "none",
          every: int = 1, reshard_after_forward: bool = True, cpu_offload: bool = False, gpu: bool = True,
-         optimizer: str = "adamw") -> Plan:
+         optimizer: str = "adamw", adapter: str = "lora") -> Plan:
     """Bytes per rank for training with these settings (`ranks`: the shard group under FSDP/HSDP; `optimizer`:
-    optimizer.name)."""
+    optimizer.name; `adapter`: lora.type)."""
     p = Plan()
     split = ranks if strategy in ("fsdp", "hsdp") else 1
     compute = DTYPES[dtype].itemsize
@@ -265,8 +266,9 @@ def plan(count: ModelCount, *, strategy: str, ranks: int, micro_batch: int, dtyp
     step_flops = 3 * micro_batch * count.forward_flops  # both re-run the ops between the matmuls; full those too
     p.recompute_flops = flops / step_flops
     p.recompute = (flops / BF16_MATMUL_RATE + traffic / MEMORY_RATE) / (step_flops / BF16_MATMUL_RATE)
-    p.workspace = max([n * (4 + 2 * compute) for s, n in count.dequantized.items() if s == "nf4"] +
-                      [n * 3 * compute for s, n in count.dequantized.items() if s == "int8"] + [0])
+    dequantized = 4 if adapter != "lora" else compute
+    p.workspace = max([n * (4 + 2 * dequantized) for s, n in count.dequantized.items() if s == "nf4"] +
+                      [n * 3 * dequantized for s, n in count.dequantized.items() if s == "int8"] + [0])
     if gpu:
         p.overhead = CUDA_CONTEXT + FRAGMENTATION * (p.peak - p.overhead)
     return p

@@ -8,7 +8,7 @@ facts and their sources."""
 import logging
 
 from models.family import Family, ReleasedText, ResolutionShift, check_qk_norm, check_rotary_axes
-from models.flux2.bfl import Flux2BFLReader
+from models.flux2.bfl import TOP, Flux2BFLReader
 from models.flux2.comfyui import export_comfyui_lora
 from models.flux2.model import Flux2, Flux2Config, rotary_axes
 from models.flux2.text import Flux2TextEncoders, Flux2Tokenizers
@@ -85,6 +85,7 @@ def released_text(model) -> ReleasedText:
     return ReleasedText(joint=joint, pooled=0, latent_channels=128, vae_factor=16)
 
 
+COMFYUI_UNMAPPED = ("time_guidance_embed.", "double_stream_modulation_", "single_stream_modulation")
 RELEASED = {"patch_size": PACKING, "qk_norm": "rms_norm", "attention_head_dim": 128, "axes_dims_rope": [32, 32, 32, 32]}
 
 FAMILY = Family(
@@ -106,4 +107,9 @@ FAMILY = Family(
     # training sigmas (flow.resolution_shift): FLUX.1's e^mu, mu 0.5 at 256 tokens to 1.15 at 4096, over FLUX.2's
     # tokens, as musubi-tuner's `flux2_shift` (docs/flux2-architecture.md: schedule); sampling: its pipelines' own mu
     schedule=ResolutionShift(), sampling_mu=empirical_mu,
-    single_file=Flux2BFLReader, packing=PACKING, kohya=export_comfyui_lora)
+    single_file=Flux2BFLReader, packing=PACKING, kohya=export_comfyui_lora,
+    # Flux2LoraLoaderMixin loads LoKr (diffusers 0.42); ComfyUI's diffusers-name map for FLUX (comfy/utils.py,
+    # `flux_to_diffusers`) has FLUX.1's embedder names and no shared modulations: those by their BFL names
+    diffusers_lycoris=("lokr",),
+    comfyui_names={ours: f"diffusion_model.{bfl}" for bfl, ours in TOP.items() if ours.startswith(COMFYUI_UNMAPPED)})
+
