@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 from omegaconf import DictConfig
 
+from data.captions import caption_style, recorded_style
 from data.images import to_unit
 from data.latents import TEXT_FIELDS, LatentDataset, empty_text, vae_folder
 from data.loader import Collate, split_holdout
@@ -99,7 +100,7 @@ def build_data(cfg: DictConfig) -> tuple[torch.utils.data.Dataset, WordTokenizer
     paths = [entry.path for entry in cfg.data.datasets] or [cfg.data.path]
     try:
         datasets = [open_latents(cfg, path, not on_the_fly) for path in paths]
-        dataset = (MixedDataset(datasets, dataset_names(paths), [e.weight for e in cfg.data.datasets])
+        dataset = (MixedDataset(datasets, dataset_names(paths), mixture_weights(cfg.data.datasets, datasets))
                    if cfg.data.datasets else datasets[0])
     except InputError as e:
         raise ConfigError(str(e)) from None
@@ -109,9 +110,36 @@ def build_data(cfg: DictConfig) -> tuple[torch.utils.data.Dataset, WordTokenizer
     return dataset, pipeline_tokenizers(cfg, dataset) if on_the_fly else None
 
 
+def mixture_weights(entries, datasets: list[LatentDataset]) -> list[float]:
+    """The datasets' shares: their weights, or where repeats are given (kohya's num_repeats) items x repeats."""
+    if all(e.repeats is None for e in entries):
+        return [e.weight for e in entries]
+    return [len(d) * (e.repeats or 1) for e, d in zip(entries, datasets)]
+
+
+def check_captions(cfg: DictConfig, dataset: LatentDataset, path: str) -> None:
+    """Precomputed text was encoded from captions made once, at precompute: data.caption_* must say how."""
+    ours, (theirs, variants) = caption_style(cfg.data), recorded_style(dataset.index)
+    if ours == theirs:
+        return
+    keys = {"prefix": "caption_prefix", "shuffle_tags": "shuffle_caption_tags", "keep_tags": "keep_tags",
+            "tag_dropout": "tag_dropout"}
+    differ = "; ".join(f"data.{keys[k]}={v!r}, its precompute {getattr(theirs, k)!r}"
+                       for k, v in dataclasses.asdict(ours).items() if getattr(theirs, k) != v)
+    flags = " ".join(filter(None, [f"--caption-prefix '{ours.prefix}'" if ours.prefix else "",
+                                   "--shuffle-caption-tags" if ours.shuffle_tags else "",
+                                   f"--keep-tags {ours.keep_tags}" if ours.keep_tags else "",
+                                   f"--tag-dropout {ours.tag_dropout}" if ours.tag_dropout else "",
+                                   "--caption-variants K" if ours.random else ""]))
+    raise ConfigError(f"{path} holds text embeddings of captions made otherwise ({differ}; {variants} encoding(s) "
+                      f"per caption): the captions were encoded once, at precompute. Precompute them again"
+                      f"{f' with {flags}' if flags else ' without caption flags'}, set the data.* keys to the "
+                      f"precompute's, or encode the text in the step (data.text_encoding=on_the_fly)")
+
+
 def open_latents(cfg: DictConfig, path: str, text_embeddings: bool) -> LatentDataset:
     """A latent dataset, with loss masks as data.use_masks says (auto: where it has them), encoded by a pipeline
-    of model.family."""
+    of model.family; its precomputed text made from captions as data.caption_* say."""
     masks = {"auto": None, "true": True, "false": False}[cfg.data.use_masks]
     dataset = LatentDataset(path, cfg.data.aspect_buckets, text_embeddings, masks)
     family = dataset.index.get("family", "sd3")  # recorded since FLUX.1
@@ -121,6 +149,8 @@ def open_latents(cfg: DictConfig, path: str, text_embeddings: bool) -> LatentDat
                           f"precompute the images with a {cfg.model.family} pipeline)")
     if masks is None and dataset.masks:
         log.info("%s has loss masks: the loss is weighted by them (data.use_masks=false to ignore them)", path)
+    if text_embeddings:
+        check_captions(cfg, dataset, path)
     return dataset
 
 
@@ -285,7 +315,7 @@ def build_collate(cfg: DictConfig, dataset, tokenizer: WordTokenizer | None) -> 
     dropout = [cfg.data.caption_dropout if e is None or e.caption_dropout is None else e.caption_dropout
                for e in entries]
     return Collate(cfg.training.seed, sigmas, dropout, tokenizer, getattr(dataset, "empty_prompt", None),
-                   [1.0 if e is None else e.loss_weight for e in entries])
+                   [1.0 if e is None else e.loss_weight for e in entries], caption_style(cfg.data))
 
 
 def build_validation(cfg: DictConfig, dataset, tokenizer: WordTokenizer | PipelineTokenizers | None, holdout: list[int],

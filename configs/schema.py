@@ -119,6 +119,8 @@ class DatasetEntry:  # one dataset of data.datasets
     weight: float = 1.0  # its share of the samples drawn (weights are normalised over the entries)
     caption_dropout: Optional[float] = None  # its own caption dropout; None: data.caption_dropout
     loss_weight: float = 1.0  # multiplies its samples' losses (prior preservation's lambda): pull against fit
+    # kohya's num_repeats, instead of weight: every dataset's share is its items x repeats (1 where unset)
+    repeats: Optional[int] = None
 
 
 @dataclass
@@ -133,6 +135,17 @@ class DataConfig:
     num_items: int = 100_000  # shapes: distinct procedural items before the order repeats
     holdout: int = 0  # items kept out of training for the held-out loss (validation.every); fewer to learn from
     caption_dropout: float = 0.1  # share of samples trained unconditionally: enables CFG, costs conditional fit
+    # latents: put before every caption (a trigger word, e.g. "sks person,"); a dropped caption stays empty. With
+    # precomputed text the dataset must have been encoded with the same (precompute's --caption-prefix)
+    caption_prefix: str = ""
+    # latents: shuffle each caption's comma-separated tags per sample and step (less reliance on tag order). Needs the
+    # text encoded in the step (text_encoding=on_the_fly: the encoders' compute every step) or precomputed variants
+    # (precompute --caption-variants K --shuffle-caption-tags: K encodings per caption on disk, one drawn per step)
+    shuffle_caption_tags: bool = False
+    keep_tags: int = 0  # latents: the first k tags stay in place and are never dropped (a trigger word, a subject)
+    # latents: each other tag left out with this probability; like shuffling, needs precomputed variants or the text
+    # encoded in the step
+    tag_dropout: float = 0.0
     num_workers: int = -1  # loader processes; -1: 0 on CPU (both cores compute), 4 on CUDA (hide loading)
     pin_memory: bool = True  # CUDA only: page-locked batches so host-to-device copies overlap compute
     prefetch_factor: int = 2  # batches each worker prepares ahead (workers > 0): memory against stalls
@@ -145,8 +158,8 @@ class DataConfig:
 
     def __post_init__(self):
         positive(self, "num_items", "prefetch_factor")
-        non_negative(self, "holdout")
-        fraction(self, "caption_dropout")
+        non_negative(self, "holdout", "keep_tags")
+        fraction(self, "caption_dropout", "tag_dropout")
         if self.use_masks not in ("auto", "true", "false"):
             raise FieldError("use_masks", self.use_masks, "auto, true or false")
         for i, entry in enumerate(self.datasets):
@@ -157,6 +170,9 @@ class DataConfig:
                                  "> 0 and >= 0")
             if entry.caption_dropout is not None and not 0 <= entry.caption_dropout < 1:
                 raise FieldError(f"datasets[{i}].caption_dropout", entry.caption_dropout, "in [0, 1), or null")
+            if entry.repeats is not None and (entry.repeats < 1 or entry.weight != 1.0):
+                raise FieldError(f"datasets[{i}].repeats", entry.repeats, f">= 1, with weight left at 1 (repeats "
+                                 f"set the share instead of weight; got weight {entry.weight})")
         if self.num_workers < -1:
             raise FieldError("num_workers", self.num_workers, ">= 0, or -1 for the device default")
 
@@ -505,6 +521,10 @@ def check_combinations(cfg: DictConfig) -> None:
         raise ConfigError("data.datasets lists the latent datasets of a run; data.path names the only one: give one "
                           "of the two (and data.name=latents)" if cfg.data.path else
                           "data.datasets lists latent datasets: set data.name=latents")
+    captioned = [k for k in CAPTION_KEYS if cfg.data[k] != DataConfig.__dataclass_fields__[k].default]
+    if captioned and cfg.data.name != "latents":
+        raise ConfigError(f"data.{captioned[0]} changes the captions of a latent dataset; the shapes data's captions "
+                          f"are fixed sentences of its own vocabulary")
     if cfg.data.use_masks == "true" and cfg.data.name != "latents":
         raise ConfigError("data.use_masks=true weighs the loss by the masks of a latent dataset; the shapes data has "
                           "none")
@@ -530,6 +550,7 @@ def check_combinations(cfg: DictConfig) -> None:
                           f"(its gradient scaler does not handle sharded gradients); use training.dtype=bf16")
 
 
+CAPTION_KEYS = ("caption_prefix", "shuffle_caption_tags", "keep_tags", "tag_dropout")  # data.*: data/captions.py
 PATH_KEYS = ("data.path", "data.text_encoders_from", "model.init_from", "logging.output_dir", "validation.vae_from")
 SET_WHOLE = "a section is set key by key (training.seed=1), a list whole ('data.datasets=[{path: a}, {path: b}]')"
 # keys that moved to the section a reader looks in: a config that still uses the old name is told the new one

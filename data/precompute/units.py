@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from data.captions import recorded_style
 from data.latents import publish_json, shard_record
 from data.precompute.encoders import PipelineEncoders
 from data.precompute.images import aspect_buckets, latent_weights, ordered_map, prepare
@@ -26,6 +27,7 @@ class UnitWriter:
         self.number, self.encoders, self.out, self.progress = number, encoders, out, progress
         self.batch_size, self.shard_size = settings["batch_size"], settings["shard_size"]
         self.flip, self.store = settings["random_flip"], DTYPES[settings["dtype"]]
+        self.caption_style, self.caption_variants = recorded_style(settings)
         self.waiting: dict[tuple[int, int], list] = {}
         self.encoded: dict[tuple[int, int], tuple[list, list]] = {}
         self.parts = Counter()
@@ -40,7 +42,9 @@ class UnitWriter:
         batch = self.waiting.pop(size)
         captions = [caption for _, caption, _ in batch]
         rows, done = self.encoded.setdefault(size, ([], []))
-        rows.append(self.encoders.encode(torch.stack([p for p, _, _ in batch]), captions, self.flip, self.store))
+        variants = [self.caption_style.variants(caption, self.caption_variants) for caption in captions]
+        rows.append(self.encoders.encode(torch.stack([p for p, _, _ in batch]), list(zip(*variants)), self.flip,
+                                         self.store))
         if any(mask is not None for _, _, mask in batch):
             masks = torch.stack([torch.full_like(p[:1], 255) if m is None else m for p, _, m in batch])
             rows[-1]["loss_mask"] = latent_weights(masks, rows[-1]["latents"].shape[-2:]).to(self.store)
