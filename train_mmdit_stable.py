@@ -25,7 +25,7 @@ from errors import ConfigError, InputError
 from models.lora import apply_lora, text_encoder_settings, transformer_settings
 from models.rectified_flow import interpolate, per_sample_loss, sample_key
 from optim.ema import EMA
-from optim.optimizers import build_optimizer, learned_group_keys
+from optim.optimizers import build_optimizer, check_installed, learned_group_keys
 from optim.schedule import learning_rate, set_learning_rate
 from perf.attention import apply_attention_backend, joint_lengths
 from perf.batch_sizer import build_batch_sizer
@@ -97,6 +97,7 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
     with stop_together():  # checks before anything is put on the device or written; only rank 0 writes
         check_parallel(cfg, world)
         check_float8(cfg.float8, device)
+        check_installed(optim)
         dataset, tokenizer = build_data(cfg)
         items, holdout = holdout_split(cfg, dataset)
         check_batches(dataset, items, batch_size)

@@ -72,13 +72,18 @@ KINDS = {
 PRODIGY_LR = (0.1, 10.0)  # lr scales prodigy's own step-size estimate: 1.0 by convention, outside this a mistake
 
 
-def check_optimizer(optim, strategy: str, lr_scaled: bool) -> None:
-    """optimizer.* for a run under parallel.strategy `strategy`, before any compute: its package is installed,
-    prodigy's lr is near 1, and a sharded run uses an optimizer that supports FSDP. `lr_scaled`: some parameters
-    train at another learning rate (lora.text_encoder_lr)."""
+def check_installed(optim) -> None:
+    """Training with optimizer.name needs its package (exporting and sampling its runs do not)."""
     kind = KINDS[optim.name]
     if kind.package and importlib.util.find_spec(kind.package) is None:
         raise ConfigError(f"optimizer.name={optim.name} needs the {kind.package} package: {kind.pip}")
+
+
+def check_optimizer(optim, strategy: str, lr_scaled: bool) -> None:
+    """optimizer.* for a run under parallel.strategy `strategy` (the config's rules): prodigy's lr is near 1 and
+    its learning rate one, and a sharded run uses an optimizer that supports FSDP. `lr_scaled`: some parameters
+    train at another learning rate (lora.text_encoder_lr)."""
+    kind = KINDS[optim.name]
     if optim.name == "prodigy" and not PRODIGY_LR[0] <= optim.lr <= PRODIGY_LR[1]:
         raise ConfigError(f"optimizer.lr={optim.lr} with optimizer.name=prodigy: prodigy estimates the step size "
                           f"itself and lr multiplies its estimate; set optimizer.lr=1.0 (prodigyopt's convention; "
