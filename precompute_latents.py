@@ -37,8 +37,9 @@ stored: training encodes the captions itself (data.text_encoding=on_the_fly), an
 alone. The captions encoded can get a prefix (a trigger word) and, with --caption-variants K, K encodings each of
 its tags shuffled (the first --keep-tags in place) and dropped (--tag-dropout), from which training draws one per
 step (data/captions.py; training's data.caption_prefix, shuffle_caption_tags, keep_tags and tag_dropout must say
-the same); the index keeps the captions as written. Each image is resized to cover its target size and centre-cropped; the target is --resolution squared,
-or with --aspect-buckets the bucket of about that area nearest its aspect ratio.
+the same); the index keeps the captions as written. Each image is resized to cover its target size and
+centre-cropped; the target is --resolution squared, or with --aspect-buckets the bucket of about that area nearest
+its aspect ratio.
 
 The work is split into units: each input shard (or, for folder and JSONL inputs, each run of --shard-size
 items), spread over the processes of a launch (each holds one copy of the encoders, on its own GPU).

@@ -121,8 +121,8 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
     sizer = build_batch_sizer(cfg, training.train_batch_size, device, world.rank, model)
     guard = NonFiniteGuard(training.max_nonfinite_steps, cfg.logging.log_every)
     states = {"model": TrainedWeights(model, adapters_only=cfg.lora.enabled), "ema": ema,
-              "optimizer": OptimizerState(model, optimizer, learned_group_keys(optim.name)), "scaler": scaler, "batch_sizer": sizer,
-              "nonfinite_guard": guard}
+              "optimizer": OptimizerState(model, optimizer, learned_group_keys(optim.name)), "scaler": scaler,
+              "batch_sizer": sizer, "nonfinite_guard": guard}
     checkpointer = Checkpointer(run_dir, cfg.checkpoint, states, checkpoint_meta(cfg, model, world),
                                 {"config.yaml": OmegaConf.to_yaml(cfg)}, device, cfg.parallel.timeout_s)
     optimizer.register_step_pre_hook(checkpointer.wait_for_staging)  # weights change only once staged

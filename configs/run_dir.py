@@ -2,9 +2,9 @@
 
 A run directory holds the resolved config of its last start (`config.yaml`) and `run.json` (the format, world
 size and strategy). Starting again resumes it, as long as what its checkpoints and data position mean stays
-the same: the model, the data, the seed, the optimizer and the global batch (`RUN_IDENTITY_KEYS`). Anything else (more steps,
-another learning rate, another micro-batch split, world size or strategy) is logged and applied. A directory of
-another run, or of an earlier version of this trainer, is refused untouched, with each difference named.
+the same: the model, the data, the seed, the optimizer and the global batch (`RUN_IDENTITY_KEYS`). Anything else
+(more steps, another learning rate, another micro-batch split, world size or strategy) is logged and applied. A
+directory of another run, or of an earlier version of this trainer, is refused untouched, with each difference named.
 """
 
 import json

@@ -305,9 +305,9 @@ class LatentDataset(torch.utils.data.Dataset):
         shard, row = int(self.shard_of[index]), int(self.row_of[index])
         f = self.handle(shard)
         variant = caption_key % self.caption_variants
-        read = lambda name: (f.get_slice(name)[row : row + 1, variant : variant + 1][0, 0]  # noqa: E731
-                             if self.caption_variants > 1 and name in self.text_shapes else f.get_slice(name)[row : row + 1][0])
-        item = {name: read(name).float() for name in self.fields}
+        one_of_k = lambda name: self.caption_variants > 1 and name in self.text_shapes  # noqa: E731
+        item = {name: (f.get_slice(name)[row : row + 1, variant : variant + 1][0, 0] if one_of_k(name)
+                       else f.get_slice(name)[row : row + 1][0]).float() for name in self.fields}
         if self.masks:
             masked = self.index["shards"][shard].get("masks")
             item["loss_mask"] = (f.get_slice("loss_mask")[row : row + 1][0].float() if masked

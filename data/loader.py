@@ -237,8 +237,8 @@ class Collate:
 
     def text(self, items: list[dict], dropped: torch.Tensor, step: int) -> dict:
         if self.tokenizer is not None:  # token ids, for a text encoder in the model
-            draw = lambda item: torch.Generator().manual_seed(caption_key(self.seed, step, item["position"]))  # noqa: E731
-            return self.tokenizer(["" if drop else self.captions.apply(item["caption"], draw(item))
+            draw = lambda p: torch.Generator().manual_seed(caption_key(self.seed, step, p))  # noqa: E731
+            return self.tokenizer(["" if drop else self.captions.apply(item["caption"], draw(item["position"]))
                                    for item, drop in zip(items, dropped.tolist())])
         text = {}
         for key in (k for k in TEXT_FIELDS if k in items[0]):

@@ -1,7 +1,7 @@
 """LoKr and LoHa adapters (lora.type, peft's LoKrConfig / LoHaConfig) as the files other tools load.
 
-peft names a layer's factors `<module>.lokr_w1.default`, `….lokr_w2_a.default`, … (LoKr) and `<module>.hada_w1_a.default`,
-… (LoHa), the names LyCORIS gave them. A loader forms the update of `module`'s weight as
+peft names a layer's factors `<module>.lokr_w1.default`, `….lokr_w2_a.default`, … (LoKr) and
+`<module>.hada_w1_a.default`, … (LoHa), the names LyCORIS gave them. A loader forms the update of `module`'s weight as
     LoKr:  kron(w1, w2), w1 = lokr_w1 (or lokr_w1_a @ lokr_w1_b), w2 = lokr_w2 (or lokr_w2_a @ lokr_w2_b)
     LoHa:  (hada_w1_a @ hada_w1_b) * (hada_w2_a @ hada_w2_b)
 reshaped to the weight, times a scale: peft's alpha / r. The files here fold that scale into the first factor
@@ -77,7 +77,8 @@ def export_lycoris(family, adapters: dict[str, tuple[dict[str, torch.Tensor], di
     modules = folded_factors(weights, settings, source)
     if lora_format == "kohya":
         return save_named_lora_file(comfyui_lycoris(modules, family.comfyui_names), out, dtype)
-    tensors = {f"transformer.{module}.{factor}": t for module, factors in modules.items() for factor, t in factors.items()}
+    tensors = {f"transformer.{module}.{factor}": t for module, factors in modules.items()
+               for factor, t in factors.items()}
     header = {**{k: v for k, v in settings.items() if k != "exclude_modules"}, "alpha": settings["r"],
               "target_modules": sorted(modules)}
     metadata = {"format": "pt", LORA_METADATA_KEY: json.dumps({f"transformer.{k}": v for k, v in header.items()})}

@@ -59,12 +59,14 @@ def adafactor_bytes(shape: tuple[int, ...]) -> int:
 
 KINDS = {
     "adamw": Kind(None, None, None, lambda shape: 8 * math.prod(shape)),
-    "adamw8bit": Kind("torchao", "pip install torchao", "torchao quantizes the moments in blocks of 256 values of each "
-                      "rank's shard, which DCP cannot store as one tensor to resume on any world size", adamw8bit_bytes),
+    "adamw8bit": Kind("torchao", "pip install torchao", "torchao quantizes the moments in blocks of 256 values of "
+                      "each rank's shard, which DCP cannot store as one tensor to resume on any world size",
+                      adamw8bit_bytes),
     "prodigy": Kind("prodigyopt", "pip install prodigyopt", "prodigyopt flattens each parameter for its step-size "
                     "estimate, which FSDP2's DTensor shards refuse (a view across the sharded dimension); its own "
                     "FSDP support is FSDP1's flattened parameters, with a CUDA all-reduce",
-                    lambda shape: 16 * math.prod(shape), learned=("d", "d_max", "d_numerator", "d_denom", "d_hat", "k")),
+                    lambda shape: 16 * math.prod(shape),
+                    learned=("d", "d_max", "d_numerator", "d_denom", "d_hat", "k")),
     "adafactor": Kind(None, None, "torch's Adafactor fails on FSDP2's DTensor shards: the column mean of a weight "
                       "sharded by rows is a partial value across ranks, which its in-place update cannot take",
                       adafactor_bytes),

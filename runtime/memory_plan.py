@@ -6,8 +6,9 @@ micro-batch 1. The rest follows stated rules:
 
 - trained weights: fp32 master (4 B), gradients fp32 (4 B), EMA (4 B) per parameter, and the optimizer's state by
   the shapes of the trained parameters (optim/optimizers.py: AdamW's two moments 8 B per parameter, 8-bit AdamW's
-  about 2 B, prodigy's 16 B, Adafactor's a row and a column mean per matrix); frozen weights at their stored size (the compute dtype, or nf4 / int8 codes and scales). Under FSDP/HSDP all
-  of it is split over the shard group; with parallel.cpu_offload it lives in host memory instead.
+  about 2 B, prodigy's 16 B, Adafactor's a row and a column mean per matrix); frozen weights at their stored size
+  (the compute dtype, or nf4 / int8 codes and scales). Under FSDP/HSDP all of it is split over the shard group;
+  with parallel.cpu_offload it lives in host memory instead.
 - DDP keeps a second copy of the gradients in its all-reduce buckets.
 - FSDP in flight: the root's weights gathered (it keeps them between forward and backward), two blocks'
   weights gathered in the compute dtype (the running one and the prefetched one; every block when

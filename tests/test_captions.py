@@ -85,7 +85,8 @@ def test_each_step_draws_the_variant_of_seed_step_and_position_on_any_world_size
                 out.update({key[:2]: (key[2], StepDataset(dataset, 7)[key]["prompt_embeds"]) for key in batch})
         return out
     one, two, resumed = drawn(1), drawn(2), drawn(1, start=3)
-    same = lambda a, b: a.keys() == b.keys() and all(a[k][0] == b[k][0] and torch.equal(a[k][1], b[k][1]) for k in a)  # noqa: E731
+    same = lambda a, b: a.keys() == b.keys() and all(  # noqa: E731
+        a[k][0] == b[k][0] and torch.equal(a[k][1], b[k][1]) for k in a)
     assert same(two, one) and same(resumed, {k: v for k, v in one.items() if k[0] >= 3})
     chosen = {}
     for (step, position), (item, embeds) in one.items():

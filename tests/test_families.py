@@ -415,8 +415,7 @@ def test_lokr_and_loha_on_an_nf4_base_resume_bit_for_bit_and_export_what_comfyui
                               f"lora.rank={1 if kind == 'lokr' else 2}", "training.max_steps=3", "checkpoint.every=2")
     assert main(overrides) == 0
     trained = {part: final_weights(run_dir, part) for part in ("model", "ema")}
-    assert all(f".{record_kind}_" in name for name in trained["model"]
-               for record_kind in [{"lokr": "lokr", "loha": "hada"}[kind]])
+    assert all(f".{'hada' if kind == 'loha' else kind}_" in name for name in trained["model"])
     shutil.rmtree(checkpoints(run_dir)[-1])  # resume from step 2
     assert main(overrides) == 0
     for part in ("model", "ema"):
@@ -428,7 +427,8 @@ def test_lokr_and_loha_on_an_nf4_base_resume_bit_for_bit_and_export_what_comfyui
     x = case.inputs(dataclasses.asdict(patched.cfg), 8, 8, 5, seed=3)
     with torch.no_grad():
         base = ours(patched, x)
-        apply_as_comfyui(patched.state_dict(), load_file(tmp_path / "comfy" / "comfy.safetensors"), record.comfyui_names)
+        comfy = load_file(tmp_path / "comfy" / "comfy.safetensors")
+        apply_as_comfyui(patched.state_dict(), comfy, record.comfyui_names)
         adapted = ours(model, x)
         assert (adapted - base).abs().max() > 1e-4  # the adapters act (ten times the tolerance below)
         torch.testing.assert_close(ours(patched, x), adapted, rtol=0, atol=1e-5)

@@ -29,7 +29,9 @@ def comfyui_delta(factors: dict[str, torch.Tensor], shape: torch.Size) -> torch.
     if "hada_w1_a" in factors:
         return ((factors["hada_w1_a"] @ factors["hada_w1_b"]) * (factors["hada_w2_a"] @ factors["hada_w2_b"])).reshape(
             shape)
-    whole = lambda n: factors[f"lokr_w{n}"] if f"lokr_w{n}" in factors else factors[f"lokr_w{n}_a"] @ factors[f"lokr_w{n}_b"]  # noqa: E731
+    def whole(n: int) -> torch.Tensor:
+        name = f"lokr_w{n}"
+        return factors[name] if name in factors else factors[f"{name}_a"] @ factors[f"{name}_b"]
     return torch.kron(whole(1), whole(2)).reshape(shape)
 
 
@@ -55,7 +57,8 @@ def comfyui_mapped(family: str, model: nn.Module) -> set[str]:
         return {f"transformer.{name}" for name, _ in model.named_modules()}
     if family == "flux2":
         return comfyui_mapped("flux", model) | {f"diffusion_model.{bfl}" for bfl in TOP}
-    blocks, singles = len(getattr(model, "transformer_blocks", [])), len(getattr(model, "single_transformer_blocks", []))
+    blocks = len(getattr(model, "transformer_blocks", []))
+    singles = len(getattr(model, "single_transformer_blocks", []))
     if family == "sd3":
         block = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj",
                  "attn2.to_q", "attn2.to_k", "attn2.to_v", "norm1_context.linear", "attn.to_add_out",
@@ -66,17 +69,19 @@ def comfyui_mapped(family: str, model: nn.Module) -> set[str]:
                        "time_text_embed.text_embedder.linear_2", "norm_out.linear", "proj_out"], []
     else:
         block = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj",
-                 "attn.to_out.0", "norm1.linear", "norm1_context.linear", "attn.to_add_out", "ff.net.0.proj", "ff.net.2",
-                 "ff_context.net.0.proj", "ff_context.net.2", "ff.linear_in", "ff.linear_out", "ff_context.linear_in",
-                 "ff_context.linear_out"]
+                 "attn.to_out.0", "norm1.linear", "norm1_context.linear", "attn.to_add_out", "ff.net.0.proj",
+                 "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "ff.linear_in", "ff.linear_out",
+                 "ff_context.linear_in", "ff_context.linear_out"]
         single = ["attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp", "norm.linear", "proj_out", "attn.to_qkv_mlp_proj",
                   "attn.to_out"]
         top = ["proj_out", "x_embedder", "time_text_embed.timestep_embedder.linear_1",
-               "time_text_embed.timestep_embedder.linear_2", "context_embedder", "time_text_embed.text_embedder.linear_1",
-               "time_text_embed.text_embedder.linear_2", "time_text_embed.guidance_embedder.linear_1",
-               "time_text_embed.guidance_embedder.linear_2", "norm_out.linear"]
-    return {f"transformer.{name}" for name in [*top, *(f"transformer_blocks.{i}.{m}" for i in range(blocks) for m in block),
-                                               *(f"single_transformer_blocks.{i}.{m}" for i in range(singles) for m in single)]}
+               "time_text_embed.timestep_embedder.linear_2", "context_embedder",
+               "time_text_embed.text_embedder.linear_1", "time_text_embed.text_embedder.linear_2",
+               "time_text_embed.guidance_embedder.linear_1", "time_text_embed.guidance_embedder.linear_2",
+               "norm_out.linear"]
+    names = [*top, *(f"transformer_blocks.{i}.{m}" for i in range(blocks) for m in block),
+             *(f"single_transformer_blocks.{i}.{m}" for i in range(singles) for m in single)]
+    return {f"transformer.{name}" for name in names}
 
 
 @pytest.mark.parametrize("family", CASES)

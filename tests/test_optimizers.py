@@ -80,7 +80,8 @@ def test_the_memory_plan_counts_each_optimizers_state(name):
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     optimizer.step()
-    held = local_bytes(t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim())
+    held = local_bytes(t for state in optimizer.state.values() for t in state.values()
+                       if isinstance(t, torch.Tensor) and t.dim())
     assert held == state_bytes(name, [tuple(p.shape) for p in model.parameters()])
     weight = [(128, 32)]
     assert state_bytes("adafactor", weight) < state_bytes("adamw8bit", weight) < state_bytes("adamw", weight) \
