@@ -25,6 +25,10 @@ A full fine-tune becomes a transformer directory of the run's family (`SD3Transf
 
 A LoRA run writes both files beside each complete checkpoint, with this module's code (`CheckpointLoras`):
 loras/step_XXXXXXXX.safetensors and, where the family has the kohya layout, loras/step_XXXXXXXX_kohya.safetensors.
+A LoKr or LoHa run (lora.type) of any family (models/lycoris.py): kohya writes DIR/<DIR's name>.safetensors in
+ComfyUI's layout (`transformer.<diffusers module>.lokr_w1`, `….hada_w1_a`, ...); peft writes
+DIR/pytorch_lora_weights.safetensors for diffusers where its pipeline loads the kind (LoKr: FLUX.2), and is refused
+with the reason elsewhere.
 """
 
 import argparse
@@ -46,6 +50,7 @@ from models.diffusers_io import (CheckpointFormatError, check_state_dict, cpu_te
                                  save_safetensors, transformers4_clip_names)
 from models.families import FAMILIES, transformer_of_record
 from models.family import Family
+from models.lycoris import adapter_kind, export_lycoris
 from perf.checkpoint import find_checkpoint, read_checkpoint, step_of
 from runtime.directory_lock import writable_directory
 from runtime.outputs import Output
@@ -68,6 +73,9 @@ def export(checkpoint: Path, out: Path, use_ema: bool = True, dtype: torch.dtype
         raise InputError(f"--format kohya writes a {kinds} LoRA, and {checkpoint} is {what}: export it in the "
                          f"default format (--format peft)")
     transformer = part(weights, PREFIX)
+    if meta["lora"] and adapter_kind(transformer) != "lora":  # LoKr, LoHa: every family, both formats
+        return export_lycoris(family, {"transformer": (transformer, meta["lora"])}, out, dtype, lora_format,
+                              str(checkpoint))
     if meta["lora"]:
         adapters = lora_adapters(family, meta, weights)
         if lora_format == "peft":
@@ -194,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the EMA of the weights (smoother) or the last trained weights")
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="dtype of the written weights")
     parser.add_argument("--format", choices=FORMATS, default="peft",
-                        help="a LoRA's layout: diffusers' (peft) or, for FLUX.1, Qwen-Image and FLUX.2, "
-                             "ComfyUI's (kohya)")
+                        help="a LoRA's layout: diffusers' (peft) or, for FLUX.1, Qwen-Image and FLUX.2 (a LoKr or "
+                             "LoHa: any family), ComfyUI's (kohya)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     try:

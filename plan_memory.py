@@ -32,6 +32,7 @@ from errors import ConfigError, InputError
 from models.families import FAMILIES, read_config
 from models.lora import apply_lora
 from models.quantized import quantize_linears
+from optim.optimizers import KINDS
 from runtime.memory_plan import GIB, cheapest_checkpointing, count_model, plan, smallest_swap, vae_count
 from runtime.quiet_imports import torchao_only_if
 
@@ -154,9 +155,10 @@ def choices(cfg, gpus: int) -> list[tuple[str, dict]]:
              for mode in ("none", "selective", "full") if (mode, 1) != (given["checkpointing"], given["every"])]
     if cfg.lora.enabled:
         rows += [(f"base {q}", {**given, "quantization": q}) for q in ("none", "int8", "nf4") if q != given["quantization"]]
-    if gpus > 1 and given["strategy"] == "ddp":
+    shards = not KINDS[cfg.optimizer.name].sharded  # only such optimizers train under FSDP
+    if gpus > 1 and given["strategy"] == "ddp" and shards:
         rows.append((f"FSDP over {gpus}", {**given, "strategy": "fsdp", "swapped": 0}))
-    if not given["cpu_offload"]:
+    if not given["cpu_offload"] and shards:
         rows.append(("FSDP + CPU offload", {**given, "strategy": "fsdp", "cpu_offload": True, "swapped": 0}))
     if given["micro_batch"] > 1:
         rows.append((f"micro-batch {given['micro_batch'] // 2}", {**given, "micro_batch": given["micro_batch"] // 2}))
@@ -170,7 +172,8 @@ def settings(cfg, choice: dict, gpus: int) -> dict:
     return {"strategy": choice["strategy"], "ranks": shard_group, "micro_batch": choice["micro_batch"],
             "dtype": cfg.training.dtype, "reshard_after_forward": cfg.parallel.reshard_after_forward,
             "cpu_offload": choice["cpu_offload"], "swapped": choice["swapped"],
-            "validation_rows": validation_rows(cfg, choice["micro_batch"])}
+            "validation_rows": validation_rows(cfg, choice["micro_batch"]), "optimizer": cfg.optimizer.name,
+            "adapter": cfg.lora.type}
 
 
 def unswapped(settings: dict) -> dict:

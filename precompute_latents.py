@@ -4,6 +4,7 @@
         [--resolution 1024] [--aspect-buckets] [--random-flip] [--validation-prompts FILE] [--batch-size 8]
         [--shard-size 1000] [--text-embeddings precomputed|none] [--caption-field NAME] [--max-bad-fraction 0.01]
         [--workers 4] [--device auto] [--dtype fp16] [--text-encoder-quantization auto|none|int8|nf4]
+        [--caption-prefix TEXT] [--shuffle-caption-tags] [--keep-tags K] [--tag-dropout P] [--caption-variants K]
     NPROC_PER_NODE=N ./launch.sh precompute_latents.py ...   (the same command on N processes; NNODES=... too)
 
 PIPELINE_DIR is a diffusers pipeline directory, whose model_index.json names its family:
@@ -35,8 +36,12 @@ The latents are the VAE posterior mean, shifted and scaled as the pipeline expec
 the pipeline's `encode_prompt` gives (models/sd3/text.py, models/flux/text.py, models/qwen_image/text.py,
 models/flux2/text.py), or, with --text-embeddings none, not
 stored: training encodes the captions itself (data.text_encoding=on_the_fly), and a sample costs its latents
-alone. Each image is resized to cover its target size and centre-cropped; the target is --resolution squared,
-or with --aspect-buckets the bucket of about that area nearest its aspect ratio.
+alone. The captions encoded can get a prefix (a trigger word) and, with --caption-variants K, K encodings each of
+its tags shuffled (the first --keep-tags in place) and dropped (--tag-dropout), from which training draws one per
+step (data/captions.py; training's data.caption_prefix, shuffle_caption_tags, keep_tags and tag_dropout must say
+the same); the index keeps the captions as written. Each image is resized to cover its target size and
+centre-cropped; the target is --resolution squared, or with --aspect-buckets the bucket of about that area nearest
+its aspect ratio.
 
 The work is split into units: each input shard (or, for folder and JSONL inputs, each run of --shard-size
 items), spread over the processes of a launch (each holds one copy of the encoders, on its own GPU).
@@ -58,6 +63,7 @@ from pathlib import Path
 import torch
 import torch.distributed.nn  # noqa: F401  imported before the group exists: see Ranks.close
 
+from data.captions import CaptionStyle
 from data.precompute.encoders import QUANTIZATIONS, PipelineEncoders, text_storage
 from data.precompute.inputs import (PrecomputeError, Unit, check_items, default_sequence_length, fingerprint,
                                     folder_references, item_units, pipeline_family, read_image_folder, read_manifest,
@@ -118,8 +124,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--text-encoder-quantization", choices=QUANTIZATIONS, default="auto",
                         help="store the text encoders' linear layers in int8 or nf4 (less memory, embeddings a "
                         "little off the pipeline's); auto: on a GPU only where they do not fit it unquantized")
+    parser.add_argument("--caption-prefix", default="", help="put before every caption (a trigger word); train "
+                        "with data.caption_prefix set the same")
+    parser.add_argument("--shuffle-caption-tags", action="store_true", help="each variant's comma-separated tags "
+                        "in another order (with --caption-variants)")
+    parser.add_argument("--keep-tags", type=int, default=0, help="the first tags that stay in place, never dropped")
+    parser.add_argument("--tag-dropout", type=float, default=0.0, help="each variant drops each other tag with "
+                        "this probability (with --caption-variants)")
+    parser.add_argument("--caption-variants", type=int, default=1, help="encodings stored per caption, each a draw "
+                        "of the shuffling and dropout: K times the text's disk and encoding time")
     args = parser.parse_args(argv)
-    for name in ("resolution", "bucket_step", "batch_size", "shard_size", "max_sequence_length", "workers"):
+    for name in ("resolution", "bucket_step", "batch_size", "shard_size", "max_sequence_length", "workers",
+                 "caption_variants"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 <= args.max_bad_fraction <= 1:
@@ -127,7 +143,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.references and not args.images:
         parser.error("--references goes with --images (a manifest lists each line's \"references\"; shards of pairs "
                      "are not read yet)")
+    check_caption_flags(parser, args)
     return args
+
+
+def check_caption_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    style = CaptionStyle(args.caption_prefix, args.shuffle_caption_tags, args.keep_tags, args.tag_dropout)
+    if args.keep_tags < 0 or not 0 <= args.tag_dropout < 1:
+        parser.error("--keep-tags must be >= 0 and --tag-dropout in [0, 1)")
+    if style != CaptionStyle() and args.text_embeddings == "none":
+        parser.error("the caption flags make the captions that are encoded; with --text-embeddings none nothing is "
+                     "encoded: set data.caption_prefix, shuffle_caption_tags, keep_tags, tag_dropout in training")
+    if style.random and args.caption_variants < 2:
+        parser.error("--shuffle-caption-tags / --tag-dropout need --caption-variants K >= 2: one encoding per "
+                     "caption would fix one draw for the whole run")
+    if args.caption_variants > 1 and not style.random:
+        parser.error("--caption-variants > 1 stores draws of --shuffle-caption-tags / --tag-dropout; without them "
+                     "every variant is the same caption")
 
 
 def read_inputs(args: argparse.Namespace) -> tuple[list[Unit], dict]:
@@ -242,7 +274,8 @@ def run(args: argparse.Namespace, ranks: Ranks, device: torch.device) -> int:
                     "random_flip": args.random_flip, "shard_size": args.shard_size, "dtype": args.dtype,
                     "max_sequence_length": length, "text_embeddings": args.text_embeddings,
                     "caption_field": args.caption_field,
-                    "compute_dtype": str(compute)}  # a resume must not mix latents encoded at two precisions
+                    "compute_dtype": str(compute),  # a resume must not mix latents encoded at two precisions
+                    **caption_settings(args)}
         text = None
         if args.text_embeddings == "precomputed":
             text = text_storage(args.model, family, length, device, compute, text_quantization_asked(args),
@@ -256,6 +289,13 @@ def run(args: argparse.Namespace, ranks: Ranks, device: torch.device) -> int:
                                     inputs.get("references", 0))
     work = {**settings, "batch_size": args.batch_size, "workers": args.workers}
     return precompute(units, encoders, args.out, work, ranks, prompts, args.max_bad_fraction)
+
+
+def caption_settings(args: argparse.Namespace) -> dict:
+    """How captions are made before encoding, where not as written (the settings and dataset.json of earlier
+    datasets have no such key)."""
+    style = CaptionStyle(args.caption_prefix, args.shuffle_caption_tags, args.keep_tags, args.tag_dropout)
+    return {"captions": style.record(args.caption_variants)} if style != CaptionStyle() else {}
 
 
 if __name__ == "__main__":

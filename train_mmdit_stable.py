@@ -25,9 +25,9 @@ from errors import ConfigError, InputError
 from export_mmdit import CheckpointLoras
 from models.lora import apply_lora, text_encoder_settings, transformer_settings
 from models.rectified_flow import interpolate, per_sample_loss, sample_key
-from optim.adamw import build_adamw
 from optim.ema import EMA
-from optim.schedule import warmup_cosine
+from optim.optimizers import build_optimizer, check_installed, learned_group_keys
+from optim.schedule import learning_rate, set_learning_rate
 from perf.attention import apply_attention_backend, joint_lengths
 from perf.batch_sizer import build_batch_sizer
 from perf.block_swap import check_block_swap
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             with stop_together():  # one training per run directory, refused before anything is computed or written
                 lock = lock_directory(Path(cfg.logging.output_dir), f"logging.output_dir={cfg.logging.output_dir}",
                                       ConfigError) if world.is_main else nullcontext()
-            with lock, torchao_only_if(cfg.float8.enabled):  # torchao's import is noise to other runs
+            with lock, torchao_only_if(cfg.float8.enabled or cfg.optimizer.name == "adamw8bit"):  # noise to other runs
                 return train(cfg, world, device)
         except BaseException as e:
             # the frames of its traceback hold the run's process groups: let them go with the rest, now, not at
@@ -99,6 +99,7 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
     with stop_together():  # checks before anything is put on the device or written; only rank 0 writes
         check_parallel(cfg, world)
         check_float8(cfg.float8, device)
+        check_installed(optim)
         dataset, tokenizer = build_data(cfg)
         items, holdout = holdout_split(cfg, dataset)
         check_batches(dataset, items, batch_size)
@@ -114,8 +115,8 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
 
     # checkpointing, compile, block swap, the wrap, and the weights: each rank reads or draws only what it holds
     model = apply_parallelism(model, cfg, world, device, InitialValues(model, training.seed, cfg.model.init_from))
-    optimizer = build_adamw(unwrap(model), optim.lr, (optim.beta1, optim.beta2), optim.eps, optim.weight_decay,
-                            device, optim.fused, lr_scales(cfg))
+    optimizer = build_optimizer(unwrap(model), optim, device, lr_scales(cfg),
+                                warmup=optim.schedule != "constant" and optim.warmup_steps > 0)
     precompute_scales_after_step(model, optimizer)
     ema = EMA(unwrap(model), optim.ema_decay)
     scaler = grad_scaler(device, training.dtype)
@@ -123,8 +124,8 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
     sizer = build_batch_sizer(cfg, training.train_batch_size, device, world.rank, model)
     guard = NonFiniteGuard(training.max_nonfinite_steps, cfg.logging.log_every)
     states = {"model": TrainedWeights(model, adapters_only=cfg.lora.enabled), "ema": ema,
-              "optimizer": OptimizerState(model, optimizer), "scaler": scaler, "batch_sizer": sizer,
-              "nonfinite_guard": guard}
+              "optimizer": OptimizerState(model, optimizer, learned_group_keys(optim.name)), "scaler": scaler,
+              "batch_sizer": sizer, "nonfinite_guard": guard}
     checkpointer = Checkpointer(run_dir, cfg.checkpoint, states, checkpoint_meta(cfg, model, world, dataset, items),
                                 {"config.yaml": OmegaConf.to_yaml(cfg)}, device, cfg.parallel.timeout_s,
                                 CheckpointLoras(run_dir, cfg) if cfg.lora.enabled else None)
@@ -167,9 +168,9 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
             step = batch["step"]
             batch = to_device(batch, device)
             timer.lap("data")
-            lr = warmup_cosine(step, optim.lr, optim.warmup_steps, training.max_steps, optim.min_lr_ratio)
-            for group in optimizer.param_groups:
-                group["lr"] = lr * group["lr_scale"]
+            lr = learning_rate(optim.schedule, step, optim.lr, optim.warmup_steps, training.max_steps,
+                               optim.min_lr_ratio)
+            set_learning_rate(optimizer, lr)
             loss = sizer.run(step, lambda micro_batch, reduce: forward_backward(
                 model, batch, cfg, scaler, sigma_losses, micro_batch, reduce), model, sigma_losses)
             if step == start_step:

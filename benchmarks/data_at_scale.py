@@ -1,12 +1,15 @@
 """Data at scale: bytes per sample, opening a dataset of 10,000 shards, and the loader's images/s against what an
 SD3-medium 1024 px step needs on an H100.
 
-    python benchmarks/data_at_scale.py [--only bytes,open,loader] [--before PATH] [--out benchmarks/data_at_scale.json]
+    python benchmarks/data_at_scale.py [--only bytes,variants,open,loader] [--before PATH]
+        [--out benchmarks/data_at_scale.json]
 
 - bytes: datasets of SD3's shapes (16 latent channels, the VAE's /8, prompt_embeds [333, 4096], pooled [2048],
   fp16 as precompute stores them) written by precompute's own writer (`UnitWriter`, `write_index`) from a stand-in
   encoder, with and without text embeddings, and without text embeddings but with a loss mask per image, at 512
   and 1024 px; bytes per sample = the files on disk (shards, index, dataset.json) / samples.
+- variants: the same for Qwen-Image's shapes (16 channels at /8, prompt_embeds [512, 3584] and its mask [512], fp16)
+  at 1024 px with 1, 2 and 4 encodings per caption (precompute --caption-variants): what each variant adds.
 - open: a synthetic dataset of --shards shards x --per-shard items (tiny tensors, captions of about 60 bytes),
   opened in a fresh process by this checkout and by the checkout at --before (an earlier version, which reads
   every shard's header and keeps Python lists); wall time and the resident memory it adds.
@@ -36,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the project folders import by their names
 
 SD3 = {"channels": 16, "tokens": 333, "joint": 4096, "pooled": 2048, "clip_tokens": 77, "t5_tokens": 256}
+QWEN_IMAGE = {"channels": 16, "tokens": 512, "joint": 3584, "pooled": 0}  # masked text, no pooled vector
 H100_BF16_TFLOPS, MFU = 989.4, 0.40
 WORDS = ("a photo of the red blue green small large old new dog cat house tree car street city woman man child "
          "painting portrait landscape night sunset beach mountain river forest with and in on at by").split()
@@ -48,43 +52,63 @@ def captions(count: int, seed: int, words: int = 16) -> list[str]:
 
 
 class StandInEncoders:
-    """What SD3Encoders.encode returns, in SD3's shapes (random values: sizes are what is measured)."""
+    """What PipelineEncoders.encode returns, in a family's shapes (random values: sizes are what is measured); one
+    text encoding per variant, stacked as precompute stacks them."""
 
-    def __init__(self, text: bool):
-        self.text = text
+    def __init__(self, text: bool, shapes: dict = SD3):
+        self.text, self.shapes = text, shapes
 
-    def encode(self, pixels, texts, flip, store):
-        n, (h, w) = len(texts), pixels.shape[-2:]
-        rows = {"latents": torch.randn(n, SD3["channels"], h // 8, w // 8)}
+    def encode(self, pixels, variants, flip, store):
+        n, (h, w), s = len(variants[0]), pixels.shape[-2:], self.shapes
+        k = [len(variants)] if len(variants) > 1 else []
+        rows = {"latents": torch.randn(n, s["channels"], h // 8, w // 8)}
         if self.text:
-            rows["prompt_embeds"] = torch.randn(n, SD3["tokens"], SD3["joint"])
-            rows["pooled_prompt_embeds"] = torch.randn(n, SD3["pooled"])
+            rows["prompt_embeds"] = torch.randn(n, *k, s["tokens"], s["joint"])
+            if s["pooled"]:
+                rows["pooled_prompt_embeds"] = torch.randn(n, *k, s["pooled"])
+            else:  # a padded text: its mask
+                rows["prompt_embeds_mask"] = torch.ones(n, *k, s["tokens"])
         return {k: v.to(store) for k, v in rows.items()}
 
 
 def write_sd3_dataset(out: Path, resolution: int, text: bool, samples: int, shard_size: int = 64,
-                      masks: bool = False) -> Path:
-    """A dataset as precompute writes it, through its writer, with stand-in encodings."""
+                      masks: bool = False, shapes: dict = SD3, variants: int = 1) -> Path:
+    """A dataset as precompute writes it, through its writer, with stand-in encodings (`variants` per caption)."""
+    from data.captions import CaptionStyle
     from data.latents import EMPTY_PROMPT, write_index
     from data.precompute.units import UnitWriter
     from models.diffusers_io import save_safetensors
     out.mkdir(parents=True)
-    settings = {"batch_size": 8, "shard_size": shard_size, "random_flip": False, "dtype": "fp16"}
-    writer = UnitWriter(0, StandInEncoders(text), settings, out, lambda images: None)
+    settings = {"batch_size": 8, "shard_size": shard_size, "random_flip": False, "dtype": "fp16",
+                **({"captions": CaptionStyle(shuffle_tags=True).record(variants)} if variants > 1 else {})}
+    writer = UnitWriter(0, StandInEncoders(text, shapes), settings, out, lambda images: None)
     pixels = torch.zeros(3, resolution, resolution, dtype=torch.uint8)
     mask = torch.full((1, resolution, resolution), 255, dtype=torch.uint8) if masks else None
     for caption in captions(samples, resolution):
         writer.add((resolution, resolution), pixels, caption, mask)
     writer.finish()
     if text:
-        save_safetensors({"prompt_embeds": torch.zeros(1, SD3["tokens"], SD3["joint"], dtype=torch.float16),
-                          "pooled_prompt_embeds": torch.zeros(1, SD3["pooled"], dtype=torch.float16)},
-                         out / EMPTY_PROMPT)
+        empty = StandInEncoders(True, shapes).encode(pixels[None], [[""]], False, torch.float16)
+        save_safetensors({k: v for k, v in empty.items() if k != "latents"}, out / EMPTY_PROMPT)
     write_index(out, writer.shards, writer.captions,
-                {"channels": SD3["channels"], "text_embeddings": text, "text_tokens": SD3["tokens"],
-                 "text_dims": [SD3["joint"], SD3["pooled"]], "max_sequence_length": SD3["t5_tokens"],
-                 "flipped": False, "model": None, "masks": masks})
+                {"channels": shapes["channels"], "text_embeddings": text, "text_tokens": shapes["tokens"],
+                 "text_dims": [shapes["joint"], shapes["pooled"]], "text_mask": not shapes["pooled"],
+                 "max_sequence_length": shapes["tokens"], "flipped": False, "model": None, "masks": masks,
+                 **({"captions": settings["captions"]} if variants > 1 else {})})
     return out
+
+
+def variant_bytes(work: Path, samples: int) -> list[dict]:
+    """Bytes per sample of Qwen-Image datasets at 1024 px with 1, 2 and 4 encodings per caption."""
+    rows = []
+    for variants in (1, 2, 4):
+        data = write_sd3_dataset(work / f"variants-{variants}", 1024, True, samples, shapes=QWEN_IMAGE,
+                                 variants=variants)
+        rows.append({"family": "qwen_image", "resolution": 1024, "caption_variants": variants, "samples": samples,
+                     "bytes_per_sample": disk_bytes(data) / samples})
+        print(f"Qwen-Image 1024 px, {variants} encoding(s) per caption: {rows[-1]['bytes_per_sample'] / 1e6:8.3f} "
+              f"MB/sample", flush=True)
+    return rows
 
 
 def disk_bytes(directory: Path) -> int:
@@ -277,7 +301,7 @@ def loader(work: Path, samples: int, rounds: int, steps: int, batch: int) -> dic
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="bytes,open,loader")
+    parser.add_argument("--only", default="bytes,variants,open,loader")
     parser.add_argument("--before", type=Path, help="a checkout of an earlier version, for the open comparison")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "mmdit-data-at-scale")
     parser.add_argument("--shards", type=int, default=10000)
@@ -292,6 +316,8 @@ def main() -> None:
     if "bytes" in only:
         work = Path(tempfile.mkdtemp(dir=args.work))
         results["bytes_per_sample"] = bytes_per_sample(work, args.samples)
+    if "variants" in only:
+        results["caption_variants"] = variant_bytes(Path(tempfile.mkdtemp(dir=args.work)), args.samples)
     if "open" in only:
         results["open"] = open_many(args.work, args.before, args.shards, args.per_shard, args.rounds)
     if "loader" in only:

@@ -116,9 +116,9 @@ def run_row(row: Row, overrides: list[str], steps: int, out: Path) -> dict:
     from runtime.metrics import TrainingLog, read_rows
     rank = int(os.environ.get("RANK", 0))
     window = SyncWindow(steps)
-    real_log, real_build = TrainingLog.step, train_mmdit_stable.build_adamw
+    real_log, real_build = TrainingLog.step, train_mmdit_stable.build_optimizer
 
-    def build_adamw(model, *args, **kwargs):  # the model's parameters are the first device values (CPU count)
+    def build_optimizer(model, *args, **kwargs):  # the model's parameters are the first device values (CPU count)
         window.counter.mark(list(model.parameters()))
         return real_build(model, *args, **kwargs)
 
@@ -143,7 +143,7 @@ def run_row(row: Row, overrides: list[str], steps: int, out: Path) -> dict:
             cap_memory_below_the_first_micro_batch(overrides, out)
         if row.name.startswith("block swap"):
             args = [*args, *swapping_all_blocks(overrides, out)]
-        train_mmdit_stable.build_adamw, TrainingLog.step = build_adamw, log_step
+        train_mmdit_stable.build_optimizer, TrainingLog.step = build_optimizer, log_step
         status = train_mmdit_stable.main(args)
         if status:
             raise RuntimeError(errors.first or f"training exited with status {status}")

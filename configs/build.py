@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 from omegaconf import DictConfig
 
+from data.captions import caption_style, recorded_style
 from data.images import to_unit
 from data.latents import TEXT_FIELDS, LatentDataset, bucket_name, empty_text, vae_folder
 from data.loader import Collate, split_holdout
@@ -23,7 +24,7 @@ from formats import DTYPES
 from models.diffusers_io import CheckpointFormatError
 from models.families import FAMILIES, family_of_pipeline, open_weights, read_config
 from models.family import ResolutionShift
-from models.lora import apply_lora
+from models.lora import adapter_part, apply_lora
 from models.quantized import QuantizedLinear, QuantizingReader, dequantize, quantize_linears
 from models.pipeline import Sampler
 from models.rectified_flow import batch_sigmas, resolution_shift
@@ -122,7 +123,7 @@ def build_data(cfg: DictConfig) -> tuple[torch.utils.data.Dataset, WordTokenizer
     paths = [entry.path for entry in cfg.data.datasets] or [cfg.data.path]
     try:
         datasets = [open_latents(cfg, path, not on_the_fly) for path in paths]
-        dataset = (MixedDataset(datasets, dataset_names(paths), [e.weight for e in cfg.data.datasets])
+        dataset = (MixedDataset(datasets, dataset_names(paths), mixture_weights(cfg.data.datasets, datasets))
                    if cfg.data.datasets else datasets[0])
     except InputError as e:
         raise ConfigError(str(e)) from None
@@ -133,9 +134,36 @@ def build_data(cfg: DictConfig) -> tuple[torch.utils.data.Dataset, WordTokenizer
     return dataset, pipeline_tokenizers(cfg, dataset) if on_the_fly else None
 
 
+def mixture_weights(entries, datasets: list[LatentDataset]) -> list[float]:
+    """The datasets' shares: their weights, or where repeats are given (kohya's num_repeats) items x repeats."""
+    if all(e.repeats is None for e in entries):
+        return [e.weight for e in entries]
+    return [len(d) * (e.repeats or 1) for e, d in zip(entries, datasets)]
+
+
+def check_captions(cfg: DictConfig, dataset: LatentDataset, path: str) -> None:
+    """Precomputed text was encoded from captions made once, at precompute: data.caption_* must say how."""
+    ours, (theirs, variants) = caption_style(cfg.data), recorded_style(dataset.index)
+    if ours == theirs:
+        return
+    keys = {"prefix": "caption_prefix", "shuffle_tags": "shuffle_caption_tags", "keep_tags": "keep_tags",
+            "tag_dropout": "tag_dropout"}
+    differ = "; ".join(f"data.{keys[k]}={v!r}, its precompute {getattr(theirs, k)!r}"
+                       for k, v in dataclasses.asdict(ours).items() if getattr(theirs, k) != v)
+    flags = " ".join(filter(None, [f"--caption-prefix '{ours.prefix}'" if ours.prefix else "",
+                                   "--shuffle-caption-tags" if ours.shuffle_tags else "",
+                                   f"--keep-tags {ours.keep_tags}" if ours.keep_tags else "",
+                                   f"--tag-dropout {ours.tag_dropout}" if ours.tag_dropout else "",
+                                   "--caption-variants K" if ours.random else ""]))
+    raise ConfigError(f"{path} holds text embeddings of captions made otherwise ({differ}; {variants} encoding(s) "
+                      f"per caption): the captions were encoded once, at precompute. Precompute them again"
+                      f"{f' with {flags}' if flags else ' without caption flags'}, set the data.* keys to the "
+                      f"precompute's, or encode the text in the step (data.text_encoding=on_the_fly)")
+
+
 def open_latents(cfg: DictConfig, path: str, text_embeddings: bool) -> LatentDataset:
     """A latent dataset, with loss masks as data.use_masks says (auto: where it has them), encoded by a pipeline
-    of model.family."""
+    of model.family; its precomputed text made from captions as data.caption_* say."""
     masks = {"auto": None, "true": True, "false": False}[cfg.data.use_masks]
     dataset = LatentDataset(path, cfg.data.aspect_buckets, text_embeddings, masks)
     family = dataset.index.get("family", "sd3")  # recorded since FLUX.1
@@ -146,6 +174,8 @@ def open_latents(cfg: DictConfig, path: str, text_embeddings: bool) -> LatentDat
     if masks is None and dataset.masks:
         log.info("%s has loss masks: the loss is weighted by them (data.use_masks=false to ignore them)", path)
     check_references(cfg, dataset, path)
+    if text_embeddings:
+        check_captions(cfg, dataset, path)
     return dataset
 
 
@@ -267,7 +297,7 @@ class InitialValues:
         if ".lora_magnitude_vector." in name:
             return self.dora_magnitude(name, offsets, sizes)
         block = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
-        if ".lora_" in name:
+        if adapter_part(name) is not None:
             return self.model.initial_value(name, self.seed)[block]
         if name.startswith("text_encoder.") and isinstance(self.model.text_encoder, PipelineTextEncoders):
             return self.model.text_encoder.read(name.removeprefix("text_encoder."), offsets, sizes)
@@ -306,7 +336,7 @@ def build_collate(cfg: DictConfig, dataset, tokenizer: WordTokenizer | None) -> 
     dropout = [cfg.data.caption_dropout if e is None or e.caption_dropout is None else e.caption_dropout
                for e in entries]
     return Collate(cfg.training.seed, sigmas, dropout, tokenizer, getattr(dataset, "empty_prompt", None),
-                   [1.0 if e is None else e.loss_weight for e in entries])
+                   [1.0 if e is None else e.loss_weight for e in entries], caption_style(cfg.data))
 
 
 def build_validation(cfg: DictConfig, dataset, tokenizer: WordTokenizer | PipelineTokenizers | None, holdout: list[int],

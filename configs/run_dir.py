@@ -2,9 +2,9 @@
 
 A run directory holds the resolved config of its last start (`config.yaml`) and `run.json` (the format, world
 size and strategy). Starting again resumes it, as long as what its checkpoints and data position mean stays
-the same: the model, the data, the seed and the global batch (`RUN_IDENTITY_KEYS`). Anything else (more steps,
-another learning rate, another micro-batch split, world size or strategy) is logged and applied. A directory of
-another run, or of an earlier version of this trainer, is refused untouched, with each difference named.
+the same: the model, the data, the seed, the optimizer and the global batch (`RUN_IDENTITY_KEYS`). Anything else
+(more steps, another learning rate, another micro-batch split, world size or strategy) is logged and applied. A
+directory of another run, or of an earlier version of this trainer, is refused untouched, with each difference named.
 """
 
 import json
@@ -22,9 +22,11 @@ from runtime.directory_lock import unwritable, writable_directory
 log = logging.getLogger("mmdit")
 RUN_FORMAT = 2  # run.json's "format"; directories of format 1 (before run.json) are refused
 RUN_INFO = "run.json"
-# What an existing run directory's checkpoints and data position mean; a resume must not change them.
+# What an existing run directory's checkpoints and data position mean (and whose optimizer state they hold); a
+# resume must not change them.
 RUN_IDENTITY_KEYS = ("model", "text_encoder", "lora", "data.name", "data.path", "data.datasets", "data.use_masks",
-                     "data.aspect_buckets", "data.text_encoding", "data.num_items", "data.holdout", "training.seed")
+                     "data.aspect_buckets", "data.text_encoding", "data.num_items", "data.holdout", "training.seed",
+                     "optimizer.name")
 
 
 def global_batch(cfg: DictConfig, world_size: int = 1) -> int:

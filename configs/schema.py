@@ -21,6 +21,7 @@ from errors import ConfigError, FieldError
 from models.diffusers_io import CheckpointFormatError
 from models.families import FAMILIES, is_single_file, read_config
 from models.lora import TEXT_ENCODER_PARTS
+from optim.optimizers import check_optimizer
 
 DEFAULT_CONFIG = Path(__file__).parent / "shapes.yaml"
 
@@ -121,6 +122,8 @@ class DatasetEntry:  # one dataset of data.datasets
     weight: float = 1.0  # its share of the samples drawn (weights are normalised over the entries)
     caption_dropout: Optional[float] = None  # its own caption dropout; None: data.caption_dropout
     loss_weight: float = 1.0  # multiplies its samples' losses (prior preservation's lambda): pull against fit
+    # kohya's num_repeats, instead of weight: every dataset's share is its items x repeats (1 where unset)
+    repeats: Optional[int] = None
 
 
 @dataclass
@@ -137,6 +140,17 @@ class DataConfig:
     num_items: int = 100_000  # shapes: distinct procedural items before the order repeats
     holdout: int = 0  # items kept out of training for the held-out loss (validation.every); fewer to learn from
     caption_dropout: float = 0.1  # share of samples trained unconditionally: enables CFG, costs conditional fit
+    # latents: put before every caption (a trigger word, e.g. "sks person,"); a dropped caption stays empty. With
+    # precomputed text the dataset must have been encoded with the same (precompute's --caption-prefix)
+    caption_prefix: str = ""
+    # latents: shuffle each caption's comma-separated tags per sample and step (less reliance on tag order). Needs the
+    # text encoded in the step (text_encoding=on_the_fly: the encoders' compute every step) or precomputed variants
+    # (precompute --caption-variants K --shuffle-caption-tags: K encodings per caption on disk, one drawn per step)
+    shuffle_caption_tags: bool = False
+    keep_tags: int = 0  # latents: the first k tags stay in place and are never dropped (a trigger word, a subject)
+    # latents: each other tag left out with this probability; like shuffling, needs precomputed variants or the text
+    # encoded in the step
+    tag_dropout: float = 0.0
     num_workers: int = -1  # loader processes; -1: 0 on CPU (both cores compute), 4 on CUDA (hide loading)
     pin_memory: bool = True  # CUDA only: page-locked batches so host-to-device copies overlap compute
     prefetch_factor: int = 2  # batches each worker prepares ahead (workers > 0): memory against stalls
@@ -152,8 +166,8 @@ class DataConfig:
 
     def __post_init__(self):
         positive(self, "num_items", "prefetch_factor")
-        non_negative(self, "holdout", "references")
-        fraction(self, "caption_dropout")
+        non_negative(self, "holdout", "references", "keep_tags")
+        fraction(self, "caption_dropout", "tag_dropout")
         if self.use_masks not in ("auto", "true", "false"):
             raise FieldError("use_masks", self.use_masks, "auto, true or false")
         for i, entry in enumerate(self.datasets):
@@ -164,6 +178,9 @@ class DataConfig:
                                  "> 0 and >= 0")
             if entry.caption_dropout is not None and not 0 <= entry.caption_dropout < 1:
                 raise FieldError(f"datasets[{i}].caption_dropout", entry.caption_dropout, "in [0, 1), or null")
+            if entry.repeats is not None and (entry.repeats < 1 or entry.weight != 1.0):
+                raise FieldError(f"datasets[{i}].repeats", entry.repeats, f">= 1, with weight left at 1 (repeats "
+                                 f"set the share instead of weight; got weight {entry.weight})")
         if self.num_workers < -1:
             raise FieldError("num_workers", self.num_workers, ">= 0, or -1 for the device default")
 
@@ -171,6 +188,11 @@ class DataConfig:
 @dataclass
 class LoraConfig:
     enabled: bool = False  # train low-rank adapters on a frozen model: far less optimizer memory, tiny files
+    # lora: W + B A of rank `rank`; lokr: a Kronecker product of two small factors (a full-rank update from few
+    # parameters); loha: the elementwise product of two rank-`rank` products (rank up to rank^2 for twice LoRA's
+    # parameters). LoKr and LoHa form each layer's dense update in every forward and keep it for the backward (more
+    # memory and time than LoRA); they take none of dropout, use_dora, use_rslora, text_encoders (peft's LoKr / LoHa)
+    type: Literal["lora", "lokr", "loha"] = "lora"
     rank: int = 16  # adapter rank: capacity against parameters and memory
     alpha: float = 16.0  # adapter output is scaled by alpha / rank; higher moves further from the base per step
     dropout: float = 0.0  # dropout on the adapter input: regularises small datasets, adds noise to the step
@@ -203,6 +225,13 @@ class LoraConfig:
             raise FieldError("text_encoders", list(self.text_encoders), f"distinct names of {list(TEXT_ENCODER_PARTS)}")
         if self.text_encoder_lr is not None:
             positive(self, "text_encoder_lr")
+        if self.type != "lora":  # what only peft's LoRA has
+            for name, off, shown in (("use_dora", False, "false"), ("use_rslora", False, "false"),
+                                     ("dropout", 0.0, "0"), ("text_encoders", [], "[]")):
+                if getattr(self, name) != off:
+                    raise FieldError(name, getattr(self, name), f"{shown} with type={self.type} (a setting of peft's "
+                                     f"LoRA, which its {self.type.replace('loha', 'LoHa').replace('lokr', 'LoKr')} "
+                                     f"does not have)")
 
 
 @dataclass
@@ -332,6 +361,15 @@ class Float8Config:
 
 @dataclass
 class OptimizerConfig:
+    # adamw: torch's fused AdamW, 8 bytes of state per trained parameter; adamw8bit: torchao's, its moments in 8 bits
+    # (about 2 bytes), at a small rounding of the update; prodigy: prodigyopt's, which estimates its own step size
+    # (optimizer.lr=1.0 scales the estimate), 16 bytes; adafactor: torch's, factored second moment and no momentum
+    # (bytes per row and column, not per value), steps relative to each weight's size. Under FSDP only adamw
+    # (optim/optimizers.py says why)
+    name: Literal["adamw", "adamw8bit", "prodigy", "adafactor"] = "adamw"
+    # cosine: warmup, then down to lr * min_lr_ratio along a cosine; linear: warmup, then a straight line to it;
+    # constant_with_warmup: warmup, then the peak; constant: the peak from the first step (no warmup)
+    schedule: Literal["cosine", "constant", "constant_with_warmup", "linear"] = "cosine"
     lr: float = 2e-3  # peak learning rate after warmup
     beta1: float = 0.9  # momentum: smoother updates against slower reaction
     beta2: float = 0.99  # lower adapts faster to changing gradient scale, noisier
@@ -340,7 +378,7 @@ class OptimizerConfig:
     weight_decay: float = 0.0  # on matmul/conv weights only; regularises, slows fitting
     grad_clip_norm: float = 1.0  # global gradient norm cap; 0 disables; guards against spikes
     warmup_steps: int = 200  # linear warmup: stability early against slower start
-    min_lr_ratio: float = 0.02  # cosine decays to lr * this at max_steps
+    min_lr_ratio: float = 0.02  # cosine and linear decay to lr * this at max_steps
     ema_decay: float = 0.999  # EMA of weights for sampling; higher is smoother but lags longer
 
     def __post_init__(self):
@@ -506,6 +544,10 @@ def check_combinations(cfg: DictConfig) -> None:
         raise ConfigError("data.datasets lists the latent datasets of a run; data.path names the only one: give one "
                           "of the two (and data.name=latents)" if cfg.data.path else
                           "data.datasets lists latent datasets: set data.name=latents")
+    captioned = [k for k in CAPTION_KEYS if cfg.data[k] != DataConfig.__dataclass_fields__[k].default]
+    if captioned and cfg.data.name != "latents":
+        raise ConfigError(f"data.{captioned[0]} changes the captions of a latent dataset; the shapes data's captions "
+                          f"are fixed sentences of its own vocabulary")
     if cfg.data.use_masks == "true" and cfg.data.name != "latents":
         raise ConfigError("data.use_masks=true weighs the loss by the masks of a latent dataset; the shapes data has "
                           "none")
@@ -526,6 +568,7 @@ def check_combinations(cfg: DictConfig) -> None:
         raise ConfigError(f"float8.enabled=true converts the frozen base's linears, which "
                           f"lora.base_quantization={lora.base_quantization} already replaced; choose one of them")
     check_block_swap_combinations(cfg)
+    check_optimizer(cfg.optimizer, cfg.parallel.strategy, lora.enabled and lora.text_encoder_lr is not None)
     if cfg.training.dtype == "fp16" and cfg.parallel.strategy != "ddp":
         raise ConfigError(f"training.dtype=fp16 is not supported with parallel.strategy={cfg.parallel.strategy} "
                           f"(its gradient scaler does not handle sharded gradients); use training.dtype=bf16")
@@ -559,6 +602,7 @@ def check_block_swap_combinations(cfg: DictConfig) -> None:
                           f"faster than bf16 (perf/float8.py); use lora.base_quantization to shrink the base instead")
 
 
+CAPTION_KEYS = ("caption_prefix", "shuffle_caption_tags", "keep_tags", "tag_dropout")  # data.*: data/captions.py
 PATH_KEYS = ("data.path", "data.text_encoders_from", "model.init_from", "logging.output_dir", "validation.vae_from")
 SET_WHOLE = "a section is set key by key (training.seed=1), a list whole ('data.datasets=[{path: a}, {path: b}]')"
 # keys that moved to the section a reader looks in: a config that still uses the old name is told the new one

@@ -9,6 +9,8 @@ A dataset directory (written by precompute_latents.py) holds
       pooled_prompt_embeds  [N, P]        pooled text embeddings, where the family has them (SD3, FLUX.1)
       prompt_embeds_mask    [N, L]        1 for a token, 0 for padding, where the family's text is padded to L
                                           (Qwen-Image): `text_shapes` says which a dataset has
+      (with --caption-variants K > 1 each text field holds K encodings per item: [N, K, L, J], [N, K, P], [N, K, L],
+      the caption's variants of data/captions.py; datasets without the record hold one)
       loss_mask             [N, 1, h, w]  optional: per-latent-element loss weights in [0, 1] from the image's
                                           mask (white = 1); shards without it belong to items without a mask
       reference_latents_i   [N, C, h_i, w_i]  an edit dataset's reference image i (i = 0 ... references - 1),
@@ -18,7 +20,8 @@ A dataset directory (written by precompute_latents.py) holds
 - `dataset.json`: the format, the shards in order with their item count, latent size (and reference sizes),
   bytes and sha256 (what a published shard must still be), the fields' sizes, whether text embeddings are stored,
   the VAE and pipeline that encoded it (and its T5 sequence length), whether any item has a loss mask (`masks`),
-  the reference images per item (`references`, 0 but for edit datasets) and the buckets;
+  the reference images per item (`references`, 0 but for edit datasets), the buckets, and how its captions were
+  made before encoding (`captions`: prefix, tag shuffling and dropout, variants; absent: as written, one each);
 - `index/`: the per-item table as arrays, memory-mapped when the dataset opens (no shard is read for it, and
   loader workers share the pages): each item's shard, row and bucket, and where its caption lies in
   `index/captions.bin`;
@@ -47,6 +50,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from data.captions import recorded_style
 from errors import InputError
 from formats import check_format, sha256
 
@@ -216,6 +220,7 @@ class LatentDataset(torch.utils.data.Dataset):
         self.fields = ["latents", *(["latents_flipped"] if self.index["flipped"] else []),
                        *(self.text_shapes if self.text_encoded else []),
                        *(f"reference_latents_{i}" for i in range(self.references))]
+        self.caption_style, self.caption_variants = recorded_style(self.index)
         arrays = {name: np.load(self.directory / INDEX_DIR / f"{name}.npy", mmap_mode="r")
                   for name in ("shard", "row", "bucket", "caption_start")}
         self.shard_of, self.row_of, self.bucket_of, self.caption_start = (arrays[k] for k in
@@ -306,8 +311,9 @@ class LatentDataset(torch.utils.data.Dataset):
             path = self.directory / record["file"]
             f = self.open(path)
             (n, (h, w)), c = (record["count"], record["latent_size"]), self.latent_channels
+            k = [self.caption_variants] if self.caption_variants > 1 else []
             expected = {"latents": [n, c, h, w], "latents_flipped": [n, c, h, w], "loss_mask": [n, 1, h, w],
-                        **{field: [n, *shape] for field, shape in self.text_shapes.items()},
+                        **{field: [n, *k, *shape] for field, shape in self.text_shapes.items()},
                         **{f"reference_latents_{i}": [n, c, *size]
                            for i, size in enumerate(record.get("reference_sizes", ()))}}
             fields = [*self.fields, *(["loss_mask"] if self.masks and record.get("masks") else [])]
@@ -326,9 +332,16 @@ class LatentDataset(torch.utils.data.Dataset):
         return {**self.__dict__, "handles": {}}
 
     def __getitem__(self, index: int) -> dict:
+        return self.item(index)
+
+    def item(self, index: int, caption_key: int = 0) -> dict:
+        """Item `index`, its text the caption variant `caption_key` mod K (data/captions.py) where there are K."""
         shard, row = int(self.shard_of[index]), int(self.row_of[index])
         f = self.handle(shard)
-        item = {name: f.get_slice(name)[row : row + 1][0].float() for name in self.fields}
+        variant = caption_key % self.caption_variants
+        one_of_k = lambda name: self.caption_variants > 1 and name in self.text_shapes  # noqa: E731
+        item = {name: (f.get_slice(name)[row : row + 1, variant : variant + 1][0, 0] if one_of_k(name)
+                       else f.get_slice(name)[row : row + 1][0]).float() for name in self.fields}
         if self.references:
             item["references"] = tuple(item.pop(f"reference_latents_{i}") for i in range(self.references))
         if self.masks:

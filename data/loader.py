@@ -9,7 +9,8 @@ batches, all keyed by (seed, epoch) as well.
 
 The training items are the dataset less a held-out set (`split_holdout`), itself a permutation keyed by the
 seed. Datasets that store mirrored latents (`latents_flipped`) give one of the two per (seed, epoch, item), and
-the item's loss mask with it. Several datasets (`data.datasets`, data/mixture.py) each keep their own epochs;
+the item's loss mask with it; datasets that store K encodings per caption give the one of (seed, step, position)
+(data/captions.py). Several datasets (`data.datasets`, data/mixture.py) each keep their own epochs;
 which dataset each position of the stream takes is dealt by their weights, a function of the position alone.
 """
 
@@ -19,6 +20,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from data.captions import CaptionStyle, caption_key
 from data.latents import TEXT_FIELDS, Bucket, bucket_name
 from data.mixture import Mixture
 from errors import ConfigError
@@ -176,7 +178,8 @@ class StepBatchSampler:
 
 class StepDataset(torch.utils.data.Dataset):
     """Wraps a dataset so each item also carries the step and its position in the global batch, and picks
-    plain or mirrored latents (where stored) by (seed, epoch, item)."""
+    plain or mirrored latents (where stored) by (seed, epoch, item) and a caption's encoding (where a latent dataset
+    stores several) by (seed, step, position)."""
 
     def __init__(self, dataset: torch.utils.data.Dataset, seed: int):
         self.dataset, self.seed = dataset, seed
@@ -186,7 +189,8 @@ class StepDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, key: tuple[int, int, int, int]) -> dict:
         step, position, index, epoch = key
-        item = dict(self.dataset[index])
+        item = dict(self.dataset.item(index, caption_key(self.seed, step, position)) if hasattr(self.dataset, "item")
+                    else self.dataset[index])
         flipped = item.pop("latents_flipped", None)
         if flipped is not None and sample_key(self.seed, FLIP_STREAM, f"{epoch}/{index}") % 2:
             item["latents"] = flipped
@@ -203,15 +207,17 @@ class Collate:
 
     `sigmas(draws, latent size)` maps the draws to noise levels (the size sets FLUX's resolution shift).
     A dropped caption becomes the empty caption: the tokens of "" for a text encoder in the model, the encoding
-    of "" for precomputed embeddings (zeros when the dataset has none).
+    of "" for precomputed embeddings (zeros when the dataset has none). Captions a text encoder in the model encodes
+    take `captions` (prefix, tag shuffling and dropout) with the sample's draw of (seed, step, position).
 
     Items of a mixture carry their dataset (`source`), which picks their caption dropout and loss weight from
     the per-dataset lists; `loss_weight` (1 for a single dataset) and `loss_mask` (where items have one) go
     into the batch."""
 
     def __init__(self, seed: int, sigmas, caption_dropout: float | list[float], tokenizer=None,
-                 empty_prompt: dict | None = None, loss_weights: list[float] = (1.0,)):
-        self.seed, self.sigmas = seed, sigmas
+                 empty_prompt: dict | None = None, loss_weights: list[float] = (1.0,),
+                 captions: CaptionStyle = CaptionStyle()):
+        self.seed, self.sigmas, self.captions = seed, sigmas, captions
         self.caption_dropout = torch.tensor(caption_dropout, dtype=torch.float32).reshape(-1)
         self.loss_weights = torch.tensor(loss_weights, dtype=torch.float32)
         self.tokenizer, self.empty_prompt = tokenizer, empty_prompt
@@ -223,7 +229,8 @@ class Collate:
         draws = draw_sample_noise(self.seed, step, positions, tuple(latents.shape[1:]))
         dropped = draws.dropout_uniform < self.caption_dropout[sources]
         batch = {"step": step, "first_position": int(positions[0]), "latents": latents, "noise": draws.noise,
-                 "sigma": self.sigmas(draws, tuple(latents.shape[-2:])), "text": self.text(items, dropped), "source": sources,
+                 "sigma": self.sigmas(draws, tuple(latents.shape[-2:])), "text": self.text(items, dropped, step),
+                 "source": sources,
                  "loss_weight": self.loss_weights[sources]}
         if "loss_mask" in items[0]:
             batch["loss_mask"] = torch.stack([item["loss_mask"] for item in items])
@@ -231,9 +238,11 @@ class Collate:
             batch["references"] = tuple(torch.stack(rows) for rows in zip(*(item["references"] for item in items)))
         return batch
 
-    def text(self, items: list[dict], dropped: torch.Tensor) -> dict:
+    def text(self, items: list[dict], dropped: torch.Tensor, step: int) -> dict:
         if self.tokenizer is not None:  # token ids, for a text encoder in the model
-            return self.tokenizer(["" if drop else item["caption"] for item, drop in zip(items, dropped.tolist())])
+            draw = lambda p: torch.Generator().manual_seed(caption_key(self.seed, step, p))  # noqa: E731
+            return self.tokenizer(["" if drop else self.captions.apply(item["caption"], draw(item["position"]))
+                                   for item, drop in zip(items, dropped.tolist())])
         text = {}
         for key in (k for k in TEXT_FIELDS if k in items[0]):
             values = torch.stack([item[key] for item in items])

@@ -89,8 +89,12 @@ class MixedDataset(torch.utils.data.Dataset):
         return np.searchsorted(self.offsets, np.asarray(indices), side="right") - 1
 
     def __getitem__(self, index: int) -> dict:
+        return self.item(index)
+
+    def item(self, index: int, caption_key: int = 0) -> dict:
+        """Item `index`, with its dataset's caption variant of `caption_key` (LatentDataset.item)."""
         source = int(self.sources(index))
-        item = dict(self.datasets[source][index - int(self.offsets[source])])
+        item = dict(self.datasets[source].item(index - int(self.offsets[source]), caption_key))
         if self.masks and "loss_mask" not in item:
             item["loss_mask"] = torch.ones_like(item["latents"][:1])
         return {**item, "source": source}

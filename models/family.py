@@ -89,6 +89,10 @@ class Family:
     # that file's ss_base_model_version and ss_network_module, as the trainers that write its layout name them (model
     # sites and ComfyUI's LoRA browsers read them)
     kohya_names: tuple[str, str] | None = None
+    # LoKr / LoHa files (models/lycoris.py): the kinds its diffusers pipeline loads (lora.type values), and the
+    # modules whose stem in ComfyUI's LoRA key map is not `transformer.<diffusers name>` (diffusers name -> stem)
+    diffusers_lycoris: tuple[str, ...] = ()
+    comfyui_names: dict = field(default_factory=dict)
     # the default max_sequence_length for a transformer of these model.* settings (FLUX.1: dev's or schnell's)
     sequence_length: Callable | None = None
     extra_text_tokens: int = 0  # text tokens beside those max_sequence_length counts (SD3: CLIP's 77)

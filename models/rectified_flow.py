@@ -23,7 +23,8 @@ class SampleNoise:
 
 
 # Streams other than training steps use negative "step" keys, so no two uses share a generator.
-DATA_STREAM, ORDER_STREAM, SAMPLING_STREAM, FLIP_STREAM, HOLDOUT_STREAM, VALIDATION_STREAM, INIT_STREAM = range(-1, -8, -1)
+(DATA_STREAM, ORDER_STREAM, SAMPLING_STREAM, FLIP_STREAM, HOLDOUT_STREAM, VALIDATION_STREAM, INIT_STREAM,
+ CAPTION_STREAM) = range(-1, -9, -1)
 
 
 def sample_key(seed: int, step: int, position: int | str) -> int:

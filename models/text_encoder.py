@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from errors import InputError
 from models.blocks import init_generator, initialize, xavier_uniform
+from models.lora import adapter_initial_value, adapter_part
 
 PAD = "<pad>"
 
@@ -100,15 +101,11 @@ class TextToImage(nn.Module):
         self.guidance = guidance
 
     def initial_value(self, name: str, seed: int) -> torch.Tensor:
-        """A fresh model's value of `name` (see MMDiT.initial_value); LoRA adapters start as peft's Gaussian
-        init (A ~ N(0, 1/rank), B = 0: the adapted model starts as the base)."""
+        """A fresh model's value of `name` (see MMDiT.initial_value); adapters start as peft starts them
+        (models/lora.py: the adapted model starts as the base)."""
         part, _, inner = name.partition(".")
-        if ".lora_" in inner:
-            shape = self.get_parameter(name).shape
-            if ".lora_B." in inner:
-                return torch.zeros(shape)
-            rank = shape[0]
-            return torch.empty(shape).normal_(0.0, 1.0 / rank, generator=init_generator(seed, name))
+        if adapter_part(inner) is not None:
+            return adapter_initial_value(name, self.get_parameter(name).shape, seed)
         return getattr(self, part).initial_value(inner.replace(".base_layer.", "."), seed)
 
     def encode(self, text: dict) -> dict[str, torch.Tensor]:

@@ -22,9 +22,7 @@ def decay_groups(model: nn.Module) -> tuple[list[str], list[str]]:
     return decay, no_decay
 
 
-def build_adamw(model: nn.Module, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                device: torch.device, fused: bool = True,
-                lr_scales: dict[str, float] | None = None) -> torch.optim.AdamW:
+def param_groups(model: nn.Module, weight_decay: float, lr_scales: dict[str, float] | None = None) -> list[dict]:
     """`lr_scales`: parameter-name prefix -> factor on the learning rate for the parameters under it (the text
     encoders' adapters: lora.text_encoder_lr / optimizer.lr). Each group carries its factor as "lr_scale", which the
     schedule multiplies in every step. The groups: (decayed, not decayed) of the other parameters, then those of
@@ -36,8 +34,15 @@ def build_adamw(model: nn.Module, lr: float, betas: tuple[float, float], eps: fl
     groups = [{"params": [params[n] for n in names if prefix_of(n) == prefix], "weight_decay": wd,
                "lr_scale": scales.get(prefix, 1.0)}
               for prefix in [None, *scales] for names, wd in ((decay, weight_decay), (no_decay, 0.0))]
-    groups = groups[:2] + [g for g in groups[2:] if g["params"]]
-    impl = "fused" if fused and device.type in ("cuda", "cpu") else "foreach"
-    log.info("AdamW (%s): %d tensors decayed, %d not%s", impl, len(decay), len(no_decay),
+    log.info("parameter groups: %d tensors decayed, %d not%s", len(decay), len(no_decay),
              "".join(f"; {prefix}* at {scale:g} x lr" for prefix, scale in scales.items()))
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **{impl: True})
+    return groups[:2] + [g for g in groups[2:] if g["params"]]
+
+
+def build_adamw(model: nn.Module, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                device: torch.device, fused: bool = True,
+                lr_scales: dict[str, float] | None = None) -> torch.optim.AdamW:
+    """torch's AdamW over `param_groups`, in one fused kernel where the device has one."""
+    impl = "fused" if fused and device.type in ("cuda", "cpu") else "foreach"
+    return torch.optim.AdamW(param_groups(model, weight_decay, lr_scales), lr=lr, betas=betas, eps=eps,
+                             **{impl: True})

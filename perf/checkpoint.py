@@ -328,17 +328,33 @@ class TrainedWeights:
 
 
 class OptimizerState:
-    """The optimizer's part: AdamW state keyed by parameter name, so that it maps onto any sharding. A resume
-    keeps today's hyperparameters (betas, eps, weight decay), not the checkpoint's."""
+    """The optimizer's part: its state keyed by parameter name, so that it maps onto any sharding. A resume keeps
+    today's hyperparameters (betas, eps, weight decay), not the checkpoint's, but for the group values the optimizer
+    learns itself (`learned`: prodigy's step-size estimate). A quantized moment (torchao's 8-bit state, a tensor
+    subclass DCP cannot store whole) is stored as its inner tensors (codes, scales, code table) and loaded back
+    into them: bit for bit."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-        self.model, self.optimizer = unwrap(model), optimizer
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, learned: tuple[str, ...] = ()):
+        self.model, self.optimizer, self.learned = unwrap(model), optimizer, learned
 
     def state_dict(self) -> dict:
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        state = get_optimizer_state_dict(self.model, self.optimizer)
+        parts = lambda t: {part: getattr(t, part) for part in t.__tensor_flatten__()[0]}  # the same tensors
+        # new dicts: the optimizer's state dict holds its own per-parameter dicts
+        state["state"] = {name: {key: parts(t) if is_traceable_wrapper_subclass(t) else t for key, t in values.items()}
+                          for name, values in state["state"].items()}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        configured = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+        live = get_optimizer_state_dict(self.model, self.optimizer)["state"]
+        for name, values in state["state"].items():
+            for key, parts in values.items():
+                if isinstance(parts, dict):  # a quantized moment: its parts into the optimizer's own tensor
+                    for part, tensor in parts.items():
+                        getattr(live[name][key], part).copy_(tensor)
+                    values[key] = live[name][key]
+        configured = [{k: v for k, v in group.items() if k != "params" and k not in self.learned}
+                      for group in self.optimizer.param_groups]
         set_optimizer_state_dict(self.model, self.optimizer, state)
         for group, settings in zip(self.optimizer.param_groups, configured):
             group.update(settings)

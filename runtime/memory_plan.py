@@ -4,9 +4,11 @@ Counted on the meta device for the real model (which allocates nothing): its par
 (trained, frozen, quantized) and the tensors autograd saves for the backward in one training forward at
 micro-batch 1. The rest follows stated rules:
 
-- trained weights: fp32 master (4 B), gradients fp32 (4 B), AdamW's two moments (8 B), EMA (4 B) per parameter;
-  frozen weights at their stored size (the compute dtype, or nf4 / int8 codes and scales). Under FSDP/HSDP all
-  of it is split over the shard group; with parallel.cpu_offload it lives in host memory instead.
+- trained weights: fp32 master (4 B), gradients fp32 (4 B), EMA (4 B) per parameter, and the optimizer's state by
+  the shapes of the trained parameters (optim/optimizers.py: AdamW's two moments 8 B per parameter, 8-bit AdamW's
+  about 2 B, prodigy's 16 B, Adafactor's a row and a column mean per matrix); frozen weights at their stored size
+  (the compute dtype, or nf4 / int8 codes and scales). Under FSDP/HSDP all of it is split over the shard group;
+  with parallel.cpu_offload it lives in host memory instead.
 - DDP keeps a second copy of the gradients in its all-reduce buckets.
 - FSDP in flight: the root's weights gathered (it keeps them between forward and backward), two blocks'
   weights gathered in the compute dtype (the running one and the prefetched one; every block when
@@ -23,7 +25,8 @@ micro-batch 1. The rest follows stated rules:
   (perf/block_swap.py's `swapped_blocks`) leave the GPU for host memory, and the two largest of them are in flight
   (the block running and the one being copied in); a micro-step copies 2N - 1 blocks to the GPU (`swap_bytes`).
 - workspace: dequantizing a quantized layer holds its 4-byte level indices and two weight-sized temporaries in
-  the compute dtype (int8: three), for the largest such layer.
+  the compute dtype (int8: three), for the largest such layer; in fp32 under LoKr / LoHa (lora.type), whose peft
+  layers read the base weight (its shape) in every forward, which a quantized layer gives dequantized in fp32.
 - validation (validation.every or validation.at_end): the EMA swapped into the model keeps a copy of the trained
   weights; sampling runs the model without autograd on 2 x micro-batch rows with classifier-free guidance (else the
   micro-batch), the held-out loss on validation.loss_sigmas rows, their working set counted on the meta device as
@@ -52,6 +55,7 @@ from torch.utils._pytree import tree_leaves
 from formats import DTYPES
 from models import attention
 from models.quantized import QuantizedLinear
+from optim.optimizers import state_bytes
 from perf.activation_checkpointing import keeps
 from perf.block_swap import swapped_blocks
 from perf.float8 import BF16_MATMUL_RATE, MEMORY_RATE
@@ -89,6 +93,7 @@ class Plan:
 class ModelCount:
     """What the meta-device pass found."""
     trained: int  # parameters
+    trained_shapes: list[tuple[int, ...]]  # their shapes, for the optimizer's state
     frozen_bytes: int
     buffer_bytes: int
     block_bytes: list[int]  # each block's parameters at their stored size
@@ -182,6 +187,7 @@ def count_model(model, example_inputs, activation_bytes: int, frozen_bytes: int)
 
     return ModelCount(
         trained=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        trained_shapes=[tuple(p.shape) for p in model.parameters() if p.requires_grad],
         frozen_bytes=sum(stored_size(p) for p in model.parameters() if not p.requires_grad),
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         block_bytes=[stored(b) for b in blocks],
@@ -325,10 +331,10 @@ def largest_quantized(model) -> dict[str, int]:
 
 def plan(count: ModelCount, *, strategy: str, ranks: int, micro_batch: int, dtype: str, checkpointing: str = "none",
          every: int = 1, reshard_after_forward: bool = True, cpu_offload: bool = False, gpu: bool = True,
-         swapped: int = 0, validation_rows: int = 0) -> Plan:
+         swapped: int = 0, validation_rows: int = 0, optimizer: str = "adamw", adapter: str = "lora") -> Plan:
     """Bytes per rank for training with these settings (`ranks`: the shard group under FSDP/HSDP; `swapped`: the
-    blocks block swapping keeps in host memory, without sharding or CPU offload), and validation's forwards of
-    `validation_rows` rows (0: no validation) and its VAE."""
+    blocks block swapping keeps in host memory, without sharding or CPU offload; `optimizer`: optimizer.name;
+    `adapter`: lora.type), and validation's forwards of `validation_rows` rows (0: no validation) and its VAE."""
     p = Plan()
     split = ranks if strategy in ("fsdp", "hsdp") else 1
     compute = DTYPES[dtype].itemsize
@@ -345,7 +351,7 @@ def plan(count: ModelCount, *, strategy: str, ranks: int, micro_batch: int, dtyp
         p.notes.append(f"{swapped} blocks' frozen weights in host memory, two on the GPU at a time; "
                        f"{p.swap_bytes / 2**30:.2f} GiB copied to the GPU per micro-step")
     p.gradients = 4 * count.trained / split
-    p.optimizer = 8 * count.trained / split
+    p.optimizer = state_bytes(optimizer, count.trained_shapes) / split
     p.ema = 4 * count.trained / split
     if strategy == "ddp" and ranks > 1:
         p.in_flight += 4 * count.trained  # DDP's all-reduce buckets
@@ -358,7 +364,7 @@ def plan(count: ModelCount, *, strategy: str, ranks: int, micro_batch: int, dtyp
     if cpu_offload:
         p.host = p.weights - count.buffer_bytes + p.gradients + p.optimizer + p.ema
         p.weights, p.gradients, p.optimizer, p.ema = count.buffer_bytes, 0.0, 0.0, 0.0
-        p.notes.append("weights, gradients, AdamW state and EMA in host memory; the optimizer step runs there")
+        p.notes.append("weights, gradients, optimizer state and EMA in host memory; the optimizer step runs there")
     checkpointed = range(0, len(count.saved_per_block), every) if checkpointing != "none" else range(0)
     p.activations = micro_batch * (held_in_backward(count, checkpointing, set(checkpointed)) + count.saved_outside)
     flops = micro_batch * sum(count.block_flops[i] for i in checkpointed) if checkpointing == "full" else 0
@@ -366,8 +372,9 @@ def plan(count: ModelCount, *, strategy: str, ranks: int, micro_batch: int, dtyp
     step_flops = 3 * micro_batch * count.forward_flops  # both re-run the ops between the matmuls; full those too
     p.recompute_flops = flops / step_flops
     p.recompute = (flops / BF16_MATMUL_RATE + traffic / MEMORY_RATE) / (step_flops / BF16_MATMUL_RATE)
-    p.workspace = max([n * (4 + 2 * compute) for s, n in count.dequantized.items() if s == "nf4"] +
-                      [n * 3 * compute for s, n in count.dequantized.items() if s == "int8"] + [0])
+    dequantized = 4 if adapter != "lora" else compute
+    p.workspace = max([n * (4 + 2 * dequantized) for s, n in count.dequantized.items() if s == "nf4"] +
+                      [n * 3 * dequantized for s, n in count.dequantized.items() if s == "int8"] + [0])
     if validation_rows:
         swap = 0 if cpu_offload else 4 * count.trained / split  # the trained weights, while the EMA's stand in
         p.validation = swap + max(validation_rows * count.sampling, sum(count.vae))

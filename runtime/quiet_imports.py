@@ -1,4 +1,5 @@
-"""torchao, imported only where a run uses it (float8, perf/float8.py), and without its start-up noise.
+"""torchao, imported only where a run uses it (float8, perf/float8.py; optimizer.name=adamw8bit), and without its
+start-up noise.
 
 transformers and peft import torchao whenever it is installed (`make test` installs it): transformers at its own
 import, peft again whenever it wraps a layer. Importing torchao logs warnings that say nothing about the run, in

@@ -13,7 +13,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from models.attention import math_attention, use_attention
@@ -240,9 +240,13 @@ def train_state_gib(model, optimizer: torch.optim.Optimizer, ema) -> float:
 
 
 def local_bytes(tensors) -> int:
-    """Bytes this rank holds of the given tensors (a DTensor's local shard)."""
+    """Bytes this rank holds of the given tensors (a DTensor's local shard; a quantized optimizer moment's inner
+    tensors, not the size it poses as)."""
     total = 0
     for t in tensors:
         local = t.to_local() if isinstance(t, DTensor) else t
-        total += local.numel() * local.element_size()
+        if is_traceable_wrapper_subclass(local):
+            total += local_bytes(getattr(local, part) for part in local.__tensor_flatten__()[0])
+        else:
+            total += local.numel() * local.element_size()
     return total

@@ -9,7 +9,7 @@ without it: tests/test_families.py."""
 import gc
 import json
 import re
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -217,7 +217,7 @@ def test_on_a_gpu_the_copies_wait_for_the_allocation_and_the_compute_waits_for_t
     swap = BlockSwap(model, 2, CPU, streams=streams, register=registered.append)
     materialize(model, CPU, InitialValues(model, 0, cfg.model.init_from), swap=swap)
     assert [b.data_ptr() for b in registered] == [swap.buffers[b].data_ptr() for b in swap.order]
-    streams.swap, ran = swap, []
+    streams.swap = swap
     for index, block in enumerate(model.transformer.blocks):  # after the swap's hooks: when the block computes
         block.register_forward_pre_hook(lambda module, args, index=index: streams.note("runs", "compute", index))
     batch = next(iter(step_batches(dataset, build_collate(cfg, dataset, tokenizer), list(range(len(dataset))),

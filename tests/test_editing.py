@@ -4,7 +4,6 @@ what is refused, and sampling edits from the command line."""
 
 import json
 
-import pytest
 import torch
 from PIL import Image
 

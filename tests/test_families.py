@@ -7,6 +7,7 @@ its pipeline's transformer with blocks swapped like the run without, bit for bit
 
 Each property runs at the smallest size that shows it: 2-3 blocks, 2 heads, 2-4 steps."""
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -400,13 +401,6 @@ def test_a_lora_run_stopped_twice_resumes_bit_for_bit_and_loads_into_the_pipelin
         assert (adapted - base).abs().max() > 1e-3  # the adapters act
         torch.testing.assert_close(adapted, ours(model, x), rtol=0, atol=1e-5)
     assert torch.isfinite(adapted_image).all() and not torch.equal(adapted_image, base_image)
-    assert export_mmdit.main(["--checkpoint", str(tmp_path / "killed"), "--out", str(tmp_path / "comfy"),
-                              "--format", "kohya"]) == 0
-    comfy = edit.load(folder)
-    edit.comfy(monkeypatch)
-    comfy.load_lora_weights(tmp_path / "comfy" / "comfy.safetensors")
-    with torch.no_grad():
-        torch.testing.assert_close(edit.theirs(comfy.transformer, x), adapted, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", CASES)
@@ -532,6 +526,51 @@ def test_dora_and_rslora_on_an_nf4_base_with_validation_images_and_held_out_loss
     assert any(".lora_magnitude_vector." in name for name in weights) and all(".lora_" in name for name in weights)
     assert (tmp_path / "run" / "samples" / "step_00000002.png").is_file()
     assert [r["step"] for r in metric_rows(tmp_path / "run") if "val/loss" in r] == [2]
+
+
+@pytest.mark.parametrize("kind", ["lokr", "loha"])
+@pytest.mark.parametrize("family", CASES)
+def test_lokr_and_loha_on_an_nf4_base_resume_bit_for_bit_and_export_what_comfyui_applies(family, kind, request,
+                                                                                        tmp_path):
+    """LoKr / LoHa adapters (lora.type; LoKr's second factor a rank-1 product) on the family's default targets of its
+    pipeline's transformer, the base in 4-bit NormalFloat: the checkpoint of step 2 resumed gives the run's weights
+    bit for bit; the file exported in ComfyUI's layout, applied to the pipeline's transformer as ComfyUI applies it
+    (tests/test_lycoris.py), computes the trained adapters' output on that base (1e-5); where the family's diffusers
+    pipeline loads the kind (FLUX.2: LoKr), its `load_lora_weights` of the default export does too."""
+    from safetensors.torch import load_file
+
+    from sample_mmdit import load_trained
+    from tests.test_lycoris import apply_as_comfyui
+    case, record = CASES[family], FAMILIES[family]
+    folder, data = request.getfixturevalue(case.pipeline.folder), request.getfixturevalue(case.pipeline.data)
+    run_dir = tmp_path / "run"
+    overrides = pipeline_lora(case.pipeline, folder, data, run_dir, f"lora.type={kind}", "lora.base_quantization=nf4",
+                              f"lora.rank={1 if kind == 'lokr' else 2}", "training.max_steps=3", "checkpoint.every=2")
+    assert main(overrides) == 0
+    trained = {part: final_weights(run_dir, part) for part in ("model", "ema")}
+    assert all(f".{'hada' if kind == 'loha' else kind}_" in name for name in trained["model"])
+    shutil.rmtree(checkpoints(run_dir)[-1])  # resume from step 2
+    assert main(overrides) == 0
+    for part in ("model", "ema"):
+        assert_close(final_weights(run_dir, part), trained[part])
+
+    assert export_mmdit.main(["--checkpoint", str(run_dir), "--out", str(tmp_path / "comfy"), "--format", "kohya"]) == 0
+    model = load_trained(checkpoints(run_dir)[-1], True)[0].transformer
+    patched = load_diffusers_transformer(folder / "transformer").eval()
+    x = case.inputs(dataclasses.asdict(patched.cfg), 8, 8, 5, seed=3)
+    with torch.no_grad():
+        base = ours(patched, x)
+        comfy = load_file(tmp_path / "comfy" / "comfy.safetensors")
+        apply_as_comfyui(patched.state_dict(), comfy, record.comfyui_names)
+        adapted = ours(model, x)
+        assert (adapted - base).abs().max() > 1e-4  # the adapters act (ten times the tolerance below)
+        torch.testing.assert_close(ours(patched, x), adapted, rtol=0, atol=1e-5)
+    if kind in record.diffusers_lycoris:
+        assert export_mmdit.main(["--checkpoint", str(run_dir), "--out", str(tmp_path / "peft")]) == 0
+        pipe = getattr(diffusers, record.pipeline_class).from_pretrained(folder)
+        pipe.load_lora_weights(tmp_path / "peft")
+        with torch.no_grad():
+            torch.testing.assert_close(case.theirs(pipe.transformer, x), adapted, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", CASES)

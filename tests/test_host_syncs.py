@@ -9,7 +9,6 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import _disable_current_modes
 
-import optim.adamw
 import train_mmdit_stable
 from configs.build import build_model, build_tokenizer
 from configs.schema import load_config
@@ -22,18 +21,18 @@ from tests.conftest import TINY, spawn
 def count_syncs(overrides: list[str]) -> dict:
     """Every read of a device value and every blocking copy to the device in a whole run of main()."""
     counter = HostSyncCounter()
-    real_build = optim.adamw.build_adamw
+    real_build = train_mmdit_stable.build_optimizer
 
-    def build_adamw(model, *args, **kwargs):  # the model's parameters are the first device values
+    def build_optimizer(model, *args, **kwargs):  # the model's parameters are the first device values
         counter.mark(list(model.parameters()))
         return real_build(model, *args, **kwargs)
 
-    train_mmdit_stable.build_adamw = build_adamw
+    train_mmdit_stable.build_optimizer = build_optimizer
     try:
         with counter.counting():
             status = train_mmdit_stable.main(overrides)
     finally:
-        train_mmdit_stable.build_adamw = real_build
+        train_mmdit_stable.build_optimizer = real_build
     return {"status": status, "counts": counter.counts}
 
 

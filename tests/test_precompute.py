@@ -188,7 +188,7 @@ def test_every_bad_input_is_named_at_once_before_anything_is_written_and_fixing_
     (images / "img03.txt").write_text("a caf\u00e9 on the grass")
     (images / "img04.png").unlink()
     assert run_precompute(sd3_dir, images, out) == 0
-    assert "1 of 3 images have an empty caption" in caplog.text
+    assert f"1 of 3 images have an empty caption (trained as unconditional): {images / 'img02.txt'}" in caplog.text
     assert len(LatentDataset(out)) == 3
 
 

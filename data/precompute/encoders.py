@@ -99,16 +99,20 @@ class PipelineEncoders:
         self.truncated += self.tokenizers.truncated(captions)
         return self.text(**{k: v.to(self.device) for k, v in self.tokenizers(captions).items()})
 
-    def encode(self, pixels: torch.Tensor, captions: list[str], flip: bool, store: torch.dtype,
+    def encode(self, pixels: torch.Tensor, variants: list[list[str]], flip: bool, store: torch.dtype,
                references: list[tuple] = ()) -> dict:
-        """A batch's stored fields, in the storage dtype, on the host; `references`: each sample's `reference`s."""
+        """A batch's stored fields, in the storage dtype, on the host. `variants`: the batch's captions as encoded,
+        one list per variant; several are stacked as dimension 1 of each text field (data/latents.py).
+        `references`: each sample's `reference`s."""
         rows = {"latents": self.vae.encode(to_unit_range(pixels))}
         if flip:
             rows["latents_flipped"] = self.vae.encode(to_unit_range(pixels.flip(-1)))
         for i, images in enumerate(zip(*references)):  # reference i of every sample: one size in a bucket
             rows[f"reference_latents_{i}"] = self.vae.encode(to_unit_range(torch.stack([p for p, _ in images])))
         if self.text is not None:
-            rows.update(self.encode_text(captions, references))
+            encoded = [self.encode_text(list(captions), references) for captions in variants]
+            rows.update(encoded[0] if len(encoded) == 1 else {k: torch.stack([e[k] for e in encoded], 1)
+                                                              for k in encoded[0]})
         return {name: values.cpu() for name, values in stored(rows, store).items()}
 
 

@@ -176,10 +176,12 @@ def check_items(items: list[tuple[Path, str | None]], bad: list[tuple[str, str]]
             f"(nothing was written){UTF8_HINT if NOT_UTF8 in kinds else ''}:\n  " +
             "\n  ".join(f"{where}: {why}" for where, why in bad[:BAD_INPUTS_LISTED]) +
             (f"\n  ... and {len(bad) - BAD_INPUTS_LISTED} more" if len(bad) > BAD_INPUTS_LISTED else ""))
-    empty = [str(path) for path, caption in items if not caption]
-    if empty:
-        log.warning("%d of %d images have an empty caption (trained as unconditional), e.g. %s", len(empty),
-                    len(items), empty[:3])
+    empty = [str(path.with_suffix(".txt") if source.startswith("--images") else path) for path, caption in items
+             if not caption]
+    if empty:  # a caption file left empty by mistake trains its image unconditionally: each one named
+        log.warning("%d of %d images have an empty caption (trained as unconditional): %s%s", len(empty), len(items),
+                    ", ".join(empty[:BAD_INPUTS_LISTED]),
+                    f" and {len(empty) - BAD_INPUTS_LISTED} more" if len(empty) > BAD_INPUTS_LISTED else "")
 
 
 def reference_counts(items: list[tuple[Path, str | None]], references: dict[Path, tuple[Path, ...]],

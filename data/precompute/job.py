@@ -170,7 +170,8 @@ def write_dataset(reports: list[dict], encoders: PipelineEncoders, out: Path, se
             "validation_prompts": validation_prompts if encoders.text is None else None,
             "masks": any(s.get("masks") for s in shards),  # a loss mask per item (items of other shards: all 1)
             "references": settings.get("references", 0),  # an edit dataset's reference images per item
-            "skipped": sum(len(r["skipped"]) for r in reports)}
+            "skipped": sum(len(r["skipped"]) for r in reports),
+            **({"captions": settings["captions"]} if "captions" in settings else {})}  # data/captions.py
     write_index(out, shards, (captions for r in reports for captions in r["captions"]), info)
     if encoders.truncated:
         log.warning("%d captions were longer than a text encoder's token limit and were cut", encoders.truncated)

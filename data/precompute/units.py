@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from data.captions import recorded_style
 from data.latents import publish_json, shard_record
 from data.precompute.encoders import PipelineEncoders
 from data.precompute.images import aspect_buckets, latent_weights, ordered_map, prepare
@@ -27,6 +28,7 @@ class UnitWriter:
         self.number, self.encoders, self.out, self.progress = number, encoders, out, progress
         self.batch_size, self.shard_size = settings["batch_size"], settings["shard_size"]
         self.flip, self.store = settings["random_flip"], DTYPES[settings["dtype"]]
+        self.caption_style, self.caption_variants = recorded_style(settings)
         self.waiting: dict[tuple[int, int], list] = {}
         self.encoded: dict[tuple[int, int], tuple[list, list]] = {}
         self.parts = Counter()
@@ -43,8 +45,9 @@ class UnitWriter:
         batch = self.waiting.pop(bucket)
         captions = [caption for _, caption, _, _ in batch]
         rows, done = self.encoded.setdefault(bucket, ([], []))
-        rows.append(self.encoders.encode(torch.stack([p for p, _, _, _ in batch]), captions, self.flip, self.store,
-                                         [references for *_, references in batch]))
+        variants = [self.caption_style.variants(caption, self.caption_variants) for caption in captions]
+        rows.append(self.encoders.encode(torch.stack([p for p, _, _, _ in batch]), list(zip(*variants)), self.flip,
+                                         self.store, [references for *_, references in batch]))
         if any(mask is not None for _, _, mask, _ in batch):
             masks = torch.stack([torch.full_like(p[:1], 255) if m is None else m for p, _, m, _ in batch])
             rows[-1]["loss_mask"] = latent_weights(masks, rows[-1]["latents"].shape[-2:]).to(self.store)

@@ -8,7 +8,7 @@ facts and their sources."""
 from PIL import Image
 
 from models.family import Family, ReleasedText, ResolutionShift, check_qk_norm, check_rotary_axes
-from models.flux2.bfl import Flux2BFLReader
+from models.flux2.bfl import TOP, Flux2BFLReader
 from models.flux2.comfyui import comfyui_tensors
 from models.flux2.model import Flux2, Flux2Config, rotary_axes
 from models.flux2.text import Flux2TextEncoders, Flux2Tokenizers
@@ -97,6 +97,7 @@ def released_text(model) -> ReleasedText:
     return ReleasedText(joint=joint, pooled=0, latent_channels=128, vae_factor=16)
 
 
+COMFYUI_UNMAPPED = ("time_guidance_embed.", "double_stream_modulation_", "single_stream_modulation")
 RELEASED = {"patch_size": PACKING, "qk_norm": "rms_norm", "attention_head_dim": 128, "axes_dims_rope": [32, 32, 32, 32]}
 
 FAMILY = Family(
@@ -122,4 +123,8 @@ FAMILY = Family(
     single_file=Flux2BFLReader, packing=PACKING, kohya=comfyui_tensors,
     kohya_names=("flux2", "networks.lora_flux_2"),
     # its pipelines take reference images natively (`image=`)
-    edit_pipelines=("Flux2KleinPipeline", "Flux2Pipeline"), reference_image=pipeline_reference)
+    edit_pipelines=("Flux2KleinPipeline", "Flux2Pipeline"), reference_image=pipeline_reference,
+    # Flux2LoraLoaderMixin loads LoKr (diffusers 0.42); ComfyUI's diffusers-name map for FLUX (comfy/utils.py,
+    # `flux_to_diffusers`) has FLUX.1's embedder names and no shared modulations: those by their BFL names
+    diffusers_lycoris=("lokr",),
+    comfyui_names={ours: f"diffusion_model.{bfl}" for bfl, ours in TOP.items() if ours.startswith(COMFYUI_UNMAPPED)})
