@@ -50,7 +50,7 @@ from models.diffusers_io import (CheckpointFormatError, check_state_dict, cpu_te
                                  save_safetensors, transformers4_clip_names)
 from models.families import FAMILIES, transformer_of_record
 from models.family import Family
-from models.lycoris import adapter_kind, export_lycoris
+from models.lycoris import adapter_kind, export_lycoris, lycoris_tensors
 from perf.checkpoint import find_checkpoint, read_checkpoint, step_of
 from runtime.directory_lock import writable_directory
 from runtime.outputs import Output
@@ -66,16 +66,16 @@ def export(checkpoint: Path, out: Path, use_ema: bool = True, dtype: torch.dtype
            lora_format: str = "peft") -> Path:
     """Write the export of `checkpoint` to `out`; returns what was written (the directory, or the kohya file)."""
     family, meta, weights = read_trained(checkpoint, use_ema)
+    transformer = part(weights, PREFIX)
+    if meta["lora"] and adapter_kind(transformer) != "lora":  # LoKr, LoHa: every family, both formats
+        return export_lycoris(family, {"transformer": (transformer, meta["lora"])}, out, dtype, lora_format,
+                              str(checkpoint), kohya_metadata(run_config(checkpoint), meta, family))
     if lora_format == "kohya" and (family.kohya is None or not meta["lora"]):
         what = "a full fine-tune (no adapters)" if family.kohya else f"of model.family={family.name}"
         titles = [f.title for f in FAMILIES.values() if f.kohya]
         kinds = " or ".join(titles) if len(titles) < 3 else f"{', '.join(titles[:-1])} or {titles[-1]}"
         raise InputError(f"--format kohya writes a {kinds} LoRA, and {checkpoint} is {what}: export it in the "
                          f"default format (--format peft)")
-    transformer = part(weights, PREFIX)
-    if meta["lora"] and adapter_kind(transformer) != "lora":  # LoKr, LoHa: every family, both formats
-        return export_lycoris(family, {"transformer": (transformer, meta["lora"])}, out, dtype, lora_format,
-                              str(checkpoint))
     if meta["lora"]:
         adapters = lora_adapters(family, meta, weights)
         if lora_format == "peft":
@@ -132,14 +132,19 @@ def kohya_metadata(cfg: DictConfig, meta: dict, family: Family) -> dict[str, str
     file holds them (the scale is folded into the up weights: alpha = rank), the steps, the epoch of the last step,
     the precompute resolution, the training images, and the trigger words, which every caption carries (its one tag
     in `ss_tag_frequency`, and the SAI model spec's `modelspec.trigger_phrase`). `cfg`, `meta`: the checkpoint's
-    config and state.json."""
-    base, module = family.kohya_names
+    config and state.json. A LoKr or LoHa file names LyCORIS's network module and its algorithm, as LyCORIS writes
+    them."""
+    base, module = family.kohya_names or (family.name, None)
+    kind = cfg.lora.type
+    if kind != "lora":
+        module = "lycoris.kohya"
     rank, step, data = meta["lora"]["r"], meta["step"], meta.get("data", {})
     init = Path(cfg.model.init_from)
     found = {"ss_base_model_version": base, "ss_network_module": module, "ss_network_dim": str(rank),
              "ss_network_alpha": str(float(rank)), "ss_steps": str(step),
              "ss_output_name": Path(cfg.logging.output_dir).name,
-             "ss_sd_model_name": init.parent.name if init.name == "transformer" else init.name}
+             "ss_sd_model_name": init.parent.name if init.name == "transformer" else init.name,
+             **({"ss_network_args": json.dumps({"algo": kind})} if kind != "lora" else {})}
     items, resolution = data.get("items"), data.get("resolution")
     if items:
         found |= {"ss_num_train_images": str(items),
@@ -158,17 +163,22 @@ class CheckpointLoras:
     rank 0): `loras/step_XXXXXXXX.safetensors` in diffusers' format (`pipe.load_lora_weights(FILE)`) and, for a
     family with a kohya / ComfyUI layout (not for DoRA, which it cannot carry), `loras/step_XXXXXXXX_kohya.safetensors`
     with kohya's metadata: what `export_mmdit.py` writes by default (the EMA weights, fp32), read back from the
-    checkpoint once it is complete (all ranks' shards, whatever the sharding). A disk that cannot take them is a
-    warning: the checkpoint is complete without them."""
+    checkpoint once it is complete (all ranks' shards, whatever the sharding). A LoKr or LoHa run: the ComfyUI
+    layout's file for every family, the diffusers file where its pipeline loads the kind. A disk that cannot take
+    them is a warning: the checkpoint is complete without them."""
 
     def __init__(self, run_dir: Path, cfg: DictConfig):
+        family = FAMILIES[cfg.model.family]
         self.folder = Path(run_dir) / LORAS
-        self.kohya = FAMILIES[cfg.model.family].kohya is not None and not cfg.lora.use_dora
+        self.lycoris = cfg.lora.type != "lora"  # LoKr, LoHa: ComfyUI's layout always, diffusers' where it loads
+        self.diffusers = not self.lycoris or cfg.lora.type in family.diffusers_lycoris
+        self.kohya = self.lycoris or (family.kohya is not None and not cfg.lora.use_dora)
         self.output = Output("LoRA file", "the checkpoint is complete without it; the next one is tried again")
 
     def files(self, step: int) -> list[Path]:
         name = f"step_{step:08d}"
-        return [self.folder / f"{name}.safetensors", *([self.folder / f"{name}_kohya.safetensors"] if self.kohya else [])]
+        return [*([self.folder / f"{name}.safetensors"] if self.diffusers else []),
+                *([self.folder / f"{name}_kohya.safetensors"] if self.kohya else [])]
 
     def write(self, checkpoint: Path) -> None:
         files = self.files(step_of(checkpoint))
@@ -176,13 +186,20 @@ class CheckpointLoras:
 
     def write_files(self, checkpoint: Path, files: list[Path]) -> None:
         family, meta, weights = read_trained(checkpoint)
-        adapters = lora_adapters(family, meta, weights)
+        metadata = kohya_metadata(run_config(checkpoint), meta, family) if self.kohya else None
         self.folder.mkdir(exist_ok=True)
+        if self.lycoris:
+            adapters = {"transformer": (part(weights, PREFIX), meta["lora"])}
+            for file, lora_format in zip(files, [*(["peft"] if self.diffusers else []), "kohya"]):
+                tensors, header = lycoris_tensors(family, adapters, lora_format, str(checkpoint))
+                save_lora_file(tensors, file, torch.float32, header or metadata)
+            return
+        adapters = lora_adapters(family, meta, weights)
         tensors, header = peft_lora_file(adapters)
         save_safetensors(cpu_tensors(tensors, torch.float32), files[0], header)
         if self.kohya:
             tensors = family.kohya(adapters, family.config(**meta["mmdit"]), str(checkpoint))
-            save_lora_file(tensors, files[1], torch.float32, kohya_metadata(run_config(checkpoint), meta, family))
+            save_lora_file(tensors, files[1], torch.float32, metadata)
 
     def ensure(self, checkpoint: Path) -> None:
         """Write the files of `checkpoint` if they are missing (a run killed between the two)."""

@@ -1076,6 +1076,11 @@ PRESETS = {
     "flux-dev": Preset("configs/flux_dev.yaml", RELEASED["flux-dev"]),
     "qwen-image-lora": Preset("configs/qwen_image_lora.yaml", RELEASED["qwen-image"]),
     "qwen-image": Preset("configs/qwen_image.yaml", RELEASED["qwen-image"]),
+    "flux2-klein-4b-lora": Preset("configs/flux2_klein_4b_lora.yaml", RELEASED["flux2-klein-4b"]),
+    "flux2-klein-9b-lora": Preset("configs/flux2_klein_9b_lora.yaml", RELEASED["flux2-klein-9b"]),
+    "flux2-dev-lora": Preset("configs/flux2_dev_lora.yaml", RELEASED["flux2-dev"]),
+    "flux2-dev-lora-24gb": Preset("configs/flux2_dev_lora_24gb.yaml", RELEASED["flux2-dev"]),
+    "flux2-dev": Preset("configs/flux2_dev.yaml", RELEASED["flux2-dev"]),
 }
 
 

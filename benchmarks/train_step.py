@@ -227,8 +227,9 @@ def qwen_anchor(cfg, data: SimpleNamespace, device: torch.device):
 SD3_TINY = {"num_layers": 2, "num_attention_heads": 2, "attention_head_dim": 16, "sample_size": 16,
             "pos_embed_max_size": 8}
 TINY = {"text": {"tokens": 8, "joint": 32, "pooled": 16}, "resolution": 128}
-SD3_TEXT, FLUX_TEXT, QWEN_TEXT = (family_text(FAMILIES[RELEASED[name]["family"]], SimpleNamespace(**RELEASED[name]))
-                                  for name in ("sd3-medium", "flux-dev", "qwen-image"))
+SD3_TEXT, FLUX_TEXT, QWEN_TEXT, KLEIN_4B_TEXT, FLUX2_DEV_TEXT = (
+    family_text(FAMILIES[RELEASED[name]["family"]], SimpleNamespace(**RELEASED[name]))
+    for name in ("sd3-medium", "flux-dev", "qwen-image", "flux2-klein-4b", "flux2-dev"))
 
 
 @dataclass(frozen=True)
@@ -267,6 +268,8 @@ SD35_MEDIUM_TINY = {**SD3_TINY, "dual_attention_layers": [0]}  # its first block
 FLUX_TINY = {"num_layers": 1, "num_single_layers": 2, "num_attention_heads": 2, "attention_head_dim": 16,
              "axes_dims_rope": [2, 6, 8]}  # a double and two single blocks, 8x8 packed tokens
 QWEN_TINY = {"num_layers": 2, "num_attention_heads": 2, "attention_head_dim": 16, "axes_dims_rope": [2, 6, 8]}
+FLUX2_TINY = {"num_layers": 1, "num_single_layers": 2, "num_attention_heads": 2, "attention_head_dim": 16,
+              "axes_dims_rope": [4, 4, 4, 4]}
 MODELS = {
     "sd3-medium": Model("sd3_medium.yaml", "sd3-medium", SD3_MEDIUM_SWEEP, anchor=sd3_anchor),
     # its dual-attention blocks are a third kind
@@ -286,6 +289,12 @@ MODELS = {
     "qwen-image-lora": Model("qwen_image_lora.yaml", "qwen-image", anchors(2), QWEN_TEXT, qwen_anchor, QWEN_TINY,
                              tier=2),
     "qwen-image-lora-24gb": Model("qwen_image_lora_24gb.yaml", "qwen-image", (), QWEN_TEXT, tiny=QWEN_TINY, tier=2),
+    # FLUX.2: klein 4B's LoRA (16 GB) and dev's on a 24 GB GPU (nf4, 14 blocks swapped) as configured, after the
+    # other families' rows; no diffusers anchor yet
+    "flux2-klein-4b-lora": Model("flux2_klein_4b_lora.yaml", "flux2-klein-4b", (), KLEIN_4B_TEXT, tiny=FLUX2_TINY,
+                                 tier=2),
+    "flux2-dev-lora-24gb": Model("flux2_dev_lora_24gb.yaml", "flux2-dev", (), FLUX2_DEV_TEXT, tiny=FLUX2_TINY,
+                                 tier=2),
 }
 
 

@@ -63,10 +63,10 @@ def comfyui_lycoris(modules: dict[str, dict[str, torch.Tensor]], names: dict[str
             for module, factors in modules.items() for factor, tensor in factors.items()}
 
 
-def export_lycoris(family, adapters: dict[str, tuple[dict[str, torch.Tensor], dict]], out: Path,
-                   dtype: torch.dtype, lora_format: str, source: str) -> Path:
-    """A LoKr or LoHa run's transformer adapters as ComfyUI (`kohya`) or diffusers (`peft`) loads them; every check
-    before `out` is made. Returns what was written."""
+def lycoris_tensors(family, adapters: dict[str, tuple[dict[str, torch.Tensor], dict]], lora_format: str,
+                    source: str) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
+    """A LoKr or LoHa run's transformer adapters as ComfyUI (`kohya`) or diffusers (`peft`, with the header that
+    carries its adapter config) loads them; refused where diffusers does not load the kind."""
     weights, settings = adapters["transformer"]
     kind = adapter_kind(weights)
     if lora_format == "peft" and kind not in family.diffusers_lycoris:
@@ -76,11 +76,20 @@ def export_lycoris(family, adapters: dict[str, tuple[dict[str, torch.Tensor], di
                          f"layout ComfyUI loads")
     modules = folded_factors(weights, settings, source)
     if lora_format == "kohya":
-        return save_named_lora_file(comfyui_lycoris(modules, family.comfyui_names), out, dtype)
+        return comfyui_lycoris(modules, family.comfyui_names), None
     tensors = {f"transformer.{module}.{factor}": t for module, factors in modules.items()
                for factor, t in factors.items()}
     header = {**{k: v for k, v in settings.items() if k != "exclude_modules"}, "alpha": settings["r"],
               "target_modules": sorted(modules)}
-    metadata = {"format": "pt", LORA_METADATA_KEY: json.dumps({f"transformer.{k}": v for k, v in header.items()})}
+    return tensors, {"format": "pt", LORA_METADATA_KEY: json.dumps({f"transformer.{k}": v for k, v in header.items()})}
+
+
+def export_lycoris(family, adapters: dict[str, tuple[dict[str, torch.Tensor], dict]], out: Path,
+                   dtype: torch.dtype, lora_format: str, source: str, metadata: dict[str, str] | None = None) -> Path:
+    """`lycoris_tensors` written to `out` (kohya: with `metadata` in its header); every check before `out` is made.
+    Returns what was written."""
+    tensors, header = lycoris_tensors(family, adapters, lora_format, source)
+    if lora_format == "kohya":
+        return save_named_lora_file(tensors, out, dtype, metadata)
     return write_new_directory(out, lambda tmp: save_safetensors(cpu_tensors(tensors, dtype), tmp / LORA_WEIGHTS,
-                                                                 metadata=metadata))
+                                                                 metadata=header))

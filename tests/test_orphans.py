@@ -30,9 +30,12 @@ def stat(pid: int) -> list[str] | None:
 
 def alive(process: tuple[int, str]) -> bool:
     """Whether (pid, start time) still runs: a process killed but not yet reaped by its new parent is a zombie
-    ("Z"), dead; a new process that reuses the pid has another start time."""
+    ("Z"), dead, once its last thread has ended (its main thread shows "Z" while others still exit, holding its
+    open files and so its locks); a new process that reuses the pid has another start time."""
     fields = stat(process[0])
-    return fields is not None and fields[0] != "Z" and fields[19] == process[1]
+    if fields is None or fields[19] != process[1]:
+        return False
+    return fields[0] != "Z" or int(fields[17]) > 1  # fields[17]: the number of threads
 
 
 def command(pid: int) -> list[str]:

@@ -61,7 +61,7 @@ FAMILY = Family(
     demo={"num_layers": 6},
     # docs/qwen-image-architecture.md: Qwen/Qwen-Image's transformer/config.json
     released={"qwen-image": {"num_layers": 60, "num_attention_heads": 24, "attention_head_dim": 128, "patch_size": 2,
-                             "qk_norm": "rms_norm", "axes_dims_rope": [16, 56, 56]}},
+                             "qk_norm": "rms_norm", "axes_dims_rope": [16, 56, 56], "zero_cond_t": False}},
     # Qwen2.5-VL-7B's last hidden states, padded, with a mask; 16-channel latents at 1/8
     released_text=ReleasedText(joint=3584, pooled=0, latent_channels=16, vae_factor=8, masked=True),
     released_vae=("AutoencoderKLQwenImage", {}),  # its defaults are Qwen/Qwen-Image's vae/config.json
