@@ -135,7 +135,7 @@ def kohya_metadata(cfg: DictConfig, meta: dict, family: Family) -> dict[str, str
     config and state.json. A LoKr or LoHa file names LyCORIS's network module and its algorithm, as LyCORIS writes
     them."""
     base, module = family.kohya_names or (family.name, None)
-    kind = cfg.lora.type
+    kind = OmegaConf.select(cfg, "lora.type", default="lora")
     if kind != "lora":
         module = "lycoris.kohya"
     rank, step, data = meta["lora"]["r"], meta["step"], meta.get("data", {})

@@ -686,7 +686,7 @@ class Cut(nn.Module):
     """Stands in for the blocks while what runs outside them is counted: keeps their inputs, returns new leaves
     (so the final layer's backward stops where the blocks' would start)."""
 
-    def forward(self, x, c, temb, rope=None, mask=None):
+    def forward(self, x, c, temb, *rest):  # rest: the family's other block inputs (rotary tables, mask, ...)
         self.inputs = [x, c]
         return torch.empty_like(x, requires_grad=True), torch.empty_like(c, requires_grad=True)
 

@@ -105,6 +105,7 @@ from torch.nn.attention import sdpa_kernel  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the project folders import by their names
 
+import perf.block_swap  # noqa: E402
 import perf.compile  # noqa: E402
 from configs.build import build_model, build_trained_model  # noqa: E402
 from configs.schema import check_sections  # noqa: E402
@@ -329,6 +330,11 @@ def benchmark_config(model: str, overrides: list[str], size: str):
     for item in [*shrink, *overrides]:
         key, _, value = item.partition("=")
         OmegaConf.update(cfg, key, OmegaConf.from_dotlist([f"v={value}"]).v, merge=False)
+    if shrink and OmegaConf.select(OmegaConf.load(ROOT / "configs" / spec.config), "lora.target_modules") is None:
+        # the family's default targets of the shrunk model (FLUX.2's name its single blocks by index)
+        cfg.lora.target_modules = FAMILIES[cfg.model.family].default_lora_targets(cfg.model)
+    if shrink:  # every tiny model has 2 blocks or more
+        cfg.offload.blocks_to_swap = min(cfg.offload.blocks_to_swap, 2)
     check_sections(cfg)
     return cfg
 
@@ -360,9 +366,12 @@ def device_batch(cfg, data: SimpleNamespace, device: torch.device) -> dict:
 
 @torch.no_grad()
 def randomize(model: torch.nn.Module) -> None:
-    """Random weights on the device (no download; adaLN gates non-zero, so every weight gets a gradient)."""
+    """Random weights on the device (no download; adaLN gates non-zero, so every weight gets a gradient); a swapped
+    block's frozen weights in their host buffers (on the device they are storage-less between copies)."""
     torch.manual_seed(0)
-    for p in model.parameters():
+    swap = perf.block_swap.active
+    for name, p in model.named_parameters():
+        p = swap.master(name) if swap and swap.master(name) is not None else p
         if p.is_floating_point():
             p.normal_(0.0, 0.02)
         else:  # a quantized base's codes

@@ -135,6 +135,8 @@ class BlockSwap:
 
     def __init__(self, model: nn.Module, swapped: int, device: torch.device, streams=None, register=None):
         blocks = list(model.transformer.blocks)
+        if not 0 < swapped <= len(blocks):  # users' configs are checked before (check_block_swap); freed storage
+            raise ValueError(f"{swapped} swapped blocks of {len(blocks)}")  # would be read otherwise
         self.device, self.blocks, self.order = device, len(blocks), swapped_blocks(len(blocks), swapped)
         self.rank = {b: k for k, b in enumerate(self.order)}
         self.streams = streams or (torch.cuda if device.type == "cuda" else SYNCHRONOUS)

@@ -340,8 +340,10 @@ class OptimizerState:
     def state_dict(self) -> dict:
         state = get_optimizer_state_dict(self.model, self.optimizer)
         parts = lambda t: {part: getattr(t, part) for part in t.__tensor_flatten__()[0]}  # the same tensors
+        # a quantized moment, not FSDP's DTensor (DCP stores that whole)
+        quantized = lambda t: is_traceable_wrapper_subclass(t) and not isinstance(t, DTensor)  # noqa: E731
         # new dicts: the optimizer's state dict holds its own per-parameter dicts
-        state["state"] = {name: {key: parts(t) if is_traceable_wrapper_subclass(t) else t for key, t in values.items()}
+        state["state"] = {name: {key: parts(t) if quantized(t) else t for key, t in values.items()}
                           for name, values in state["state"].items()}
         return state
 

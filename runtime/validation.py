@@ -98,7 +98,7 @@ class PromptImages:
             return images[self.shown], [self.captions[i] for i in self.shown], scores
         cells, captions = [], []
         for i in self.shown:  # each edit's references (at its result's size), then the result
-            cells += [resized(self.decode(r[i]), images.shape[-2:]) for r in self.references] + [images[i]]
+            cells += [resized(self.decode(r[i : i + 1])[0], images.shape[-2:]) for r in self.references] + [images[i]]
             captions += [f"reference {j + 1}" for j in range(len(self.references))] + [self.captions[i]]
         return torch.stack(cells), captions, scores
 

@@ -133,7 +133,7 @@ def float8_step(transformer: nn.Module, inputs, monkeypatch, lora: bool = False)
     throughout, as under FSDP's bf16 parameters; the matmuls' operands are the same shapes either way."""
     model = TextToImage(transformer)
     if lora:
-        apply_lora(model, SimpleNamespace(enabled=True, rank=16, alpha=16, dropout=0.0, use_dora=False,
+        apply_lora(model, SimpleNamespace(enabled=True, type="lora", rank=16, alpha=16, dropout=0.0, use_dora=False,
                                           use_rslora=False, text_encoders=[],
                                           target_modules=family_of_model(transformer).default_lora_targets(transformer.cfg)))
     model.to(torch.bfloat16)

@@ -24,7 +24,8 @@ from tests.conftest import ROOT
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import roofline  # noqa: E402
 
-DATA = SimpleNamespace(latent_channels=16, latent_sizes=[(8, 8)], text_dims=(32, 16), text_tokens=8)  # 16 + 8 tokens
+DATA = SimpleNamespace(latent_channels=16, latent_sizes=[(8, 8)], buckets=[((8, 8), ())], references=0,
+                       text_dims=(32, 16), text_tokens=8)  # 16 + 8 tokens
 WIDTH, BATCH, IMAGE_TOKENS = 64, 2, 16
 
 
