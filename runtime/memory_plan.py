@@ -45,12 +45,13 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.flop_counter import FlopCounterMode
 
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from formats import DTYPES
 from models import attention
@@ -113,10 +114,70 @@ class ModelCount:
     vae: tuple[int, int] = (0, 0)  # validation's VAE on the device: its weights, and one image's decode working set
 
 
-def count_model(model, example_inputs, activation_bytes: int, frozen_bytes: int) -> ModelCount:
+def block_kind(block: nn.Module) -> tuple:
+    """What a block's forward depends on besides its inputs: its modules' types and plain settings (a block that skips
+    its text stream says so), its parameters' and buffers' names, shapes, dtypes and whether they train."""
+    settings = tuple((name, type(m).__name__, tuple(sorted((k, v) for k, v in vars(m).items()
+                                                            if isinstance(v, (bool, int, float, str)))))
+                     for name, m in block.named_modules())
+    tensors = tuple((name, tuple(t.shape), t.dtype, t.requires_grad)
+                    for name, t in [*block.named_parameters(), *block.named_buffers()])
+    return settings, tensors
+
+
+@dataclass(frozen=True)
+class Shaped:
+    shape: torch.Size
+    dtype: torch.dtype
+    grad: bool  # requires_grad
+
+
+@contextmanager
+def one_block_per_kind(blocks: list[nn.Module]):
+    """The first two blocks of each kind (`block_kind`) compute; the others return new tensors shaped as the second
+    of their kind returned, and the count copies its numbers to them. Yields {block: the second of its kind} for the
+    others. A block's count depends on its kind and its inputs' shapes, the same for every block of a kind (they are
+    consecutive and return what they take), and on what blocks before it saved already (a tensor several blocks
+    save, as the timestep embedding's, is held once, by the first): from the second of a kind on, nothing new."""
+    seen, outputs, patched = {}, {}, {}
+    for i, block in enumerate(blocks):
+        kind = seen.setdefault(block_kind(block), [])
+        if len(kind) < 2:
+            kind.append(i)
+        else:
+            patched[i] = kind[1]
+
+    def keep(index):  # what the block returned, not the tensors (which would stay alive: the working set counts)
+        def hook(module, args, output):
+            outputs[index] = tree_map(lambda t: Shaped(t.shape, t.dtype, t.requires_grad)
+                                      if isinstance(t, torch.Tensor) else t, output)
+        return hook
+
+    def like(index):
+        def forward(*args, **kwargs):  # made from the block's input, as computed from it (BlockOps' data)
+            source = next(t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+            return tree_map(lambda t: source.new_empty(t.shape, dtype=t.dtype).requires_grad_(t.grad)
+                            if isinstance(t, Shaped) else t, outputs[index])
+        return forward
+
+    handles = [blocks[i].register_forward_hook(keep(i)) for i in set(patched.values())]
+    for i, rep in patched.items():
+        blocks[i].forward = like(rep)
+    try:
+        yield patched
+    finally:
+        for handle in handles:
+            handle.remove()
+        for i in patched:
+            del blocks[i].forward
+
+
+def count_model(model, example_inputs, activation_bytes: int, frozen_bytes: int, per_kind: bool = True) -> ModelCount:
     """Parameters and saved activations of `model` (built on the meta device, in fp32: the meta device has no
     autocast) in one forward of `example_inputs` (batch 1); float activations counted at `activation_bytes`
-    per element, frozen float weights at `frozen_bytes` (the dtype training keeps them in)."""
+    per element, frozen float weights at `frozen_bytes` (the dtype training keeps them in). `per_kind`: one block of
+    each kind computes (`one_block_per_kind`: a 60-block model's count in the time of two blocks), the others take
+    its numbers."""
     blocks = list(model.transformer.blocks)
     weights = {id(p) for p in model.parameters()}
     n = len(blocks)
@@ -169,14 +230,22 @@ def count_model(model, example_inputs, activation_bytes: int, frozen_bytes: int)
         return hook
 
     handles = []
-    for i, block in enumerate(blocks):
-        handles += [block.register_forward_pre_hook(enter(i)), block.register_forward_hook(leave(i))]
-    try:
-        with attention.attention_kernel(model, flash_attention), saved_tensors_hooks(pack, lambda t: t), flops, ops:
-            model(*example_inputs).float().square().mean()
-    finally:
-        for handle in handles:
-            handle.remove()
+    with one_block_per_kind(blocks) if per_kind else nullcontext({}) as copies:
+        for i, block in enumerate(blocks):
+            if i not in copies:
+                handles += [block.register_forward_pre_hook(enter(i)), block.register_forward_hook(leave(i))]
+        try:
+            with attention.attention_kernel(model, flash_attention), saved_tensors_hooks(pack, lambda t: t), flops, \
+                    ops:
+                model(*example_inputs).float().square().mean()
+        finally:
+            for handle in handles:
+                handle.remove()
+        for i, rep in copies.items():
+            for numbers in (saved, inputs, kept, block_flops, traffic, weight_traffic):
+                numbers[i] = numbers[rep]
+        sampling = working_set(lambda: model(*example_inputs), activation_bytes, model)
+    forward_flops = flops.get_total_flops() + sum(block_flops[rep] for rep in copies.values())
 
     def stored_size(p) -> int:
         frozen_float = not p.requires_grad and p.is_floating_point() and p.dtype == torch.float32
@@ -196,8 +265,7 @@ def count_model(model, example_inputs, activation_bytes: int, frozen_bytes: int)
         root_bytes=stored(model) - sum(stored(b) for b in blocks),
         saved_per_block=saved, block_inputs=inputs, saved_outside=outside[0],
         dequantized=largest_quantized(model), selective_kept=kept, block_flops=block_flops, block_traffic=traffic,
-        block_weight_traffic=weight_traffic, forward_flops=flops.get_total_flops(),
-        sampling=working_set(lambda: model(*example_inputs), activation_bytes, model))
+        block_weight_traffic=weight_traffic, forward_flops=forward_flops, sampling=sampling)
 
 
 class LiveBytes(TorchDispatchMode):

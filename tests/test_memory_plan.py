@@ -238,3 +238,27 @@ def test_a_vaes_decode_is_counted_within_15_percent_of_its_measured_peak():
     assert weights == sum(p.numel() * 4 for p in vae.parameters())
     measured = memory.peak - latents.untyped_storage().nbytes()
     assert abs(planned - measured) <= 0.15 * measured, (planned / 2**20, measured / 2**20)
+
+
+@pytest.mark.parametrize("family, extra", [
+    ("sd3", ["model.num_layers=4"]),  # the last block's text stream is pre-only
+    ("sd3", ["model.num_layers=4", "model.dual_attention_layers=[0,1]", "lora.enabled=true"]),  # SD3.5's 3 kinds
+    ("flux", ["model.num_layers=2", "model.num_single_layers=3", "lora.enabled=true"]),
+    ("qwen_image", ["model.num_layers=3"]),  # the last block computes no text stream
+    ("qwen_image", ["model.num_layers=3", "lora.enabled=true"]),
+    ("flux2", ["model.num_layers=2", "model.num_single_layers=3", "lora.enabled=true"])])
+def test_counting_one_block_of_each_kind_counts_what_counting_every_block_does(family, extra, monkeypatch, tmp_path):
+    """The memory plan counts one block of each kind and gives the others its numbers: the whole count (every
+    block's bytes, saved activations, FLOPs and traffic, validation's working set) equals counting every block."""
+    from contextlib import nullcontext
+
+    from runtime import memory_plan
+    config = tmp_path / "config.yaml"
+    config.write_text(f"model: {{family: {family}, patch_size: 2, num_attention_heads: 2, attention_head_dim: 16}}\n")
+    cfg, _ = plan_memory.planning_config(str(config), extra, None)
+    dataset, tokenizer = plan_memory.data_like(cfg, 0)
+    per_kind = plan_memory.count(cfg, dataset, tokenizer, "nf4" if cfg.lora.enabled else "none")
+    monkeypatch.setattr(memory_plan, "one_block_per_kind", lambda blocks: nullcontext({}))
+    every_block = plan_memory.count(cfg, dataset, tokenizer, "nf4" if cfg.lora.enabled else "none")
+    assert per_kind == every_block
+    assert len(set(every_block.saved_per_block)) > 1 or family == "flux2"  # the kinds differ (FLUX.2's by their FLOPs)

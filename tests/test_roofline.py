@@ -224,6 +224,8 @@ def test_what_is_not_modelled_is_refused(sd3, capsys):
         roofline.predict(sd3.census, "eager", "math", 1)
     with pytest.raises(ConfigError, match="float8"):
         roofline.predict_step(tiny("float8.enabled=true"), DATA)
+    with pytest.raises(ConfigError, match="model.family=flux2 is not modelled"):
+        roofline.predict_step(tiny("model.family=flux2"), DATA)
     assert roofline.main(["--preset", "sd3-medium", "training.attention_backend=math", "--json", "-"]) == 2
     assert roofline.main(["--preset", "sd3-medium", "training.no_such_key=1", "--json", "-"]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
