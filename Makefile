@@ -6,7 +6,7 @@ TORCH_VERSION := 2.13.0
 BASE := $(VENV)/.installed
 TEST := $(VENV)/.installed-test
 
-.PHONY: train test selfcheck bench install clean
+.PHONY: train test test-all selfcheck bench install clean
 
 install: $(TEST)
 
@@ -34,7 +34,12 @@ train: $(BASE)
 
 # Python caches the bytecode of what it imports, even where PYTHONDONTWRITEBYTECODE is set (these machines set it):
 # otherwise each of the ~300 Python processes the suite starts would compile every module it imports again.
+# `make test`: the suite but the heavier repeats of a check on more families or kernels (the `full` mark: tests/conftest.py
+# lists them), under 10 minutes on 2 cores; `make test-all`: every test.
 test: $(TEST)
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -n 2 --dist worksteal -m "not full" $(PYTEST_ARGS)
+
+test-all: $(TEST)
 	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -n 2 --dist worksteal $(PYTEST_ARGS)
 
 # Each plugin in a short real run on this machine's GPUs (or CPU): a table of passed / failed / not runnable,

@@ -107,6 +107,31 @@ def gloo_threads() -> list[str]:
     return [name for name in names if "gloo" in name]
 
 
+# `make test` (under 10 minutes on 2 cores) runs the heavier checks the family matrix and the multi-process tests
+# repeat on the parameters below only; `make test-all` runs every parameter (the `full` mark). Each family keeps
+# several of them in `make test`, and every check runs on at least one family there.
+MAKE_TEST_KEEPS = {
+    "test_text_encoded_in_the_step_under_fsdp_trains_like_precomputed_text": {"qwen_image"},
+    "test_an_edit_run_compiled_checkpointed_and_sharded_trains_the_eager_runs_weights": {"flux"},
+    "test_fsdp_trains_ddps_weights_and_resumes_bit_for_bit": {"flux2"},
+    "test_checkpointed_blocks_compile_without_graph_breaks": {"sd3-full", "flux-selective", "qwen_image-full",
+                                                               "flux2-selective"},
+    "test_lokr_and_loha_on_an_nf4_base_resume_bit_for_bit_and_export_what_comfyui_applies": {
+        "sd3-lokr", "flux-loha", "qwen_image-lokr", "flux2-loha"},
+    "test_the_oom_splitter_and_cpu_offload_keep_the_math": {"sd3", "flux2"},
+    "test_two_rank_steps_make_no_host_sync": {"ddp"},
+    "test_one_rank_out_of_memory_under_fsdp_never_hangs_and_keeps_the_math": {"backward"},
+    "test_oom_on_one_rank_shrinks_both_without_a_hang": {"forward"},
+}
+
+
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
+        keeps = MAKE_TEST_KEEPS.get(getattr(item, "originalname", None))
+        if keeps is not None and item.callspec.id not in keeps:
+            item.add_marker(pytest.mark.full)
+
+
 def rank_main(rank: int, world_size: int, port: int, func, args: tuple, out: Path) -> None:
     """One rank with torchrun's environment; writes its result (or error) to `out`."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from perf.checkpoint import checkpoints, read_checkpoint, read_meta, verify
 from tests.conftest import TINY, assert_close, final_weights, spawn, start_run, trains, wait_for
 from train_mmdit_stable import main
@@ -35,6 +37,7 @@ def test_sigterm_checkpoints_and_exits_143(tmp_path):
     assert 0 < meta["step"] < 100000 and last.name == f"step_{meta['step']:08d}"
 
 
+@pytest.mark.full  # the kills at fixed moments (test_checkpoint.py, the family matrix) run in `make test`
 def test_sigkill_at_random_moments_never_loses_the_run(tmp_path):
     steps = 100  # ~35 ms each: every kill below lands somewhere in the first 40 steps after a (re)start
     assert main([*TINY, f"logging.output_dir={tmp_path / 'reference'}", "checkpoint.every=10", "sampling.steps=1",

@@ -239,6 +239,7 @@ def workers(launcher: subprocess.Popen) -> list[int]:
             if "train_mmdit_stable.py" in command(p) and "torch.distributed.run" not in command(p)]
 
 
+@pytest.mark.full  # the deterministic kills of test_preemption.py and test_orphans.py run in `make test`
 def test_workers_killed_at_random_restart_and_finish_with_the_uninterrupted_weights(tmp_path):
     """MAX_RESTARTS: torchrun restarts both FSDP workers after one is SIGKILLed (mid-step, mid-checkpoint,
     anywhere); the run resumes from its last complete checkpoint and ends bit for bit where an uninterrupted

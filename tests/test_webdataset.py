@@ -198,6 +198,7 @@ def test_a_shard_that_cannot_be_read_ends_a_launch_with_exit_1_and_no_traceback(
     assert proc.returncode == 1 and "Traceback" not in proc.stdout, proc.stdout
 
 
+@pytest.mark.full  # training's ranks free theirs in `make test` (test_distributed.py)
 def test_the_ranks_free_their_process_group_before_the_interpreter_exits(tmp_path):
     """diffusers imports torch.distributed.nn on first use; first imported after the group exists, its functions
     hold the group in default arguments past destroy_process_group, until the interpreter shuts down, where gloo
