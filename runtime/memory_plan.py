@@ -133,7 +133,7 @@ class Shaped:
 
 
 @contextmanager
-def one_block_per_kind(blocks: list[nn.Module]):
+def two_blocks_of_each_kind(blocks: list[nn.Module]):
     """The first two blocks of each kind (`block_kind`) compute; the others return new tensors shaped as the second
     of their kind returned, and the count copies its numbers to them. Yields {block: the second of its kind} for the
     others. A block's count depends on its kind and its inputs' shapes, the same for every block of a kind (they are
@@ -172,12 +172,12 @@ def one_block_per_kind(blocks: list[nn.Module]):
             del blocks[i].forward
 
 
-def count_model(model, example_inputs, activation_bytes: int, frozen_bytes: int, per_kind: bool = True) -> ModelCount:
+def count_model(model, example_inputs, activation_bytes: int, frozen_bytes: int) -> ModelCount:
     """Parameters and saved activations of `model` (built on the meta device, in fp32: the meta device has no
     autocast) in one forward of `example_inputs` (batch 1); float activations counted at `activation_bytes`
-    per element, frozen float weights at `frozen_bytes` (the dtype training keeps them in). `per_kind`: one block of
-    each kind computes (`one_block_per_kind`: a 60-block model's count in the time of two blocks), the others take
-    its numbers."""
+    per element, frozen float weights at `frozen_bytes` (the dtype training keeps them in). Two blocks of each kind
+    compute (`two_blocks_of_each_kind`: a 60-block model's count in the time of a few blocks), the others take the
+    second one's numbers."""
     blocks = list(model.transformer.blocks)
     weights = {id(p) for p in model.parameters()}
     n = len(blocks)
@@ -230,7 +230,7 @@ def count_model(model, example_inputs, activation_bytes: int, frozen_bytes: int,
         return hook
 
     handles = []
-    with one_block_per_kind(blocks) if per_kind else nullcontext({}) as copies:
+    with two_blocks_of_each_kind(blocks) as copies:
         for i, block in enumerate(blocks):
             if i not in copies:
                 handles += [block.register_forward_pre_hook(enter(i)), block.register_forward_hook(leave(i))]

@@ -247,8 +247,8 @@ def test_a_vaes_decode_is_counted_within_15_percent_of_its_measured_peak():
     ("qwen_image", ["model.num_layers=3"]),  # the last block computes no text stream
     ("qwen_image", ["model.num_layers=3", "lora.enabled=true"]),
     ("flux2", ["model.num_layers=2", "model.num_single_layers=3", "lora.enabled=true"])])
-def test_counting_one_block_of_each_kind_counts_what_counting_every_block_does(family, extra, monkeypatch, tmp_path):
-    """The memory plan counts one block of each kind and gives the others its numbers: the whole count (every
+def test_counting_two_blocks_of_each_kind_counts_what_counting_every_block_does(family, extra, monkeypatch, tmp_path):
+    """The memory plan counts two blocks of each kind and gives the others the second's numbers: the whole count (every
     block's bytes, saved activations, FLOPs and traffic, validation's working set) equals counting every block."""
     from contextlib import nullcontext
 
@@ -258,7 +258,7 @@ def test_counting_one_block_of_each_kind_counts_what_counting_every_block_does(f
     cfg, _ = plan_memory.planning_config(str(config), extra, None)
     dataset, tokenizer = plan_memory.data_like(cfg, 0)
     per_kind = plan_memory.count(cfg, dataset, tokenizer, "nf4" if cfg.lora.enabled else "none")
-    monkeypatch.setattr(memory_plan, "one_block_per_kind", lambda blocks: nullcontext({}))
+    monkeypatch.setattr(memory_plan, "two_blocks_of_each_kind", lambda blocks: nullcontext({}))
     every_block = plan_memory.count(cfg, dataset, tokenizer, "nf4" if cfg.lora.enabled else "none")
     assert per_kind == every_block
     assert len(set(every_block.saved_per_block)) > 1 or family == "flux2"  # the kinds differ (FLUX.2's by their FLOPs)
