@@ -645,7 +645,7 @@ def test_precompute_of_pairs_stores_what_the_edit_pipeline_computes(family, requ
 
 @pytest.mark.parametrize("family", EDIT_FAMILIES)
 def test_an_edit_lora_killed_resumes_bit_for_bit_and_loads_into_the_edit_pipeline(family, request, tmp_path,
-                                                                                  monkeypatch):
+                                                                                  monkeypatch, caplog):
     """pairs -> a LoRA run from the family's shipped edit config, SIGKILLed after step 2's checkpoint and resumed:
     bit for bit the uninterrupted run -> export -> the family's edit pipeline loads the file, its transformer then
     computes this project's adapted model's edit (1e-5), and its edited image changes; the family's ComfyUI layout
@@ -665,6 +665,12 @@ def test_an_edit_lora_killed_resumes_bit_for_bit_and_loads_into_the_edit_pipelin
     for part in ("model", "ema"):
         assert_close(final_weights(tmp_path / "killed", part), final_weights(tmp_path / "straight", part))
     assert export_mmdit.main(["--checkpoint", str(tmp_path / "killed"), "--out", str(tmp_path / "lora")]) == 0
+    (tmp_path / "edits.txt").write_text("make it red\n")  # sample_mmdit.py does not edit with a latent run: named
+    sample = ["--checkpoint", str(tmp_path / "killed"), "--prompts", str(tmp_path / "edits.txt")]
+    assert sample_mmdit.main([*sample, "--out", str(tmp_path / "edits")]) == 2
+    assert sample_mmdit.main([*sample, "--references", str(tmp_path), "--out", str(tmp_path / "edits")]) == 2
+    assert "is an edit run on latents" in caplog.text and "--references edits with a run of the edit shapes" in \
+        caplog.text and not (tmp_path / "edits").exists()
 
     for module, constants in edit.areas.items():
         for name, value in constants.items():
