@@ -268,7 +268,20 @@ def count_model(model, example_inputs, activation_bytes: int, frozen_bytes: int)
         block_weight_traffic=weight_traffic, forward_flops=forward_flops, sampling=sampling)
 
 
-class LiveBytes(TorchDispatchMode):
+class PausableMode(TorchDispatchMode):
+    """A dispatch mode that counts while `counting`; `paused()` stops it for a while (an op it must not see)."""
+    counting = True
+
+    @contextmanager
+    def paused(self):
+        counting, self.counting = self.counting, False
+        try:
+            yield
+        finally:
+            self.counting = counting
+
+
+class LiveBytes(PausableMode):
     """The most bytes that the tensors ops make hold at once, each until it is freed (a view holds its base): the
     working set of code without autograd, beside what existed before. Floating tensors counted at
     `activation_bytes` per element (the meta device has no autocast)."""
@@ -279,14 +292,6 @@ class LiveBytes(TorchDispatchMode):
 
     def release(self, size: int) -> None:
         self.live -= size
-
-    @contextmanager
-    def paused(self):
-        counting, self.counting = self.counting, False
-        try:
-            yield
-        finally:
-            self.counting = counting
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -341,7 +346,7 @@ def vae_count(vae: tuple[str, dict], resolution: int, activation_bytes: int) -> 
     return weights, working_set(lambda: vae.decode(latents), activation_bytes)
 
 
-class BlockOps(TorchDispatchMode):
+class BlockOps(PausableMode):
     """Inside a block (between `start` and `stop`): the bytes of the outputs of the ops selective checkpointing
     keeps (`kept`), and the bytes the other ops read and write (what recomputing them moves, each op an eager
     kernel): `traffic` for ops on the data (computed from `inputs`), which scale with the batch, `weight_traffic`
@@ -357,14 +362,6 @@ class BlockOps(TorchDispatchMode):
 
     def stop(self):
         self.counting = False
-
-    @contextmanager
-    def paused(self):
-        counting, self.counting = self.counting, False
-        try:
-            yield
-        finally:
-            self.counting = counting
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
