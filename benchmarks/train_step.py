@@ -39,8 +39,10 @@ at the same shape, precision, activation checkpointing, attention kernel and ste
 other config as written (FLUX.1-dev LoRA's diffusers anchor after it); then the rest of SD3-medium's sweep (each
 activation-checkpointing choice, each attention backend) and float8 (SD3-medium, and SD3.5-large LoRA: its target
 is 1.2x bf16 there); then Qwen-Image LoRA as configured, its diffusers anchor (QwenImageTransformer2DModel with
-peft adapters on the same targets) eager and compiled, and its 24 GB config. A model's rows are entries of MODELS (its config, architecture, which variants, its diffusers
-anchor, how many kinds of block it compiles). Any failure of a row is caught and recorded with
+peft adapters on the same targets) eager and compiled, and its 24 GB config; then FLUX.2 klein-4B LoRA as configured
+and its anchor (Flux2Transformer2DModel with peft adapters), and dev's LoRA on 24 GB (nf4, blocks swapped). A
+model's rows are entries of MODELS (its config, architecture, which variants, its diffusers anchor, how many kinds
+of block it compiles). Each anchor, given our model's weights, predicts our model's velocity (a test). Any failure of a row is caught and recorded with
 its error (the traceback goes to stderr) and the table goes on; a row that cannot run here (a CUDA-only kernel,
 a missing package) is "not runnable" with the reason. On a GPU whose CUDA context an error broke, the run stops:
 `--resume` continues in a fresh process.
@@ -79,6 +81,7 @@ The table is printed and the rows written to benchmarks/train_step_<device>.json
 """
 
 import argparse
+import dataclasses
 import gc
 import importlib.metadata
 import importlib.util
@@ -107,7 +110,7 @@ sys.path.insert(0, str(ROOT))  # the project folders import by their names
 
 import perf.block_swap  # noqa: E402
 import perf.compile  # noqa: E402
-from configs.build import build_model, build_trained_model  # noqa: E402
+from configs.build import build_model, build_trained_model, transformer_config  # noqa: E402
 from configs.schema import check_sections  # noqa: E402
 from data.latents import empty_text  # noqa: E402
 from errors import ConfigError  # noqa: E402
@@ -224,6 +227,29 @@ def qwen_anchor(cfg, data: SimpleNamespace, device: torch.device):
     return model, list(model.transformer_blocks), forward
 
 
+def flux2_anchor(cfg, data: SimpleNamespace, device: torch.device):
+    """diffusers' Flux2Transformer2DModel with `cfg`'s architecture, driven as Flux2KleinPipeline (and Flux2Pipeline,
+    with its guidance) drives it: tokens of the patchified latents, 4-axis ids of them and of the text, sigma as
+    timestep: sd3_anchor's triple."""
+    from diffusers import Flux2Transformer2DModel
+
+    from models.blocks import pack, unpack
+    from models.flux2.model import position_ids
+    m = cfg.model
+    with torch.device(device):  # our config is diffusers' config.json (tests/test_finetune_configs.py)
+        model = Flux2Transformer2DModel(**dataclasses.asdict(
+            transformer_config(cfg, data.latent_channels, data.latent_sizes, data.text_dims)))
+
+    def forward(x_t: torch.Tensor, sigma: torch.Tensor, text: dict) -> torch.Tensor:
+        (h, w), tokens = x_t.shape[-2:], text["prompt_embeds"].shape[1]
+        ids = x_t.new_zeros(()) + position_ids(tokens, h, w, x_t.device)  # on the device, as flux_anchor's
+        guidance = torch.full_like(sigma, cfg.flux.train_guidance) if m.guidance_embeds else None
+        out = model(hidden_states=pack(x_t, 1), encoder_hidden_states=text["prompt_embeds"], timestep=sigma,
+                    img_ids=ids[tokens:], txt_ids=ids[:tokens], guidance=guidance, return_dict=False)[0]
+        return unpack(out, h, w, 1)
+    return model, [*model.transformer_blocks, *model.single_transformer_blocks], forward
+
+
 # --size tiny: every model 2 blocks of 2 heads x 16 at 128 px (16x16 latents, 8x8 patches), 8 text tokens
 SD3_TINY = {"num_layers": 2, "num_attention_heads": 2, "attention_head_dim": 16, "sample_size": 16,
             "pos_embed_max_size": 8}
@@ -290,10 +316,10 @@ MODELS = {
     "qwen-image-lora": Model("qwen_image_lora.yaml", "qwen-image", anchors(2), QWEN_TEXT, qwen_anchor, QWEN_TINY,
                              tier=2),
     "qwen-image-lora-24gb": Model("qwen_image_lora_24gb.yaml", "qwen-image", (), QWEN_TEXT, tiny=QWEN_TINY, tier=2),
-    # FLUX.2: klein 4B's LoRA (16 GB) and dev's on a 24 GB GPU (nf4, 14 blocks swapped) as configured, after the
-    # other families' rows; no diffusers anchor yet
-    "flux2-klein-4b-lora": Model("flux2_klein_4b_lora.yaml", "flux2-klein-4b", (), KLEIN_4B_TEXT, tiny=FLUX2_TINY,
-                                 tier=2),
+    # FLUX.2: klein 4B's LoRA (16 GB) against diffusers' model with peft's adapters on the same targets, and dev's
+    # on a 24 GB GPU (nf4, 14 blocks swapped) as configured, after the other families' rows
+    "flux2-klein-4b-lora": Model("flux2_klein_4b_lora.yaml", "flux2-klein-4b", anchors(2), KLEIN_4B_TEXT,
+                                 flux2_anchor, FLUX2_TINY, tier=2),
     "flux2-dev-lora-24gb": Model("flux2_dev_lora_24gb.yaml", "flux2-dev", (), FLUX2_DEV_TEXT, tiny=FLUX2_TINY,
                                  tier=2),
 }

@@ -234,3 +234,22 @@ def test_the_anchor_runs_the_rows_attention_kernel_and_says_where_it_differs(mon
                          "training.activation_checkpointing_every=2")
     assert notes == ["attention: ours flash_attn_2, diffusers SDPA's own choice (its SD3 attention calls SDPA itself)",
                      "activation checkpointing: ours full every 2, diffusers every block (its only choice)"]
+
+
+@pytest.mark.parametrize("name", [name for name, model in train_step.MODELS.items() if model.anchor])
+def test_the_anchor_computes_our_models_velocity(name):
+    """diffusers' model, driven as the anchor drives it, with our model's weights (the same keys: ours are
+    diffusers'), predicts our model's velocity on the row's batch (fp32): the anchor rows time the same function."""
+    cfg = train_step.benchmark_config(name, ["lora.enabled=false", "lora.base_quantization=none",
+                                             "offload.blocks_to_swap=0"], "tiny")
+    data = train_step.data_shapes(name, "tiny")
+    ours = train_step.build_model(cfg, data).eval()
+    train_step.randomize(ours)
+    theirs, _, forward = train_step.MODELS[name].anchor(cfg, data, torch.device("cpu"))
+    theirs.load_state_dict(ours.transformer.state_dict())
+    batch = train_step.device_batch(cfg, data, torch.device("cpu"))
+    x_t = batch["latents"] * (1 - batch["sigma"].view(-1, 1, 1, 1)) + batch["noise"] * batch["sigma"].view(-1, 1, 1, 1)
+    with torch.no_grad():
+        expected = ours(x_t, batch["sigma"], batch["text"])
+        torch.testing.assert_close(forward(x_t, batch["sigma"], batch["text"]), expected, rtol=1e-5, atol=1e-5)
+    assert expected.abs().mean() > 1e-3  # not two zeros
