@@ -26,6 +26,9 @@ Inputs:
   brace ranges ('data/{00000..00999}.tar') or `pipe:` commands ('pipe:aws s3 cp s3://b/{00000..00999}.tar -').
   A bad sample (corrupt image, no caption, unsupported format) is skipped, counted and named in its shard's
   report; past --max-bad-fraction of all samples the job fails, because then the input is wrong, not noisy.
+- Edit pairs (docs/editing.md): --images with --references REFS (each image's reference(s) by its stem); a
+  manifest line's "references": [path, ...]; a shard sample's KEY.reference.png (or KEY.reference_0.png, ...), its
+  count per pair the most common among the first shard's first samples.
 
 Loss masks (white = train): `NAME.mask.png` beside an image of a folder or manifest, `KEY.mask.png` in a shard,
 else a PNG's or WebP's alpha channel unless it is opaque everywhere; cropped with the image and averaged over

@@ -198,10 +198,10 @@ def read_samples(source: str, caption_field: str | None = None) -> Iterator[Samp
 
 def make_sample(source: str, key: str, files: dict[str, bytes], caption_field: str | None) -> Sample:
     name = f"{Path(source).name if not source.startswith(PIPE) else source}:{key}"
-    image = next((files[s] for s in IMAGE_SUFFIXES if s in files), None)
+    image = next((files[s] for s in IMAGE_SUFFIXES if s in files), None)  # whole suffixes: never `reference.png`
     caption, problem = caption_of(files, caption_field)
     references, reference_problem = references_of(files)
-    if image is None:  # the suffix must be an image suffix itself: `reference.png` is never the target
+    if image is None:
         unsupported = [s for s in files if s in UNSUPPORTED_IMAGES]
         problem = (f"unsupported format: .{unsupported[0]} (read: {', '.join(IMAGE_SUFFIXES)})" if unsupported else
                    f"no image: only {', '.join('.' + s for s in sorted(files))}")
