@@ -26,6 +26,9 @@ Inputs:
   brace ranges ('data/{00000..00999}.tar') or `pipe:` commands ('pipe:aws s3 cp s3://b/{00000..00999}.tar -').
   A bad sample (corrupt image, no caption, unsupported format) is skipped, counted and named in its shard's
   report; past --max-bad-fraction of all samples the job fails, because then the input is wrong, not noisy.
+- Edit pairs (docs/editing.md): --images with --references REFS (each image's reference(s) by its stem); a
+  manifest line's "references": [path, ...]; a shard sample's KEY.reference.png (or KEY.reference_0.png, ...), its
+  count per pair the most common among the first shard's first samples.
 
 Loss masks (white = train): `NAME.mask.png` beside an image of a folder or manifest, `KEY.mask.png` in a shard,
 else a PNG's or WebP's alpha channel unless it is opaque everywhere; cropped with the image and averaged over
@@ -67,7 +70,7 @@ from data.captions import CaptionStyle
 from data.precompute.encoders import QUANTIZATIONS, PipelineEncoders, text_storage
 from data.precompute.inputs import (PrecomputeError, Unit, check_items, default_sequence_length, fingerprint,
                                     folder_references, item_units, pipeline_family, read_image_folder, read_manifest,
-                                    read_validation_prompts, shard_units, vae_downsampling)
+                                    read_validation_prompts, shard_references, shard_units, vae_downsampling)
 from data.precompute.job import (INPUT_NAMES, check_output_directory, precompute, recorded_settings,
                                  start_output_directory)
 from data.precompute.ranks import Ranks
@@ -141,8 +144,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not 0 <= args.max_bad_fraction <= 1:
         parser.error("--max-bad-fraction must be between 0 and 1")
     if args.references and not args.images:
-        parser.error("--references goes with --images (a manifest lists each line's \"references\"; shards of pairs "
-                     "are not read yet)")
+        parser.error("--references goes with --images: a manifest lists each line's \"references\", a shard holds "
+                     "each sample's (KEY.reference.png, or KEY.reference_0.png, KEY.reference_1.png, ...)")
     check_caption_flags(parser, args)
     return args
 
@@ -162,15 +165,19 @@ def check_caption_flags(parser: argparse.ArgumentParser, args: argparse.Namespac
                      "every variant is the same caption")
 
 
-def read_inputs(args: argparse.Namespace) -> tuple[list[Unit], dict]:
-    """The units of work, and the inputs' fingerprint and names (for the settings: a rerun says what changed);
-    folder and JSONL inputs are checked whole first."""
+def read_inputs(args: argparse.Namespace, ranks: Ranks) -> tuple[list[Unit], dict]:
+    """The units of work, and the inputs' fingerprint and names (for the settings: a rerun says what changed) and
+    an edit dataset's references per target; folder and JSONL inputs are checked whole first, shards are streamed:
+    rank 0 reads the first samples for the references (every rank then checks each sample against its count)."""
     if args.shards:
         try:
-            units = shard_units(expand_shards(args.shards), args.caption_field)
+            sources = expand_shards(args.shards)
         except ShardError as e:
             raise PrecomputeError(str(e)) from None
-        return units, {"inputs": fingerprint(units, None), INPUT_NAMES: [unit.name for unit in units]}
+        count = ranks.share(shard_references(sources, args.caption_field) if ranks.rank == 0 else None)[0]
+        units = shard_units(sources, args.caption_field, count)
+        return units, {"inputs": fingerprint(units, None), INPUT_NAMES: [unit.name for unit in units],
+                       **({"references": count} if count else {})}
     if args.caption_field:
         raise PrecomputeError("--caption-field applies to --shards inputs (folders and manifests give captions)")
     if args.images:
@@ -254,7 +261,7 @@ def text_quantization_asked(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace, ranks: Ranks, device: torch.device) -> int:
     with stop_together():  # every rank checks the inputs alike and loads the encoders; rank 0 the output directory
-        units, inputs = read_inputs(args)
+        units, inputs = read_inputs(args, ranks)
         prompts = read_validation_prompts(args.validation_prompts) if args.validation_prompts else None
         family = pipeline_family(args.model)
         check_edit(args, family, inputs.get("references", 0))

@@ -1,6 +1,7 @@
 """Samples from webdataset tar shards, as img2dataset writes them: `KEY.jpg` (or .png/.webp), `KEY.txt` (the
 caption), `KEY.json` (metadata), optionally `KEY.mask.png` (a loss mask), files of one sample next to each other
-in the tar.
+in the tar. An edit pair's reference images are `KEY.reference.png` (one) or `KEY.reference_0.jpg`,
+`KEY.reference_1.jpg`, ... (several, numbered from 0; any image suffix), its caption the instruction.
 
 Read with the standard library's `tarfile` in streaming mode: one pass over a local file or over the output of
 a `pipe:` command (`pipe:aws s3 cp s3://bucket/00000.tar -`, as webdataset spells object-store URLs), each
@@ -16,6 +17,7 @@ import tarfile
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import count, takewhile
 from pathlib import Path
 from typing import Iterator
 
@@ -25,6 +27,8 @@ IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "bmp")  # in order of preference
 UNSUPPORTED_IMAGES = ("gif", "tif", "tiff", "avif", "heic", "heif", "jxl", "svg")
 PIPE = "pipe:"
 MASK_SUFFIX = "mask.png"  # `KEY.mask.png`: the sample's loss mask (white = train), read instead of an alpha channel
+REFERENCE = re.compile(r"(reference(?:_\d+)?)\.([^.]+)")  # `KEY.reference.png`, `KEY.reference_0.jpg`: an edit's
+REFERENCE_MISSING = "reference missing"
 MISSING_NAMED = 10  # of the missing shards of a pattern, named in its error
 STDERR_LINES = 5  # of a failed `pipe:` command, in its error
 COMMAND_EXIT_WAIT_S = 5  # for a command whose output broke off, to tell its failure from a bad tar
@@ -41,7 +45,7 @@ class Sample:
     caption: str | None
     problem: str | None = None  # why it cannot be used, known before decoding
     mask: bytes | Path | None = None  # a mask image beside it (`NAME.mask.png`, `KEY.mask.png`): white = train
-    references: tuple[bytes | Path, ...] = ()  # an edit's reference images (of folder and manifest inputs)
+    references: tuple[bytes | Path, ...] = ()  # an edit's reference images
 
 
 def expand_braces(pattern: str) -> list[str]:
@@ -194,13 +198,39 @@ def read_samples(source: str, caption_field: str | None = None) -> Iterator[Samp
 
 def make_sample(source: str, key: str, files: dict[str, bytes], caption_field: str | None) -> Sample:
     name = f"{Path(source).name if not source.startswith(PIPE) else source}:{key}"
-    image = next((files[s] for s in IMAGE_SUFFIXES if s in files), None)
+    image = next((files[s] for s in IMAGE_SUFFIXES if s in files), None)  # whole suffixes: never `reference.png`
     caption, problem = caption_of(files, caption_field)
+    references, reference_problem = references_of(files)
     if image is None:
         unsupported = [s for s in files if s in UNSUPPORTED_IMAGES]
         problem = (f"unsupported format: .{unsupported[0]} (read: {', '.join(IMAGE_SUFFIXES)})" if unsupported else
                    f"no image: only {', '.join('.' + s for s in sorted(files))}")
-    return Sample(name, image, caption, problem, files.get(MASK_SUFFIX))
+    return Sample(name, image, caption, problem or reference_problem, files.get(MASK_SUFFIX), references)
+
+
+def references_of(files: dict[str, bytes]) -> tuple[tuple[bytes, ...], str | None]:
+    """(an edit's reference images in order, None), or ((), why they cannot be used): `reference.EXT` alone, or
+    `reference_0.EXT`, `reference_1.EXT`, ... without a gap (as an image folder's `cat.png` / `cat_0.png`, ...);
+    of one reference in several formats, the target's preferred one."""
+    formats = {}
+    for suffix in files:
+        match = REFERENCE.fullmatch(suffix)
+        if match:
+            formats.setdefault(match.group(1), []).append(match.group(2))
+    numbered = list(takewhile(lambda name: name in formats, (f"reference_{i}" for i in count())))
+    names = ["reference"] if "reference" in formats else numbered
+    if "reference" in formats and numbered:
+        return (), f"{REFERENCE_MISSING}: both .reference.* and .reference_0.* (one, or numbered ones)"
+    stray = sorted(set(formats) - set(names))
+    if stray:
+        return (), f"{REFERENCE_MISSING}: .{stray[0]}.{formats[stray[0]][0]} without .reference_{len(numbered)}.*"
+    references = []
+    for name in names:
+        suffix = next((s for s in IMAGE_SUFFIXES if s in formats[name]), None)
+        if suffix is None:
+            return (), f"unsupported format: .{name}.{formats[name][0]} (read: {', '.join(IMAGE_SUFFIXES)})"
+        references.append(files[f"{name}.{suffix}"])
+    return tuple(references), None
 
 
 def caption_of(files: dict[str, bytes], field: str | None) -> tuple[str | None, str | None]:

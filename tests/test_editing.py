@@ -2,14 +2,18 @@
 LoRA runs and pipelines): the built-in edit shapes and their fidelity, bad pairs named before anything is written,
 what is refused, and sampling edits from the command line."""
 
+import io
 import json
+import tarfile
 
+import pytest
 import torch
 from PIL import Image
 
 import precompute_latents
 import sample_mmdit
 from data.images import save_png, to_unit
+from data.latents import LatentDataset
 from data.shapes import ShapesEditDataset, analyze
 from tests.conftest import TINY, image_folder
 from train_mmdit_stable import main
@@ -115,13 +119,95 @@ def test_bad_pairs_are_named_at_once_before_anything_is_written(kontext_dir, tmp
     assert not (tmp_path / "sub").exists()
 
 
-def test_pairs_a_pipeline_cannot_edit_are_refused(sd3_dir, kontext_dir, tmp_path, caplog):
-    """An SD3 pipeline has no edit model; Kontext takes one reference; a mirrored target would contradict its
-    instruction."""
+def pair_shard(path, samples: dict[str, dict[str, bytes]]):
+    """A webdataset shard: each sample's files, `KEY.SUFFIX`."""
+    with tarfile.open(path, "w") as tar:
+        for key, files in samples.items():
+            for suffix, data in files.items():
+                info = tarfile.TarInfo(f"{key}.{suffix}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def pairs_as_shard(images, references, path):
+    """The pairs of `pairs`: `imgNN.png`, `imgNN.txt` (the instruction), `imgNN.reference.png`."""
+    return pair_shard(path, {f"img{i:02d}": {"png": (images / f"img{i:02d}.png").read_bytes(),
+                                             "txt": (images / f"img{i:02d}.txt").read_bytes(),
+                                             "reference.png": (references / f"img{i:02d}.png").read_bytes()}
+                             for i in range(4)})
+
+
+def precompute_shards(model, out, *shards, extra=()):
+    return precompute_latents.main(["--model", str(model), "--shards", *map(str, shards), "--out", str(out),
+                                    "--resolution", "16", "--dtype", "fp32", *extra])
+
+
+def test_shards_of_pairs_precompute_to_the_dataset_of_the_same_pairs_as_folders(kontext_dir, tmp_path):
+    images, references = pairs(tmp_path)
+    shard = pairs_as_shard(images, references, tmp_path / "00000.tar")
+    assert precompute(kontext_dir, images, references, tmp_path / "folders") == 0
+    assert precompute_shards(kontext_dir, tmp_path / "shards", shard) == 0
+    folders, shards = LatentDataset(tmp_path / "folders"), LatentDataset(tmp_path / "shards")
+    assert folders.references == shards.references == 1 and len(folders) == len(shards) == 4
+    assert json.loads((tmp_path / "shards" / "dataset.json").read_text())["references"] == 1
+    for i in range(4):
+        ours, theirs = shards[i], folders[i]
+        assert ours.keys() == theirs.keys() and ours["caption"] == theirs["caption"]
+        assert all(torch.equal(a, b) for a, b in zip(ours["references"], theirs["references"], strict=True))
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours if k not in ("caption", "references"))
+
+
+def test_bad_pairs_of_a_shard_are_skipped_and_named_per_sample(kontext_dir, tmp_path, caplog):
+    """The first samples' most common number of references (1) is the dataset's; a sample without its reference,
+    with two, an unreadable one, a numbered one after a gap, both kinds, or a reference and no target (never the
+    target) is bad: past --max-bad-fraction the job fails (exit 1, no dataset: a rerun with a higher limit
+    keeps the finished units), within it the good pairs make the dataset."""
+    images, references = pairs(tmp_path)
+    target, caption = (images / "img00.png").read_bytes(), b"make it red"
+    reference = (references / "img00.png").read_bytes()
+    bad = {"none": {"png": target, "txt": caption},
+           "two": {"png": target, "txt": caption, "reference_0.png": reference, "reference_1.png": reference},
+           "broken": {"png": target, "txt": caption, "reference.png": reference[:40]},
+           "gap": {"png": target, "txt": caption, "reference_1.png": reference},
+           "both": {"png": target, "txt": caption, "reference.png": reference, "reference_0.png": reference},
+           "alone": {"txt": caption, "reference.png": reference},
+           "gif": {"png": target, "txt": caption, "reference.gif": reference}}
+    good = pairs_as_shard(images, references, tmp_path / "00000.tar")
+    shards = [good, pair_shard(tmp_path / "00001.tar", bad)]
+    out = tmp_path / "out"
+    assert precompute_shards(kontext_dir, out, *shards) == 1
+    assert "7 of 11 samples (63.6 %) were bad, more than --max-bad-fraction 0.01" in caplog.text
+    assert not (out / "dataset.json").exists()
+    skipped = {s["key"]: s["why"] for s in json.loads((out / "reports" / "00001.json").read_text())["skipped"]}
+    assert skipped == {
+        "00001.tar:none": "reference missing: none, the dataset's samples have 1",
+        "00001.tar:two": "reference count: 2, the dataset's samples have 1",
+        "00001.tar:broken": skipped["00001.tar:broken"],
+        "00001.tar:gap": "reference missing: .reference_1.png without .reference_0.*",
+        "00001.tar:both": "reference missing: both .reference.* and .reference_0.* (one, or numbered ones)",
+        "00001.tar:alone": "no image: only .reference.png, .txt",
+        "00001.tar:gif": "unsupported format: .reference.gif (read: jpg, jpeg, png, webp, bmp)"}
+    assert skipped["00001.tar:broken"].startswith("corrupt reference: ")
+    assert precompute_shards(kontext_dir, out, *shards, extra=["--max-bad-fraction", "0.7"]) == 0
+    dataset = LatentDataset(out)
+    assert len(dataset) == 4 and dataset.references == 1
+
+
+def test_pairs_a_pipeline_cannot_edit_are_refused(sd3_dir, kontext_dir, tmp_path, caplog, capsys):
+    """An SD3 pipeline has no edit model (pairs in a folder or a shard); a shard's references are its own (not
+    --references); Kontext takes one reference; a mirrored target would contradict its instruction."""
     images, references = pairs(tmp_path)
     assert precompute(sd3_dir, images, references, tmp_path / "out") == 2
     assert "is a SD3 / SD3.5 pipeline, and each target has 1 reference image(s): SD3 / SD3.5 has no edit model" \
         in caplog.text
+    caplog.clear()
+    shard = pairs_as_shard(images, references, tmp_path / "00000.tar")
+    assert precompute_shards(sd3_dir, tmp_path / "out", shard) == 2
+    assert "each target has 1 reference image(s): SD3 / SD3.5 has no edit model" in caplog.text
+    with pytest.raises(SystemExit) as refused:
+        precompute_shards(kontext_dir, tmp_path / "out", shard, extra=["--references", str(references)])
+    assert refused.value.code == 2 and "a shard holds each sample's (KEY.reference.png" in capsys.readouterr().err
     assert precompute(kontext_dir, images, references, tmp_path / "out", "--random-flip") == 2
     assert "--random-flip mirrors the target alone" in caplog.text
     for i in range(4):

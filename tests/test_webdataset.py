@@ -19,7 +19,8 @@ from PIL import Image
 import precompute_latents
 from data.latents import LatentDataset
 from data.webdataset import ShardError, expand_braces, expand_shards, read_samples
-from tests.conftest import LATENT_RUN, ROOT, T5_TOKENS, WORDS, assert_close, final_weights, free_port, trains
+from tests.conftest import (LATENT_RUN, ROOT, T5_TOKENS, WORDS, assert_close, final_weights, free_port, image_folder,
+                            trains)
 from train_mmdit_stable import main
 
 pytest.importorskip("diffusers")
@@ -135,6 +136,27 @@ def test_two_ranks_write_the_same_dataset_as_one(sd3_dir, tars, one_rank, tmp_pa
     assert proc.returncode == 0, without_progress_bars(output)
     assert "per rank" in output and "img/s" in output
     assert_same_dataset(tmp_path / "two", one_rank)
+
+
+def test_two_ranks_agree_on_the_references_of_shards_of_pairs(kontext_dir, tmp_path):
+    """Rank 0 reads the first samples for the references per sample (1) and tells the other rank, which checks its
+    shard's samples against it: the dataset of one rank."""
+    images = image_folder(tmp_path / "images", [(16, 16), (20, 16)] * 2)
+    references = image_folder(tmp_path / "references", [(16, 20), (16, 16)] * 2, seed=1)
+    for s in range(2):
+        with tarfile.open(tmp_path / f"{s:05d}.tar", "w") as tar:
+            for i in (2 * s, 2 * s + 1):
+                add(tar, f"{i:04d}.png", (images / f"img{i:02d}.png").read_bytes())
+                add(tar, f"{i:04d}.txt", (images / f"img{i:02d}.txt").read_bytes())
+                add(tar, f"{i:04d}.reference.png", (references / f"img{i:02d}.png").read_bytes())
+    args = ["--model", str(kontext_dir), "--shards", f"{tmp_path}/{{00000..00001}}.tar", "--resolution", "16",
+            "--aspect-buckets", "--bucket-step", "4", "--dtype", "fp32"]
+    assert precompute_latents.main([*args, "--out", str(tmp_path / "one")]) == 0
+    proc = torchrun(2, [*args, "--out", str(tmp_path / "two")])
+    output = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, without_progress_bars(output)
+    assert_same_dataset(tmp_path / "two", tmp_path / "one")
+    assert LatentDataset(tmp_path / "two", aspect_buckets=True).references == 1
 
 
 def test_a_precompute_killed_with_sigkill_reruns_to_the_same_dataset(sd3_dir, tars, tmp_path):
@@ -264,6 +286,21 @@ def test_a_failed_pipe_command_is_reported_as_the_command_failing(tars, command,
     with pytest.raises(ShardError, match="the command failed") as failure:
         list(read_samples("pipe:" + command.format(tars=tars)))
     assert said in str(failure.value) and "tar" not in str(failure.value).split(":")[-1]
+
+
+def test_an_edit_samples_references_are_its_numbered_files_in_order_and_never_its_target(tmp_path):
+    """`KEY.reference_0.jpg`, `KEY.reference_1.png` (suffixes the target's choice would prefer to .webp) are the
+    references, in their numbers' order; `KEY.webp` the target; of one reference in two formats, the target's
+    preferred one; a sample without references has none."""
+    files = {"pair.webp": b"target", "pair.txt": b"make it red", "pair.reference_1.png": b"second",
+             "pair.reference_0.jpg": b"first", "pair.reference_0.bmp": b"first as bmp", "plain.png": b"image",
+             "plain.txt": b"a cat"}
+    with tarfile.open(tmp_path / "pairs.tar", "w") as tar:
+        for name, data in files.items():
+            add(tar, name, data)
+    pair, plain = read_samples(str(tmp_path / "pairs.tar"))
+    assert (pair.image, pair.references, pair.problem) == (b"target", (b"first", b"second"), None)
+    assert (plain.image, plain.references, plain.problem) == (b"image", (), None)
 
 
 def test_a_damaged_output_shard_is_named_by_training_and_redone_by_the_rerun(sd3_dir, tars, one_rank, tmp_path,

@@ -1,6 +1,7 @@
 """What precompute reads: image folders, JSONL manifests and webdataset shards, split into units of work; each
 input is checked before anything is written."""
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -14,7 +15,7 @@ from typing import Callable, Iterator
 from PIL import Image
 
 from data.webdataset import IMAGE_SUFFIXES as SHARD_IMAGE_SUFFIXES
-from data.webdataset import MASK_SUFFIX, Sample, read_samples
+from data.webdataset import MASK_SUFFIX, REFERENCE_MISSING, Sample, ShardError, read_samples
 from errors import InputError
 from models.diffusers_io import CheckpointFormatError
 from models.families import FAMILIES, Family, family_of_pipeline
@@ -26,6 +27,7 @@ MASK_NAME = f".{MASK_SUFFIX}"  # `NAME.mask.png` beside an image of a folder or 
 NO_CAPTION, NOT_UTF8 = "no same-named .txt caption", "not UTF-8 text"
 UTF8_HINT = "; captions are read as UTF-8 (convert a latin-1 file with iconv -f latin1 -t utf-8)"
 BAD_INPUTS_LISTED = 50  # of a folder's or manifest's bad inputs, listed in the error (all are counted)
+SAMPLES_PEEKED = 100  # of the first shard, whose most common number of references is the dataset's
 
 
 class PrecomputeError(InputError):
@@ -111,7 +113,7 @@ def read_manifest(path: Path) -> tuple[list[tuple[Path, str]], list[tuple[str, s
     return items, bad, references
 
 
-REFERENCE_MISSING, REFERENCE_ORPHAN = "reference missing", "reference without a target"
+REFERENCE_ORPHAN = "reference without a target"
 
 
 def folder_references(items: list[tuple[Path, str | None]], images: Path, folder: Path
@@ -214,8 +216,43 @@ def mask_beside(image: Path) -> Path | None:
     return mask if mask.is_file() else None
 
 
-def shard_units(sources: list[str], caption_field: str | None) -> list[Unit]:
-    return [Unit(source, lambda source=source: read_samples(source, caption_field)) for source in sources]
+def shard_units(sources: list[str], caption_field: str | None, references: int) -> list[Unit]:
+    """Shards in units of one; a sample with another number of `references` than the dataset's is bad."""
+    def samples(source: str) -> Iterator[Sample]:
+        for sample in read_samples(source, caption_field):
+            found = len(sample.references)
+            if not sample.problem and found != references:
+                why = (f"{REFERENCE_MISSING}: none, the dataset's samples have {references}" if not found else
+                       f"reference count: {found}, the dataset's samples have {references}")
+                sample = dataclasses.replace(sample, problem=why)
+            yield sample
+    return [Unit(source, lambda source=source: samples(source)) for source in sources]
+
+
+def shard_references(sources: list[str], caption_field: str | None) -> int:
+    """The reference images per sample of a dataset of shards (0: text to image), which cannot be read whole before
+    it is encoded: the most common number among the first SAMPLES_PEEKED samples of the first shard that can be
+    read (a shard that cannot is passed over here; its unit fails as it would anyway), bad samples not counted."""
+    found, read = Counter(), 0
+    for source in sources:
+        samples = read_samples(source, caption_field)
+        try:
+            for sample in samples:
+                read += 1
+                if not sample.problem:
+                    found[len(sample.references)] += 1
+                if read == SAMPLES_PEEKED:
+                    break
+            break
+        except ShardError:
+            continue
+        finally:
+            samples.close()  # a `pipe:` command read in part is stopped
+    references, agreeing = (found.most_common(1) or [(0, 0)])[0]
+    if references:
+        log.info("--shards: %d reference image(s) per sample, as %d of the first %d samples of %s have (an edit "
+                 "dataset); a sample with another number is skipped as bad", references, agreeing, read, source)
+    return references
 
 
 def fingerprint(units: list[Unit], items: list[tuple[Path, str]] | None,
