@@ -1076,6 +1076,17 @@ def activation_bytes(census: StepCensus, checkpointing: str, every: int = 1) -> 
 _CENSUSES: dict[tuple, StepCensus] = {}
 
 
+def census_paths(cfg) -> tuple[str, ...]:
+    """The paths the census can count for `cfg`: eager, and compiled unless its LoRA base is nf4, whose level table
+    (a constant) the census's fake-tensor compile cannot take. A config that compiles an nf4 base is refused."""
+    if not (cfg.lora.enabled and cfg.lora.base_quantization == "nf4"):
+        return ("eager", "compiled")
+    if cfg.compile.enabled:
+        raise ConfigError("lora.base_quantization=nf4 compiled: the census's fake-tensor compile cannot take the nf4 "
+                          "level table (a constant); int8 and eager nf4 are modelled")
+    return ("eager",)
+
+
 def predict_step(cfg, data: SimpleNamespace | None = None, attention: str | None = None,
                  micro_steps: int | None = None) -> StepPrediction:
     """The optimizer step `cfg` configures (model, micro-batch, precision, activation checkpointing, compile,
@@ -1089,9 +1100,7 @@ def predict_step(cfg, data: SimpleNamespace | None = None, attention: str | None
     if cfg.float8.enabled:
         raise ConfigError("float8.enabled=true: float8 matmuls are not modelled (their rates by shape are not known "
                           "here)")
-    if cfg.lora.enabled and cfg.lora.base_quantization == "nf4" and cfg.compile.enabled:
-        raise ConfigError("lora.base_quantization=nf4 compiled: the census's fake-tensor compile cannot take the nf4 "
-                          "level table (a constant); int8 and eager nf4 are modelled")
+    census_paths(cfg)
     t = cfg.training
     rates_of(attention or t.attention_backend)
     check_modelled(t.activation_checkpointing)
@@ -1128,7 +1137,7 @@ PRESETS = {
     "flux2-klein-4b-lora": Preset("configs/flux2_klein_4b_lora.yaml", RELEASED["flux2-klein-4b"]),
     "flux2-klein-9b-lora": Preset("configs/flux2_klein_9b_lora.yaml", RELEASED["flux2-klein-9b"]),
     "flux2-dev-lora": Preset("configs/flux2_dev_lora.yaml", RELEASED["flux2-dev"]),
-    # its nf4 base compiled is not modelled (`predict_step`): the eager step, which moves more bytes than compiled
+    # its nf4 base compiled is not modelled (`census_paths`): the eager step, which moves more bytes than compiled
     "flux2-dev-lora-24gb": Preset("configs/flux2_dev_lora_24gb.yaml", RELEASED["flux2-dev"], ("compile.enabled=false",)),
     "flux2-dev": Preset("configs/flux2_dev.yaml", RELEASED["flux2-dev"]),
 }
@@ -1253,7 +1262,7 @@ def run_preset(name: str, cfg, source: str, checkpointing: str | None, attention
                resolution: int) -> dict:
     t = cfg.training
     path = "compiled" if cfg.compile.enabled else "eager"
-    census = count_step(cfg, released_data(cfg, resolution))
+    census = count_step(cfg, released_data(cfg, resolution), census_paths(cfg))
     common = dict(micro_steps=t.gradient_accumulation_steps, fused_optimizer=cfg.optimizer.fused,
                   weight_decay=cfg.optimizer.weight_decay > 0, fp16_scaler=t.dtype == "fp16")
     checkpointing = checkpointing or t.activation_checkpointing
@@ -1291,6 +1300,7 @@ def main(argv=None) -> int:
         for cfg, _ in configs.values():
             rates_of(args.attention or cfg.training.attention_backend)
             check_modelled(args.checkpointing or cfg.training.activation_checkpointing)
+            census_paths(cfg)
     except InputError as e:
         print(f"roofline: {e}", file=sys.stderr)
         return 2

@@ -235,8 +235,10 @@ def test_what_is_not_modelled_is_refused(sd3, capsys):
         roofline.predict_step(tiny("float8.enabled=true"), DATA)
     assert roofline.main(["--preset", "sd3-medium", "training.attention_backend=math", "--json", "-"]) == 2
     assert roofline.main(["--preset", "sd3-medium", "training.no_such_key=1", "--json", "-"]) == 2
+    assert roofline.main(["--preset", "flux2-dev-lora-24gb", "compile.enabled=true", "--json", "-"]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
-    assert len(errors) == 2 and "attention_backend=math" in errors[0] and "no_such_key" in errors[1]
+    assert len(errors) == 3 and "attention_backend=math" in errors[0] and "no_such_key" in errors[1]
+    assert "nf4 compiled" in errors[2]
 
 
 def test_block_swap_copies_wait_only_where_they_outlast_the_compute_before_them():
