@@ -8,12 +8,15 @@ every rate is printed with its source.
     python benchmarks/roofline.py --preset sd3-medium training.gradient_accumulation_steps=1   # any key=value
 
 The model is the one training builds (`build_trained_model` on the meta device: LoRA adapters, the frozen base in
-the compute dtype), with the released architecture of the preset, at 1024 px (128x128 latents: 4096 image tokens;
-SD3's 333 text tokens, FLUX.1's 512, Qwen-Image's 512 with their padding mask). Each distinct kind of block (SD3's
-joint block and its last, text-pre-only one; SD3.5-medium's dual-attention blocks; FLUX's double- and single-stream
-blocks; Qwen-Image's dual-stream block and its last, whose text stream is not computed; under LoRA the first block,
-whose inputs need no gradient) runs once on fake tensors (no memory, no GPU: torch's FakeTensorMode) under bf16 autocast with CUDA's autocast policy (`cuda_autocast_policy`),
-so autocast inserts the casts it inserts on a GPU. Two paths:
+the compute dtype), with the released architecture of the preset, at 1024 px (4096 image tokens: 128x128 latents in
+2x2 patches, FLUX.2's 64x64 of 128 channels; SD3's 333 text tokens, FLUX.1's and FLUX.2's 512, Qwen-Image's 512 with
+their padding mask). Each distinct kind of block (SD3's joint block and its last, text-pre-only one; SD3.5-medium's
+dual-attention blocks; FLUX.1's and FLUX.2's double- and single-stream blocks, FLUX.2's with the shared modulations
+the model computes once per step outside them; Qwen-Image's dual-stream block and its last, whose text stream is
+not computed; under LoRA the first block, whose inputs need no gradient), its conditioning as the model hands it
+(dtype and gradient: `Cut` records them), runs once on fake tensors (no memory, no GPU: torch's FakeTensorMode)
+under bf16 autocast with CUDA's autocast policy (`cuda_autocast_policy`), so autocast inserts the casts it inserts
+on a GPU. Two paths:
 
 - eager: every aten op the forward and backward dispatch, recorded below autograd (a TorchDispatchMode), with
   its FLOPs (torch's flop counter formulas) and the bytes it reads and writes (the memory its tensors span;
@@ -25,8 +28,8 @@ so autocast inserts the casts it inserts on a GPU. Two paths:
   (`get_read_write_buffers_sizes`, what `torch._inductor.metrics.num_bytes_accessed` sums). Default mode:
   matmuls are cuBLAS calls (extern kernels), nothing is fused into them.
 
-What runs outside the blocks (embedders, final layer, the loss and its backward) is counted the same way, eager
-(compile wraps the blocks only), with the blocks cut out. Each kernel takes the longest of its FLOPs at its rate,
+What runs outside the blocks (embedders, FLUX.2's shared modulations, final layer, the loss and its backward) is
+counted the same way, eager (compile wraps the blocks only), with the blocks cut out. Each kernel takes the longest of its FLOPs at its rate,
 its bytes at the measured memory rate, and a floor per launch; kernels run one after another. The step adds,
 per optimizer step: the micro-steps, activation checkpointing's recompute, gradient accumulation, clipping,
 AdamW and the EMA (`StepPrediction.terms`). MFU = model FLOPs (matmuls and attention, no recompute, as
@@ -72,6 +75,7 @@ from configs.schema import Config, family_defaults  # noqa: E402
 from data.latents import empty_text, text_shapes  # noqa: E402
 from errors import ConfigError, InputError  # noqa: E402
 from models.flux.model import SingleTransformerBlock  # noqa: E402
+from models.flux2.model import SingleStreamBlock  # noqa: E402
 from models.qwen_image.model import QwenImageBlock  # noqa: E402
 from models.rectified_flow import interpolate, per_sample_loss  # noqa: E402
 from perf.block_swap import swapped_blocks  # noqa: E402
@@ -472,6 +476,17 @@ def text_fields(data: SimpleNamespace) -> dict[str, tuple[int, ...]]:
 
 
 @dataclass
+class Conditioning:
+    """A per-sample vector [B, width] a block takes after its streams, as the model hands it (`Cut` records it):
+    the conditioning vector [B, D] of SD3, FLUX.1 and Qwen-Image, or one of the modulations FLUX.2 computes once
+    outside its blocks ([B, 6 D] per stream into a double block, [B, 3 D] into a single one, in the modulation
+    weights' dtype: models/blocks.py's `modulation`)."""
+    width: int
+    dtype: torch.dtype
+    grad: bool  # needs a gradient: what makes it trains (the timestep embedders, FLUX.2's modulations: not under LoRA)
+
+
+@dataclass
 class BlockShape:
     batch: int
     image_tokens: int
@@ -479,13 +494,22 @@ class BlockShape:
     width: int
     head_dim: int
     dtype: str = "bf16"  # autocast dtype, or fp32 (no autocast)
-    temb_grad: bool = True  # the conditioning vector needs a gradient (its embedders train: not under LoRA)
+    # None: the conditioning vector [B, width] in the autocast dtype, with a gradient
+    conditioning: list[Conditioning] | None = None
     stream_grad: bool = True  # the streams need a gradient (not into the first block when the embedders are frozen)
     masked: bool = False  # the text is padded, with a key mask over the joint sequence (Qwen-Image)
 
 
+SINGLE_STREAM = (SingleTransformerBlock, SingleStreamBlock)  # FLUX.1's and FLUX.2's: one stream, the joint sequence
+BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks")  # a transformer's lists of blocks, in order
+
+
+def streams(block: nn.Module) -> int:
+    return 1 if isinstance(block, SINGLE_STREAM) else 2
+
+
 def block_kind(block: nn.Module) -> str:
-    if isinstance(block, SingleTransformerBlock):
+    if isinstance(block, SINGLE_STREAM):
         return "single"
     if isinstance(block, QwenImageBlock):
         return "dual-stream" + ("" if block.attn.text_output else ", last (text not computed)")
@@ -496,32 +520,24 @@ def block_kind(block: nn.Module) -> str:
 
 
 def rotary(block: nn.Module) -> bool:
-    return isinstance(block, SingleTransformerBlock) or block.attn.text_first
+    return isinstance(block, SINGLE_STREAM) or block.attn.text_first
 
 
-def block_tensors(block: nn.Module, s: BlockShape) -> list[torch.Tensor]:
-    """A block's inputs as the model hands them under autocast (outputs of linears, in the autocast dtype): the
-    streams (FLUX's single blocks: the joint sequence), the conditioning vector, the rotary tables of FLUX and
-    Qwen-Image, and Qwen-Image's key mask over the joint sequence (bool, last)."""
+def block_arguments(block: nn.Module, s: BlockShape) -> tuple:
+    """A block's arguments as the model hands them under autocast (outputs of linears, in the autocast dtype): the
+    streams (the single blocks': the joint sequence), the conditioning (`Conditioning`), the rotary tables of FLUX,
+    FLUX.2 and Qwen-Image (None: SD3's blocks take none), and Qwen-Image's key mask over the joint sequence (bool)."""
     act = torch.float32 if s.dtype == "fp32" else torch.bfloat16
     tokens = s.image_tokens + s.text_tokens
-    temb = torch.empty(s.batch, s.width, dtype=act, requires_grad=s.temb_grad)
-    rope = [torch.empty(tokens, s.head_dim), torch.empty(tokens, s.head_dim)] if rotary(block) else []
-    mask = [torch.ones(s.batch, 1, 1, tokens, dtype=torch.bool)] if s.masked else []
-    if isinstance(block, SingleTransformerBlock):
-        return [torch.empty(s.batch, tokens, s.width, dtype=act, requires_grad=s.stream_grad), temb, *rope]
+    conditioning = [torch.empty(s.batch, v.width, dtype=v.dtype, requires_grad=v.grad)
+                    for v in s.conditioning or [Conditioning(s.width, act, True)]]
+    rope = (torch.empty(tokens, s.head_dim), torch.empty(tokens, s.head_dim)) if rotary(block) else None
+    if isinstance(block, SINGLE_STREAM):
+        return torch.empty(s.batch, tokens, s.width, dtype=act, requires_grad=s.stream_grad), *conditioning, rope
     x = torch.empty(s.batch, s.image_tokens, s.width, dtype=act, requires_grad=s.stream_grad)
     c = torch.empty(s.batch, s.text_tokens, s.width, dtype=act, requires_grad=s.stream_grad)
-    return [x, c, temb, *rope, *mask]
-
-
-def arguments(block: nn.Module, inputs: list[torch.Tensor]) -> tuple:
-    mask = (inputs[-1],) if inputs[-1].dtype == torch.bool else ()
-    inputs = inputs[:len(inputs) - len(mask)]
-    rope = (inputs[-2], inputs[-1]) if rotary(block) else None
-    if isinstance(block, SingleTransformerBlock):
-        return inputs[0], inputs[1], rope
-    return inputs[0], inputs[1], inputs[2], rope, *mask
+    mask = [torch.ones(s.batch, 1, 1, tokens, dtype=torch.bool)] if s.masked else []
+    return x, c, *conditioning, rope, *mask
 
 
 def outputs(result) -> list[torch.Tensor]:
@@ -546,11 +562,11 @@ def eager_census(block: nn.Module, shape: BlockShape) -> tuple[list[Kernel], Cou
     block, saved = copy.deepcopy(block), Counter()
     with FakeTensorMode(allow_non_fake_inputs=True), cuda_autocast_policy(fused_rms_norm_kernel=True):  # nf4 levels
         fake_parameters(block)
-        inputs = block_tensors(block, shape)
+        args = block_arguments(block, shape)
         census = OpCensus(block.parameters())
         with census:
-            with saved_activations(census, inputs, saved), autocast(shape.dtype):
-                out = outputs(block(*arguments(block, inputs)))
+            with saved_activations(census, tensors(args), saved), autocast(shape.dtype):
+                out = outputs(block(*args))
             census.phase = "backward"
             torch.autograd.backward(out, [torch.empty_like(o) for o in out])
     return census.kernels, saved, census.heavy_outputs
@@ -578,12 +594,14 @@ def compiled_graphs(block: nn.Module, shape: BlockShape) -> tuple[FakeTensorMode
     block, mode = copy.deepcopy(block), FakeTensorMode(allow_non_fake_inputs=True)  # nf4 levels: a constant
     with mode, cuda_autocast_policy():
         fake_parameters(block)
-        inputs = block_tensors(block, shape)
-        params = dict(block.named_parameters())
+        args = block_arguments(block, shape)
+        inputs, params = tensors(args), dict(block.named_parameters())
 
-        def forward(params, *inputs):
+        def forward(params, *inputs):  # the block's arguments with the traced tensors in their places
+            traced = iter(inputs)
+            call = torch.utils._pytree.tree_map_only(torch.Tensor, lambda _: next(traced), args)
             with autocast(shape.dtype):
-                return tuple(outputs(torch.func.functional_call(block, params, arguments(block, list(inputs)))))
+                return tuple(outputs(torch.func.functional_call(block, params, call)))
 
         compiled = aot_function(forward, fw_compiler=capture("forward"), bw_compiler=capture("backward"),
                                 partition_fn=partition_fn, decompositions=select_decomp_table())
@@ -683,22 +701,46 @@ def compiled_census(block: nn.Module, shape: BlockShape) -> list[Kernel]:
 
 
 class Cut(nn.Module):
-    """Stands in for the blocks while what runs outside them is counted: keeps their inputs, returns new leaves
-    (so the final layer's backward stops where the blocks' would start)."""
+    """Stands in for a list of blocks while what runs outside them is counted: keeps what the model hands the
+    list's first block (`inputs`: its streams, conditioning, rotary tables, ...) and returns new leaves of its
+    streams' shapes (so the backward of what follows stops where the blocks' would start)."""
 
-    def forward(self, x, c, temb, *rest):  # rest: the family's other block inputs (rotary tables, mask, ...)
-        self.inputs = [x, c]
-        return torch.empty_like(x, requires_grad=True), torch.empty_like(c, requires_grad=True)
+    def __init__(self, streams: int):
+        super().__init__()
+        self.streams = streams
+
+    def forward(self, *inputs):
+        self.inputs = inputs
+        out = tuple(torch.empty_like(t, requires_grad=True) for t in inputs[:self.streams])
+        return out if self.streams > 1 else out[0]
+
+    def conditioning(self) -> list[Conditioning]:
+        """The per-sample vectors [B, n] it was handed after its streams (the rotary tables come as a pair, the
+        mask is [B, 1, 1, L])."""
+        return [Conditioning(t.shape[-1], t.dtype, t.requires_grad) for t in self.inputs[self.streams:]
+                if isinstance(t, torch.Tensor) and t.dim() == 2]
 
 
-def outside_census(model: nn.Module, data: SimpleNamespace, batch: int, dtype: str) -> tuple[list[Kernel], Counter]:
+def graph_nodes(t: torch.Tensor) -> set:
+    """The autograd nodes the backward of `t` runs through."""
+    nodes, todo = set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in nodes:
+            nodes.add(node)
+            todo.extend(next_node for next_node, _ in node.next_functions)
+    return nodes
+
+
+def outside_census(model: nn.Module, data: SimpleNamespace, batch: int,
+                   dtype: str) -> tuple[list[Kernel], Counter, dict[str, list[Conditioning]]]:
     """The kernels of one micro-step's work outside the blocks, as train_mmdit_stable.forward_backward runs it (the
-    noisy input, embedders, final layer, loss, and their backward), and the bytes it saves for the backward."""
+    noisy input, embedders, FLUX.2's shared modulations, final layer, loss, and their backward), the bytes it saves
+    for the backward, and the conditioning the model hands the first block of each list (by the list's name)."""
     transformer = model.transformer
-    singles = getattr(transformer, "single_transformer_blocks", None)
-    memo = {id(transformer.transformer_blocks): nn.ModuleList([Cut()])}
-    if singles is not None:
-        memo[id(singles)] = nn.ModuleList()
+    lists = {name: blocks for name in BLOCK_LISTS if len(blocks := getattr(transformer, name, ()))}
+    cuts = {name: Cut(streams(blocks[0])) for name, blocks in lists.items()}
+    memo = {id(lists[name]): nn.ModuleList([cut]) for name, cut in cuts.items()}
     model, saved, (h, w) = copy.deepcopy(model, memo), Counter(), data.latent_sizes[-1]
     with FakeTensorMode(allow_non_fake_inputs=True), cuda_autocast_policy(fused_rms_norm_kernel=True):  # nf4 levels
         fake_parameters(model)
@@ -713,11 +755,16 @@ def outside_census(model: nn.Module, data: SimpleNamespace, batch: int, dtype: s
                 with autocast(dtype):
                     v_pred = model(interpolate(x0, noise, sigma), sigma, text)
                 loss = per_sample_loss(v_pred, x0, noise).sum() / batch
+            # the blocks' inputs get their gradient in the loss's backward, as in training: FLUX.2's modulations and
+            # its final layer both take the timestep embedding, whose backward runs once, on the sum. An input the
+            # loss reaches too (the other families' conditioning vector, which their final layer takes) is left to
+            # the loss: the blocks' gradient would only be added to it
+            after_blocks = graph_nodes(loss)
+            handed = [t for cut in cuts.values() for t in tensors(cut.inputs)
+                      if t.requires_grad and t.grad_fn not in after_blocks]
             census.phase = "backward"
-            loss.backward()
-            needed = [t for t in model.transformer.transformer_blocks[0].inputs if t.requires_grad]
-            torch.autograd.backward(needed, [torch.empty_like(t) for t in needed])
-    return census.kernels, saved
+            torch.autograd.backward([loss, *handed], [None, *(torch.empty_like(t) for t in handed)])
+    return census.kernels, saved, {name: cut.conditioning() for name, cut in cuts.items()}
 
 
 # ----------------------------------------------------------------------------------------------- time
@@ -825,12 +872,12 @@ def count_step(cfg, data: SimpleNamespace, paths=("eager", "compiled")) -> StepC
     model = build_trained_model(cfg, data, None)
     transformer, m, batch = model.transformer, cfg.model, cfg.training.train_batch_size
     dtype = "fp32" if cfg.training.dtype == "fp32" else "bf16"  # fp16 moves and multiplies as bf16 does
+    outside, outside_saved, conditioning = outside_census(model, data, batch, dtype)
+    list_of = {id(b): name for name in BLOCK_LISTS for b in getattr(transformer, name, ())}
     h, w = data.latent_sizes[-1]
     image_tokens = (h // m.patch_size) * (w // m.patch_size)
     shape = BlockShape(batch, image_tokens, data.text_tokens, m.num_attention_heads * m.attention_head_dim,
-                       m.attention_head_dim, dtype,
-                       temb_grad=any(p.requires_grad for p in transformer.time_text_embed.parameters()),
-                       masked="prompt_embeds_mask" in text_fields(data))
+                       m.attention_head_dim, dtype, masked="prompt_embeds_mask" in text_fields(data))
     # with the embedders frozen (LoRA), nothing before the first block needs a gradient: its backward stops inside it
     embedders_trained = any(p.requires_grad for name, p in transformer.named_parameters() if name.split(".")[0] in
                             ("pos_embed", "x_embedder", "context_embedder", "img_in", "txt_in", "txt_norm"))
@@ -840,6 +887,7 @@ def count_step(cfg, data: SimpleNamespace, paths=("eager", "compiled")) -> StepC
     for kind in dict.fromkeys(kinds):
         indices = [i for i, k in enumerate(kinds) if k == kind]
         block, shape.stream_grad = transformer.blocks[indices[0]], indices[0] > 0 or embedders_trained
+        shape.conditioning = conditioning[list_of[id(block)]]  # as the model hands it (a gradient where it trains)
         kernels = {}
         kernels["eager"], saved, heavy_outputs = eager_census(block, shape)
         if "compiled" in paths:
@@ -848,7 +896,6 @@ def count_step(cfg, data: SimpleNamespace, paths=("eager", "compiled")) -> StepC
         input_bytes = act_bytes * batch * (image_tokens + data.text_tokens + 1) * shape.width
         frozen = sum(p.numel() * p.element_size() for p in block.parameters() if not p.requires_grad)
         blocks.append(BlockCensus(kind, indices, kernels, saved, input_bytes, heavy_outputs, frozen))
-    outside, outside_saved = outside_census(model, data, batch, dtype)
     stored = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     return StepCensus(batch, dtype, blocks, kinds, outside, outside_saved,
                       trained=sum(p.numel() for p in model.parameters() if p.requires_grad), stored_bytes=stored,
@@ -1029,6 +1076,17 @@ def activation_bytes(census: StepCensus, checkpointing: str, every: int = 1) -> 
 _CENSUSES: dict[tuple, StepCensus] = {}
 
 
+def census_paths(cfg) -> tuple[str, ...]:
+    """The paths the census can count for `cfg`: eager, and compiled unless its LoRA base is nf4, whose level table
+    (a constant) the census's fake-tensor compile cannot take. A config that compiles an nf4 base is refused."""
+    if not (cfg.lora.enabled and cfg.lora.base_quantization == "nf4"):
+        return ("eager", "compiled")
+    if cfg.compile.enabled:
+        raise ConfigError("lora.base_quantization=nf4 compiled: the census's fake-tensor compile cannot take the nf4 "
+                          "level table (a constant); int8 and eager nf4 are modelled")
+    return ("eager",)
+
+
 def predict_step(cfg, data: SimpleNamespace | None = None, attention: str | None = None,
                  micro_steps: int | None = None) -> StepPrediction:
     """The optimizer step `cfg` configures (model, micro-batch, precision, activation checkpointing, compile,
@@ -1037,17 +1095,12 @@ def predict_step(cfg, data: SimpleNamespace | None = None, attention: str | None
     `attention` (fa2, cudnn, fa3, or a training.attention_backend value) and `micro_steps` override the config's.
     A census per model, micro-batch and path is made once per process (seconds to a minute on a CPU). Refused
     (ConfigError, a ValueError) before any census: what is not modelled (float8 matmuls, attention backends without
-    published rates, activation checkpointing other than none, selective or full, FLUX.2). Not counted:
+    published rates, activation checkpointing other than none, selective or full, nf4 compiled). Not counted:
     communication."""
     if cfg.float8.enabled:
         raise ConfigError("float8.enabled=true: float8 matmuls are not modelled (their rates by shape are not known "
                           "here)")
-    if cfg.model.family == "flux2":
-        raise ConfigError("model.family=flux2 is not modelled yet: its blocks take modulations computed once outside "
-                          "them, which the block census does not make")
-    if cfg.lora.enabled and cfg.lora.base_quantization == "nf4" and cfg.compile.enabled:
-        raise ConfigError("lora.base_quantization=nf4 compiled: the census's fake-tensor compile cannot take the nf4 "
-                          "level table (a constant); int8 and eager nf4 are modelled")
+    census_paths(cfg)
     t = cfg.training
     rates_of(attention or t.attention_backend)
     check_modelled(t.activation_checkpointing)
@@ -1069,6 +1122,7 @@ def predict_step(cfg, data: SimpleNamespace | None = None, attention: str | None
 class Preset:
     config: str  # the fine-tuning config, relative to the repository
     architecture: dict  # the released model's sizes (in training, model.init_from's config.json gives them)
+    overrides: tuple[str, ...] = ()  # what the census cannot count as configured, changed (printed with the config)
 
 
 PRESETS = {
@@ -1080,6 +1134,12 @@ PRESETS = {
     "flux-dev": Preset("configs/flux_dev.yaml", RELEASED["flux-dev"]),
     "qwen-image-lora": Preset("configs/qwen_image_lora.yaml", RELEASED["qwen-image"]),
     "qwen-image": Preset("configs/qwen_image.yaml", RELEASED["qwen-image"]),
+    "flux2-klein-4b-lora": Preset("configs/flux2_klein_4b_lora.yaml", RELEASED["flux2-klein-4b"]),
+    "flux2-klein-9b-lora": Preset("configs/flux2_klein_9b_lora.yaml", RELEASED["flux2-klein-9b"]),
+    "flux2-dev-lora": Preset("configs/flux2_dev_lora.yaml", RELEASED["flux2-dev"]),
+    # its nf4 base compiled is not modelled (`census_paths`): the eager step, which moves more bytes than compiled
+    "flux2-dev-lora-24gb": Preset("configs/flux2_dev_lora_24gb.yaml", RELEASED["flux2-dev"], ("compile.enabled=false",)),
+    "flux2-dev": Preset("configs/flux2_dev.yaml", RELEASED["flux2-dev"]),
 }
 
 
@@ -1087,9 +1147,10 @@ def preset_config(name: str, overrides: list[str] = ()) -> tuple:
     """The preset's config as training reads it (schema <- its YAML <- overrides) with the released architecture,
     and where its settings came from."""
     preset = PRESETS[name]
-    base, source = OmegaConf.load(ROOT / preset.config), preset.config
+    base, source = OmegaConf.load(ROOT / preset.config), " ".join([preset.config, *preset.overrides])
     try:
-        cfg = OmegaConf.merge(OmegaConf.structured(Config), base, OmegaConf.from_dotlist(list(overrides)))
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), base,
+                              OmegaConf.from_dotlist([*preset.overrides, *overrides]))
     except OmegaConfBaseException as e:  # an unknown key, a wrong type or value
         raise ConfigError(f"{preset.config}: {e}".split("\n")[0]) from None
     for key in OmegaConf.missing_keys(cfg):
@@ -1201,7 +1262,7 @@ def run_preset(name: str, cfg, source: str, checkpointing: str | None, attention
                resolution: int) -> dict:
     t = cfg.training
     path = "compiled" if cfg.compile.enabled else "eager"
-    census = count_step(cfg, released_data(cfg, resolution))
+    census = count_step(cfg, released_data(cfg, resolution), census_paths(cfg))
     common = dict(micro_steps=t.gradient_accumulation_steps, fused_optimizer=cfg.optimizer.fused,
                   weight_decay=cfg.optimizer.weight_decay > 0, fp16_scaler=t.dtype == "fp16")
     checkpointing = checkpointing or t.activation_checkpointing
@@ -1239,6 +1300,7 @@ def main(argv=None) -> int:
         for cfg, _ in configs.values():
             rates_of(args.attention or cfg.training.attention_backend)
             check_modelled(args.checkpointing or cfg.training.activation_checkpointing)
+            census_paths(cfg)
     except InputError as e:
         print(f"roofline: {e}", file=sys.stderr)
         return 2

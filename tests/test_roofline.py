@@ -1,8 +1,8 @@
 """The step prediction (benchmarks/roofline.py) on tiny models: CUDA's autocast reproduced on CPU; every model FLOP
-of the step found (the census against torch's flop counter on the whole model, full fine-tune, LoRA and FLUX);
-both paths counting the block's arithmetic, the compiled one moving fewer bytes in fewer kernels; no cast of an
-activation around the norms or the modulation; frozen LoRA weights without weight gradients; the GEMM model by
-shape; and every term of the optimizer step."""
+of the step found (the census against torch's flop counter on the whole model, full fine-tune, LoRA, FLUX,
+Qwen-Image and FLUX.2); both paths counting the block's arithmetic, the compiled one moving fewer bytes in fewer
+kernels; no cast of an activation around the norms or the modulation; frozen LoRA weights without weight gradients;
+the GEMM model by shape; and every term of the optimizer step."""
 
 import sys
 from types import SimpleNamespace
@@ -44,6 +44,11 @@ FLUX = ["model.family=flux", "model.num_layers=1", "model.num_single_layers=1", 
 QWEN = ["model.family=qwen_image"]  # a dual-stream block and the last, whose text stream is not computed
 # Qwen-Image's text: tokens with their padding mask, no pooled vector
 QWEN_DATA = SimpleNamespace(**{**vars(DATA), "text_dims": (32, 0), "text_shapes": text_shapes(8, (32, 0), masked=True)})
+# FLUX.2: a double and a single block taking the shared modulations; dev's guidance embedding; its pipelines' latents
+# (patchified by the VAE step into 128 channels, a token per latent pixel) and text tokens without a pooled vector
+FLUX2 = ["model.family=flux2", "model.num_layers=1", "model.num_single_layers=1", "model.patch_size=1",
+         "model.guidance_embeds=true"]
+FLUX2_DATA = SimpleNamespace(**{**vars(DATA), "latent_channels": 128, "text_dims": (32, 0)})
 
 OPS = {"layer_norm": lambda x, w: F.layer_norm(x, x.shape[-1:]), "rms_norm": lambda x, w: F.rms_norm(x, x.shape[-1:]),
        "sum": lambda x, w: x.sum(), "sum_dim": lambda x, w: x.sum(0), "pow": lambda x, w: x.pow(2),
@@ -104,13 +109,15 @@ def test_both_paths_count_the_block_flops(sd3):
 
 
 @pytest.mark.parametrize("overrides,data", [([], DATA), (LORA, DATA), (FLUX, DATA), (QWEN, QWEN_DATA),
-                                           (QWEN + LORA, QWEN_DATA)],
-                         ids=["full", "lora", "flux", "qwen-image", "qwen-image lora"])
+                                           (QWEN + LORA, QWEN_DATA), (FLUX2, FLUX2_DATA), (FLUX2 + LORA, FLUX2_DATA)],
+                         ids=["full", "lora", "flux", "qwen-image", "qwen-image lora", "flux2", "flux2 lora"])
 def test_the_census_finds_every_model_flop_of_the_step(overrides, data):
     """Blocks x their counts + what runs outside them = torch's flop counter on the whole model's forward and
     backward (benchmarks/train_step.py's MFU numerator): no block, embedder, final layer or weight gradient is
     missed or counted twice; under LoRA the frozen weights get no weight gradient; Qwen-Image's masked attention
-    and its last block, whose text stream is not computed, are counted as the model runs them."""
+    and its last block, whose text stream is not computed, are counted as the model runs them; FLUX.2's shared
+    modulations, which only its blocks take, get their backward once (the timestep embedding's once, on the sum of
+    theirs and the final layer's)."""
     cfg = tiny(*overrides)
     census = roofline.count_step(cfg, data, ("eager",))
     prediction = roofline.predict(census, "eager", "fa3", micro_steps=1)
@@ -126,6 +133,8 @@ def test_the_census_finds_every_model_flop_of_the_step(overrides, data):
         assert census.kinds == ["dual-stream" + (", first (no input gradient)" if cfg.lora.enabled else ""), last]
         attention = [k for k in census.blocks[1].kernels["eager"] if k.cls == "attention"]
         assert len(attention) == 2 and "mask" not in str(census.blocks[1].kernels)  # forward and backward, fused
+    if cfg.model.family == "flux2":
+        assert census.kinds == ["double" + (", first (no input gradient)" if cfg.lora.enabled else ""), "single"]
 
 
 def test_frozen_lora_weights_get_no_weight_gradient_matmul():
@@ -224,12 +233,12 @@ def test_what_is_not_modelled_is_refused(sd3, capsys):
         roofline.predict(sd3.census, "eager", "math", 1)
     with pytest.raises(ConfigError, match="float8"):
         roofline.predict_step(tiny("float8.enabled=true"), DATA)
-    with pytest.raises(ConfigError, match="model.family=flux2 is not modelled"):
-        roofline.predict_step(tiny("model.family=flux2"), DATA)
     assert roofline.main(["--preset", "sd3-medium", "training.attention_backend=math", "--json", "-"]) == 2
     assert roofline.main(["--preset", "sd3-medium", "training.no_such_key=1", "--json", "-"]) == 2
+    assert roofline.main(["--preset", "flux2-dev-lora-24gb", "compile.enabled=true", "--json", "-"]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
-    assert len(errors) == 2 and "attention_backend=math" in errors[0] and "no_such_key" in errors[1]
+    assert len(errors) == 3 and "attention_backend=math" in errors[0] and "no_such_key" in errors[1]
+    assert "nf4 compiled" in errors[2]
 
 
 def test_block_swap_copies_wait_only_where_they_outlast_the_compute_before_them():
