@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from configs.build import SHAPES, build_data, build_model, example_text
-from configs.schema import Config, family_defaults
+from configs.schema import Config, resolve_defaults
 from data.latents import text_shapes
 from errors import ConfigError, InputError
 from models.families import FAMILIES, read_config
@@ -77,7 +77,7 @@ def planning_config(path: str, overrides: list[str], model: str | None):
                           f"({', '.join(RELEASED)})")
     for key, value in architecture.items():
         OmegaConf.update(cfg, f"model.{key}", value)
-    family_defaults(cfg)
+    resolve_defaults(cfg)
     return cfg, name
 
 

@@ -71,7 +71,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the project folders import by their names
 
 from configs.build import build_trained_model  # noqa: E402
-from configs.schema import Config, family_defaults  # noqa: E402
+from configs.schema import Config, resolve_defaults  # noqa: E402
 from data.latents import empty_text, text_shapes  # noqa: E402
 from errors import ConfigError, InputError  # noqa: E402
 from models.flux.model import SingleTransformerBlock  # noqa: E402
@@ -1157,7 +1157,7 @@ def preset_config(name: str, overrides: list[str] = ()) -> tuple:
         OmegaConf.update(cfg, key, None)
     for key, value in preset.architecture.items():
         OmegaConf.update(cfg, f"model.{key}", value, merge=False)
-    family_defaults(cfg)
+    resolve_defaults(cfg)
     return cfg, source
 
 

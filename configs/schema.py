@@ -305,7 +305,9 @@ class ValidationConfig:
 
 @dataclass
 class TrainingConfig:
-    train_batch_size: int = 16  # micro-batch per device per micro-step; memory against throughput
+    # micro-batch per device per micro-step; memory against throughput. None: 16, or 8 with data.name=shapes_edit
+    # (the edit demo's pairs: DEMO_BATCH)
+    train_batch_size: Optional[int] = None
     gradient_accumulation_steps: int = 1  # micro-steps per optimizer step; global batch = batch * accum * world
     max_steps: int = 3200  # optimizer steps in the run
     seed: int = 0  # data order, noise, sigmas and init all derive from it
@@ -683,7 +685,7 @@ def load_config(path: str | Path = DEFAULT_CONFIG, overrides: list[str] = (), re
                 OmegaConf.update(cfg, key, str(Path(OmegaConf.select(cfg, key)).expanduser().absolute()))
         if cfg.model.init_from:
             architecture_from_init(cfg, set(given.get("model", {})))
-    family_defaults(cfg)
+    resolve_defaults(cfg)
     check_sections(cfg)
     if resolve:
         check_guidance_keys(cfg, given, loaded, path)
@@ -774,9 +776,18 @@ def as_override(value) -> str:
     return "null" if value is None else str(value).replace(" ", "") if isinstance(value, list) else str(value)
 
 
-def family_defaults(cfg: DictConfig) -> None:
-    """The values a family gives the keys left unset (None): sizes of its demo model, values it derives from
-    others (FLUX.1's single blocks and rotary split), the LoRA targets of diffusers' script for it."""
+# the demo's micro-batch by built-in data.name: an edit pair is twice the tokens of a captioned shape, so half the
+# pairs per step keep its demo near the text-to-image demo's time, with more steps per pair than a batch of 16
+# (docs/editing.md has both measured)
+DEMO_BATCH = {"shapes": 16, "shapes_edit": 8}
+
+
+def resolve_defaults(cfg: DictConfig) -> None:
+    """The values the keys left unset (None) take: a family's sizes of its demo model, values it derives from
+    others (FLUX.1's single blocks and rotary split), the LoRA targets of diffusers' script for it; the built-in
+    data's demo micro-batch."""
+    if cfg.training.train_batch_size is None:
+        cfg.training.train_batch_size = DEMO_BATCH.get(cfg.data.name, 16)
     m, family = cfg.model, FAMILIES[cfg.model.family]
     if m.num_layers is None:
         for key, value in family.demo.items():

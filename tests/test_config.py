@@ -24,6 +24,14 @@ def test_overrides_apply():
     assert cfg.training.max_steps == 50 and cfg.optimizer.lr == 3e-4
 
 
+
+@pytest.mark.parametrize("overrides,batch", [([], 16), (["data.name=shapes_edit"], 8),
+                                             (["data.name=shapes_edit", "training.train_batch_size=16"], 16),
+                                             (["data.name=latents", "data.path=x"], 16)])
+def test_an_unset_micro_batch_is_the_demos_and_a_given_one_is_kept(overrides, batch):
+    """The edit demo's pairs are twice the tokens: half the micro-batch of the text-to-image demo, unless set."""
+    assert load_config(DEFAULT_CONFIG, overrides).training.train_batch_size == batch
+
 @pytest.mark.parametrize("override,message", [
     ("training.max_stepz=5", "training.max_stepz"),
     ("nonsense.key=1", "nonsense"),

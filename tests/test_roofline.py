@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from configs.build import build_model, build_trained_model
-from configs.schema import Config, family_defaults
+from configs.schema import Config, resolve_defaults
 from data.latents import empty_text, text_shapes
 from errors import ConfigError
 from models.lora import apply_lora
@@ -35,7 +35,7 @@ def tiny(*overrides: str):
         "model.num_layers=2", "model.num_attention_heads=4", "model.attention_head_dim=16", "model.patch_size=2",
         "model.sample_size=8", "model.pos_embed_max_size=8", f"training.train_batch_size={BATCH}",
         "training.dtype=bf16", *overrides]))
-    family_defaults(cfg)
+    resolve_defaults(cfg)
     return cfg
 
 
