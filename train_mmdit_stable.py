@@ -115,9 +115,7 @@ def train(cfg: DictConfig, world: World, device: torch.device) -> int:
 
     # checkpointing, compile, block swap, the wrap, and the weights: each rank reads or draws only what it holds
     model = apply_parallelism(model, cfg, world, device, InitialValues(model, training.seed, cfg.model.init_from))
-    optimizer = build_optimizer(unwrap(model), optim, device, lr_scales(cfg),
-                                warmup=optim.schedule != "constant" and optim.warmup_steps > 0)
-    precompute_scales_after_step(model, optimizer)
+    optimizer = training_optimizer(model, cfg, device)
     ema = EMA(unwrap(model), optim.ema_decay)
     scaler = grad_scaler(device, training.dtype)
     configure_cuda_math(device, training.allow_tf32)
@@ -248,6 +246,16 @@ def optimizer_step(model, optimizer, scaler, ema: EMA, guard: NonFiniteGuard, st
     optimizer.zero_grad(set_to_none=True)
     ema.update(step, applied)
     return grad_norm
+
+
+def training_optimizer(model, cfg: DictConfig, device: torch.device) -> torch.optim.Optimizer:
+    """optimizer.name's optimizer over the model as it trains (wrapped, sharded), float8's scales refreshed after
+    each step where FSDP all-gathers in float8."""
+    optim = cfg.optimizer
+    optimizer = build_optimizer(unwrap(model), optim, device, lr_scales(cfg),
+                                warmup=optim.schedule != "constant" and optim.warmup_steps > 0)
+    precompute_scales_after_step(model, optimizer)
+    return optimizer
 
 
 def lr_scales(cfg: DictConfig) -> dict[str, float]:

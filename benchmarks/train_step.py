@@ -118,7 +118,6 @@ from formats import DTYPES  # noqa: E402
 from models.families import FAMILIES  # noqa: E402
 from models.lora import apply_lora  # noqa: E402
 from models.rectified_flow import interpolate, per_sample_loss  # noqa: E402
-from optim.adamw import build_adamw  # noqa: E402
 from optim.ema import EMA  # noqa: E402
 from perf.attention import BACKENDS, SDPA_KERNELS, apply_attention_backend, choose, joint_lengths  # noqa: E402
 from perf.parallel import apply_parallelism, unwrap  # noqa: E402
@@ -128,7 +127,7 @@ from runtime.distributed import World  # noqa: E402
 from runtime.host_syncs import HostSyncCounter, cuda_sync_counter  # noqa: E402
 from runtime.nonfinite import NonFiniteGuard  # noqa: E402
 from runtime.step_stats import SigmaBuckets, peak_flops, train_flops_per_sample  # noqa: E402
-from train_mmdit_stable import forward_backward, optimizer_step  # noqa: E402
+from train_mmdit_stable import forward_backward, optimizer_step, training_optimizer  # noqa: E402
 
 RESOLUTION = 1024
 # each row's step as benchmarks/roofline.py predicts it on one H100 (`--predict`, on any machine): a GPU run's table
@@ -433,7 +432,7 @@ def ours(cfg, data: SimpleNamespace, device: torch.device):
     model = apply_parallelism(model, cfg, World(), device, lambda name, offsets, sizes: (
         model.initial_value(name, 0) if name in buffers else torch.zeros(())))  # weights: randomize() below
     randomize(model)
-    optimizer = build_adamw(unwrap(model), o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay, device, o.fused)
+    optimizer = training_optimizer(model, cfg, device)
     ema, scaler = EMA(unwrap(model), o.ema_decay), grad_scaler(device, t.dtype)
     guard, sigma_losses = NonFiniteGuard(t.max_nonfinite_steps, cfg.logging.log_every), SigmaBuckets(device)
     configure_cuda_math(device, t.allow_tf32)
@@ -554,7 +553,8 @@ def settings(cfg) -> str:
     checkpointing = t.activation_checkpointing + (f" every {t.activation_checkpointing_every}"
                                                   if t.activation_checkpointing_every != 1 else "")
     return ", ".join([t.dtype + (" float8" if cfg.float8.enabled else ""),
-                      "compiled" if cfg.compile.enabled else "eager", f"checkpointing {checkpointing}"])
+                      "compiled" if cfg.compile.enabled else "eager", f"checkpointing {checkpointing}",
+                      *([cfg.optimizer.name] if cfg.optimizer.name != "adamw" else [])])
 
 
 def measure(row: Row, size: str, steps: int, warmup: int, device: torch.device, resolution: int = RESOLUTION,

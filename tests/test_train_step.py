@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 from torch.nn.attention import SDPBackend
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks import train_step
@@ -253,3 +254,16 @@ def test_the_anchor_computes_our_models_velocity(name):
         expected = ours(x_t, batch["sigma"], batch["text"])
         torch.testing.assert_close(forward(x_t, batch["sigma"], batch["text"]), expected, rtol=1e-5, atol=1e-5)
     assert expected.abs().mean() > 1e-3  # not two zeros
+
+
+def test_a_row_steps_the_optimizer_training_builds():
+    """optimizer.name reaches the row (train_mmdit_stable.training_optimizer), and the table says which it is."""
+    cpu, data, seen = torch.device("cpu"), train_step.data_shapes("sd3-medium", "tiny"), []
+    cfg = train_step.benchmark_config("sd3-medium", ["compile.enabled=false", "optimizer.name=adafactor"], "tiny")
+    _, step, _ = train_step.ours(cfg, data, cpu)
+    handle = register_optimizer_step_post_hook(lambda o, *_: seen.append(type(o).__name__))
+    try:
+        step(train_step.device_batch(cfg, data, cpu), 0)
+    finally:
+        handle.remove()
+    assert seen == ["Adafactor"] and train_step.settings(cfg).endswith(", adafactor")
