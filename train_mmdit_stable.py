@@ -22,7 +22,7 @@ from configs.run_dir import global_batch, prepare_run_dir, save_run_config
 from configs.schema import DEFAULT_CONFIG, load_config
 from data.loader import check_batches, micro_batches, step_batches, to_device
 from errors import ConfigError, InputError
-from export_mmdit import CheckpointLoras
+from runtime.export import CheckpointLoras
 from models.lora import apply_lora, text_encoder_settings, transformer_settings
 from models.rectified_flow import interpolate, per_sample_loss, sample_key
 from optim.ema import EMA

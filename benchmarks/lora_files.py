@@ -26,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the project folders import by their names
 import train_mmdit_stable  # noqa: E402
-from export_mmdit import CheckpointLoras  # noqa: E402
+from runtime.export import CheckpointLoras  # noqa: E402
 from perf.checkpoint import Checkpointer, checkpoints  # noqa: E402
 from tests.conftest import export_random_base, metric_rows, write_latent_shards  # noqa: E402
 

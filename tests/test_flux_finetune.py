@@ -17,6 +17,7 @@ from models.diffusers_io import save_named_lora_file
 from models.flux.kohya import kohya_lora
 from models.flux.model import pack, position_ids, unpack
 from perf.checkpoint import checkpoints, step_of
+from runtime.export import kohya_metadata
 from sample_mmdit import load_trained
 from tests.conftest import assert_close, final_weights
 from tests.families import flux_inputs as inputs, flux_theirs, ours
@@ -358,11 +359,11 @@ def test_kohya_metadata_says_what_model_sites_read_and_the_trigger_words_where_t
                             "data": {"path": "/latents/me"},
                             "training": {"train_batch_size": 1, "gradient_accumulation_steps": 4}})
     meta = {"lora": {"r": 16, "lora_alpha": 32}, "step": 500, "world_size": 2, "data": {"items": 20, "resolution": 1024}}
-    found = export_mmdit.kohya_metadata(cfg, meta, FAMILIES["flux"])
+    found = kohya_metadata(cfg, meta, FAMILIES["flux"])
     assert found == {"ss_base_model_version": "flux1", "ss_network_module": "networks.lora_flux",
                      "ss_network_dim": "16", "ss_network_alpha": "16.0", "ss_steps": "500", "ss_output_name": "me",
                      "ss_sd_model_name": "FLUX.1-dev", "ss_num_train_images": "20", "ss_epoch": "200",
                      "ss_resolution": "(1024, 1024)"}
     cfg.data.caption_prefix = "sks person"
-    assert export_mmdit.kohya_metadata(cfg, meta, FAMILIES["flux"]) == {
+    assert kohya_metadata(cfg, meta, FAMILIES["flux"]) == {
         **found, "modelspec.trigger_phrase": "sks person", "ss_tag_frequency": '{"me": {"sks person": 20}}'}
