@@ -35,7 +35,7 @@ train: $(BASE)
 # Python caches the bytecode of what it imports, even where PYTHONDONTWRITEBYTECODE is set (these machines set it):
 # otherwise each of the ~300 Python processes the suite starts would compile every module it imports again.
 # `make test`: the suite but the heavier repeats of a check on more families or kernels (the `full` mark: tests/conftest.py
-# lists them), about 16 minutes on 2 cores (its budget is 10); `make test-all`: every test, about 20.
+# lists them), 16-18 minutes on 2 cores (its budget is 10); `make test-all`: every test, about 20.
 test: $(TEST)
 	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -n 2 --dist worksteal -m "not full" $(PYTEST_ARGS)
 

@@ -107,7 +107,7 @@ def gloo_threads() -> list[str]:
     return [name for name in names if "gloo" in name]
 
 
-# `make test` (about 16 minutes on 2 cores) runs the heavier checks the family matrix and the multi-process tests
+# `make test` (16-18 minutes on 2 cores) runs the heavier checks the family matrix and the multi-process tests
 # repeat on the parameters below only; `make test-all` runs every parameter (the `full` mark). Each family keeps
 # several of them in `make test`, and every check runs on at least one family there.
 MAKE_TEST_KEEPS = {
