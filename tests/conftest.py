@@ -1,6 +1,7 @@
 """Shared test helpers: tiny runs, comparisons that can fail, and ranks in real processes."""
 
 import errno
+import io
 import itertools
 import json
 import logging
@@ -9,6 +10,7 @@ import os
 import signal
 import socket
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -632,3 +634,17 @@ def image_folder(directory: Path, sizes, seed: int = 0) -> Path:
         words = [WORDS[j] for j in torch.randint(len(WORDS), (4 + i % 5,), generator=gen)]
         (directory / f"img{i:02d}.txt").write_text(" ".join(words))
     return directory
+
+
+def add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
+
+
+def write_shard(path: Path, members: dict[str, bytes]) -> Path:
+    """A webdataset tar shard of `members` (file name -> bytes), in their order."""
+    with tarfile.open(path, "w") as tar:
+        for name, data in members.items():
+            add_member(tar, name, data)
+    return path

@@ -2,9 +2,7 @@
 LoRA runs and pipelines): the built-in edit shapes and their fidelity, bad pairs named before anything is written,
 what is refused, and sampling edits from the command line."""
 
-import io
 import json
-import tarfile
 
 import pytest
 import torch
@@ -15,7 +13,7 @@ import sample_mmdit
 from data.images import save_png, to_unit
 from data.latents import LatentDataset
 from data.shapes import ShapesEditDataset, analyze
-from tests.conftest import TINY, image_folder
+from tests.conftest import TINY, image_folder, write_shard
 from train_mmdit_stable import main
 
 
@@ -121,13 +119,8 @@ def test_bad_pairs_are_named_at_once_before_anything_is_written(kontext_dir, tmp
 
 def pair_shard(path, samples: dict[str, dict[str, bytes]]):
     """A webdataset shard: each sample's files, `KEY.SUFFIX`."""
-    with tarfile.open(path, "w") as tar:
-        for key, files in samples.items():
-            for suffix, data in files.items():
-                info = tarfile.TarInfo(f"{key}.{suffix}")
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-    return path
+    return write_shard(path, {f"{key}.{suffix}": data for key, files in samples.items()
+                              for suffix, data in files.items()})
 
 
 def pairs_as_shard(images, references, path):

@@ -2,10 +2,8 @@
 (cropped and mirrored with their image; an empty one is a skipped sample), the loss is the mean over weighted
 latent elements, all-white masks train exactly as no mask, and the masked-out region gets no gradient."""
 
-import io
 import json
 import logging
-import tarfile
 
 import torch
 from PIL import Image
@@ -16,7 +14,7 @@ from data.latents import INDEX, LatentDataset, shard_record
 from data.loader import StepDataset
 from data.webdataset import read_samples
 from models.rectified_flow import FLIP_STREAM, per_sample_loss, sample_key
-from tests.conftest import T5_TOKENS, assert_close, assert_differs, final_weights, write_latent_shards
+from tests.conftest import T5_TOKENS, assert_close, assert_differs, final_weights, write_latent_shards, write_shard
 from train_mmdit_stable import main
 
 
@@ -78,13 +76,8 @@ def test_precompute_turns_alpha_and_mask_files_into_latent_weights(sd3_dir, tmp_
 
 
 def test_a_shard_sample_reads_its_mask_member(tmp_path):
-    shard = tmp_path / "00000.tar"
-    with tarfile.open(shard, "w") as tar:
-        for name, data in [("k0.png", b"png0"), ("k0.txt", b"a cat"), ("k0.mask.png", b"mask0"), ("k1.png", b"png1"),
-                           ("k1.txt", b"a dog")]:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
+    shard = write_shard(tmp_path / "00000.tar", {"k0.png": b"png0", "k0.txt": b"a cat", "k0.mask.png": b"mask0",
+                                                  "k1.png": b"png1", "k1.txt": b"a dog"})
     samples = list(read_samples(str(shard)))
     assert [(s.image, s.mask) for s in samples] == [(b"png0", b"mask0"), (b"png1", None)]
 

@@ -43,7 +43,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tarfile
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,7 +50,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ROOT, T5_TOKENS, WORDS, clip, word_tokenizer
+from tests.conftest import ROOT, T5_TOKENS, WORDS, clip, word_tokenizer, write_shard
 
 diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
@@ -275,12 +274,9 @@ def tar_shards(directory: Path, shards: int = 2) -> Path:
     directory.mkdir()
     items = list(samples(16, seed=2))
     for s in range(shards):
-        with tarfile.open(directory / f"{s:05d}.tar", "w") as tar:
-            for key, png, caption in items[s::shards]:
-                for name, data in ((f"{key}.png", png), (f"{key}.txt", caption.encode())):
-                    info = tarfile.TarInfo(name)
-                    info.size = len(data)
-                    tar.addfile(info, io.BytesIO(data))
+        members = {f"{key}.{suffix}": data for key, png, caption in items[s::shards]
+                   for suffix, data in (("png", png), ("txt", caption.encode()))}
+        write_shard(directory / f"{s:05d}.tar", members)
     return directory
 
 

@@ -21,6 +21,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks import train_step
+from models.rectified_flow import interpolate
 from tests.conftest import ROOT
 
 pytest.importorskip("diffusers")
@@ -249,7 +250,7 @@ def test_the_anchor_computes_our_models_velocity(name):
     theirs, _, forward = train_step.MODELS[name].anchor(cfg, data, torch.device("cpu"))
     theirs.load_state_dict(ours.transformer.state_dict())
     batch = train_step.device_batch(cfg, data, torch.device("cpu"))
-    x_t = batch["latents"] * (1 - batch["sigma"].view(-1, 1, 1, 1)) + batch["noise"] * batch["sigma"].view(-1, 1, 1, 1)
+    x_t = interpolate(batch["latents"], batch["noise"], batch["sigma"])
     with torch.no_grad():
         expected = ours(x_t, batch["sigma"], batch["text"])
         torch.testing.assert_close(forward(x_t, batch["sigma"], batch["text"]), expected, rtol=1e-5, atol=1e-5)

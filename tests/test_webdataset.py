@@ -19,8 +19,8 @@ from PIL import Image
 import precompute_latents
 from data.latents import LatentDataset
 from data.webdataset import ShardError, expand_braces, expand_shards, read_samples
-from tests.conftest import (LATENT_RUN, ROOT, T5_TOKENS, WORDS, assert_close, final_weights, free_port, image_folder,
-                            trains)
+from tests.conftest import (LATENT_RUN, ROOT, T5_TOKENS, WORDS, add_member, assert_close, final_weights, free_port,
+                            image_folder, trains)
 from train_mmdit_stable import main
 
 pytest.importorskip("diffusers")
@@ -30,12 +30,6 @@ BAD = {"00001.tar:000010001": "corrupt image", "00002.tar:000020000": "no captio
 # every process computes with one thread: the VAE's convolutions sum in another order with another thread count;
 # a process that crashes prints its Python stacks
 UNBUFFERED = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
-
-
-def add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size = len(data)
-    tar.addfile(info, io.BytesIO(data))
 
 
 def write_tar_shards(directory: Path) -> Path:
@@ -55,11 +49,12 @@ def write_tar_shards(directory: Path) -> Path:
                                              "PNG" if i % 2 else "JPEG")
                 suffix = {"unsupported format": "gif", None: "png" if i % 2 else "jpg"}.get(why, "jpg")
                 data = image.getvalue()[:40] if why == "corrupt image" else image.getvalue()
-                add(tar, f"{key}.{suffix}", data)
+                add_member(tar, f"{key}.{suffix}", data)
                 caption = " ".join(WORDS[j] for j in torch.randint(len(WORDS), (3 + i,), generator=gen))
                 if why != "no caption":
-                    add(tar, f"{key}.txt", caption.encode())
-                add(tar, f"{key}.json", json.dumps({"key": key, "caption": caption, "status": "success"}).encode())
+                    add_member(tar, f"{key}.txt", caption.encode())
+                record = {"key": key, "caption": caption, "status": "success"}
+                add_member(tar, f"{key}.json", json.dumps(record).encode())
     return directory
 
 
@@ -146,9 +141,9 @@ def test_two_ranks_agree_on_the_references_of_shards_of_pairs(kontext_dir, tmp_p
     for s in range(2):
         with tarfile.open(tmp_path / f"{s:05d}.tar", "w") as tar:
             for i in (2 * s, 2 * s + 1):
-                add(tar, f"{i:04d}.png", (images / f"img{i:02d}.png").read_bytes())
-                add(tar, f"{i:04d}.txt", (images / f"img{i:02d}.txt").read_bytes())
-                add(tar, f"{i:04d}.reference.png", (references / f"img{i:02d}.png").read_bytes())
+                add_member(tar, f"{i:04d}.png", (images / f"img{i:02d}.png").read_bytes())
+                add_member(tar, f"{i:04d}.txt", (images / f"img{i:02d}.txt").read_bytes())
+                add_member(tar, f"{i:04d}.reference.png", (references / f"img{i:02d}.png").read_bytes())
     args = ["--model", str(kontext_dir), "--shards", f"{tmp_path}/{{00000..00001}}.tar", "--resolution", "16",
             "--aspect-buckets", "--bucket-step", "4", "--dtype", "fp32"]
     assert precompute_latents.main([*args, "--out", str(tmp_path / "one")]) == 0
@@ -297,7 +292,7 @@ def test_an_edit_samples_references_are_its_numbered_files_in_order_and_never_it
              "plain.txt": b"a cat"}
     with tarfile.open(tmp_path / "pairs.tar", "w") as tar:
         for name, data in files.items():
-            add(tar, name, data)
+            add_member(tar, name, data)
     pair, plain = read_samples(str(tmp_path / "pairs.tar"))
     assert (pair.image, pair.references, pair.problem) == (b"target", (b"first", b"second"), None)
     assert (plain.image, plain.references, plain.problem) == (b"image", (), None)
